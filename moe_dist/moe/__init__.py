@@ -1,0 +1,14 @@
+"""The Mixture-of-Experts layer and its parts.
+
+    from moe_dist.moe import MoELayer, collect_aux_loss, collect_stats
+"""
+from .experts import GroupedExperts
+from .layer import MoELayer, collect_aux_loss, collect_stats, moe_layers
+from .routers import ROUTERS, Router, build_router, register_router
+from .routing import Routing, RoutingContext
+from .stats import MoEStats
+
+__all__ = [
+    "MoELayer", "GroupedExperts", "MoEStats", "Routing", "RoutingContext", "Router", "ROUTERS",
+    "build_router", "register_router", "collect_aux_loss", "collect_stats", "moe_layers",
+]

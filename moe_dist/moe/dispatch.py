@@ -1,0 +1,79 @@
+"""Sort-based token dispatch and combine, with expert parallelism over an all-to-all.
+
+No one-hot ``[tokens, experts, capacity]`` masks and no capacity padding: kept
+token-expert pairs are sorted by expert, only those rows cross the wire
+(``all_to_all_single`` with uneven splits after a count exchange), regrouped by local
+expert, computed, sent back and summed into their tokens weighted by the gates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..dist.collectives import all_to_all_rows, group_size
+
+
+@dataclass
+class DispatchPlan:
+    token_idx: torch.Tensor  # [N] source token of each sorted kept pair
+    gates: torch.Tensor  # [N] gate of each sorted kept pair (gradient)
+    send_splits: list  # rows sent to each ep rank
+    recv_splits: list  # rows received from each ep rank
+    regroup: Optional[torch.Tensor]  # received rows -> grouped by local expert
+    ungroup: Optional[torch.Tensor]  # inverse of regroup
+    local_counts: list  # rows per local expert after regrouping
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
+
+
+def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor, keep: Optional[torch.Tensor],
+             num_experts: int, ep_group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor, DispatchPlan]:
+    """Route rows of ``x`` ``[T, d]`` to their experts. Returns rows grouped by local expert."""
+    top_k = expert_ids.shape[1]
+    flat_e = expert_ids.reshape(-1)
+    flat_g = gates.reshape(-1)
+    pair_idx = keep.reshape(-1).nonzero().squeeze(1) if keep is not None else None
+    sel_e = flat_e if pair_idx is None else flat_e[pair_idx]
+    order = torch.argsort(sel_e, stable=True)
+    if pair_idx is not None:
+        order = pair_idx[order]
+    token_idx = torch.div(order, top_k, rounding_mode="floor")
+    routed = x.index_select(0, token_idx)
+    counts = torch.bincount(flat_e[order], minlength=num_experts)
+    ep = group_size(ep_group)
+    if ep == 1:
+        lc = counts.tolist()
+        plan = DispatchPlan(token_idx, flat_g[order], [routed.shape[0]], [routed.shape[0]], None, None, lc)
+        return routed, plan
+    local = num_experts // ep
+    send_counts = counts.view(ep, local)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=ep_group)  # count exchange first
+    send_splits = send_counts.sum(1).tolist()
+    recv_splits = recv_counts.sum(1).tolist()
+    received = all_to_all_rows(routed, recv_splits, send_splits, ep_group)  # [src rank][local expert] order
+    local_of_row = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(ep), recv_counts.reshape(-1))
+    regroup = torch.argsort(local_of_row, stable=True)
+    plan = DispatchPlan(token_idx, flat_g[order], send_splits, recv_splits, regroup, _inverse(regroup),
+                        recv_counts.sum(0).tolist())
+    return received.index_select(0, regroup), plan
+
+
+def combine(y: torch.Tensor, plan: DispatchPlan, num_tokens: int, ep_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Send expert outputs back and sum them into their tokens weighted by the gates.
+
+    The gate multiply happens in the experts' dtype (no fp32 ``[k, T, d]`` temporaries).
+    Dropped pairs contribute nothing.
+    """
+    if plan.ungroup is not None:
+        y = all_to_all_rows(y.index_select(0, plan.ungroup), plan.send_splits, plan.recv_splits, ep_group)
+    weighted = y * plan.gates.to(y.dtype).unsqueeze(1)
+    out = y.new_zeros((num_tokens, y.shape[1]))
+    return out.index_add(0, plan.token_idx, weighted)

@@ -1,0 +1,190 @@
+"""Grouped feed-forward experts: one weight tensor per projection, ``[local_experts, ...]``.
+
+Rows arrive grouped by local expert (``counts[i]`` rows for expert i, in order). Three
+kernels compute the same thing; which is fastest depends on dtype and size on a given
+machine, so ``kernel="auto"`` times them once per shape bucket and caches the winner.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ACTIVATIONS = ("swiglu", "gelu")
+KERNELS = ("auto", "loop", "bmm", "grouped_mm")
+
+
+def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
+    # torch._grouped_mm's CPU backward rejects 0-stride (expanded) gradients
+    if t.requires_grad:
+        t.register_hook(lambda g: g.contiguous())
+    return t
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` local experts of a layer whose experts ``offset .. offset+num_experts-1``
+    (global indices) live on this rank.
+
+    swiglu: ``y = (silu(x W1) * (x W3)) W2``; gelu: ``y = gelu(x W1) W2``.
+    """
+
+    def __init__(self, num_experts: int, d_model: int, d_ff: int, *, activation: str = "swiglu",
+                 kernel: str = "auto", offset: int = 0, init_std: float = 0.02, out_init_std: Optional[float] = None):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"model.moe.activation={activation!r} not allowed; allowed: {list(ACTIVATIONS)}")
+        if kernel not in KERNELS:
+            raise ValueError(f"model.moe.expert_kernel={kernel!r} not allowed; allowed: {list(KERNELS)}")
+        self.num_experts, self.d_model, self.d_ff = num_experts, d_model, d_ff
+        self.activation, self.kernel, self.offset = activation, kernel, offset
+        self.init_std = init_std
+        self.out_init_std = init_std if out_init_std is None else out_init_std
+        self.w1 = nn.Parameter(torch.empty(num_experts, d_model, d_ff))
+        self.w3 = nn.Parameter(torch.empty(num_experts, d_model, d_ff)) if activation == "swiglu" else None
+        self.w2 = nn.Parameter(torch.empty(num_experts, d_ff, d_model))
+        self.reset_parameters(int(torch.randint(0, 2**31 - 1, ()).item()))
+
+    def expert_parameters(self):
+        return [p for p in (self.w1, self.w3, self.w2) if p is not None]
+
+    @torch.no_grad()
+    def reset_parameters(self, base_seed: int) -> None:
+        """Initialise each expert from a generator seeded by (base_seed, global expert index),
+        so the values do not depend on how experts are split across ranks."""
+        for i in range(self.num_experts):
+            gen = torch.Generator().manual_seed(base_seed * 1009 + self.offset + i)
+            for w, std in ((self.w1, self.init_std), (self.w3, self.init_std), (self.w2, self.out_init_std)):
+                if w is not None:
+                    w[i].copy_(torch.randn(w.shape[1:], generator=gen) * std)
+
+    @torch.no_grad()
+    def load_dense(self, w_gate: torch.Tensor, w_down: torch.Tensor, w_up: Optional[torch.Tensor] = None,
+                   noise_std: float = 0.0, seed: int = 0) -> None:
+        """Initialise every local expert from a dense FFN given in ``nn.Linear`` layout
+        (``w_gate, w_up: [d_ff, d_model]``, ``w_down: [d_model, d_ff]``), optionally plus noise."""
+        if tuple(w_gate.shape) != (self.d_ff, self.d_model) or tuple(w_down.shape) != (self.d_model, self.d_ff):
+            raise ValueError(f"dense FFN shapes gate {tuple(w_gate.shape)}, down {tuple(w_down.shape)} do not match "
+                             f"experts d_model={self.d_model}, d_ff={self.d_ff}")
+        if (w_up is None) != (self.w3 is None):
+            raise ValueError("dense FFN and experts disagree on the activation (gated up projection present in one only)")
+        gen = torch.Generator().manual_seed(seed)
+        for w, src in ((self.w1, w_gate.t()), (self.w3, None if w_up is None else w_up.t()), (self.w2, w_down.t())):
+            if w is None:
+                continue
+            for i in range(self.num_experts):
+                noise = torch.randn(src.shape, generator=gen) * noise_std if noise_std else 0.0
+                w[i].copy_(src.to(w.dtype) + noise)
+
+    # ---- kernels -------------------------------------------------------------------------
+    def _act(self, h1: torch.Tensor, h3: Optional[torch.Tensor]) -> torch.Tensor:
+        return F.silu(h1) * h3 if self.activation == "swiglu" else F.gelu(h1)
+
+    def _loop(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        outs, start = [], 0
+        for i, c in enumerate(counts):
+            if c == 0:
+                continue
+            xe = x[start : start + c]
+            h = self._act(xe @ self.w1[i], xe @ self.w3[i] if self.w3 is not None else None)
+            outs.append(h @ self.w2[i])
+            start += c
+        return torch.cat(outs) if outs else x.new_zeros((0, self.d_model))
+
+    def _bmm(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        cap = max(counts) if counts else 0
+        if cap == 0:
+            return x.new_zeros((0, self.d_model))
+        counts_t = torch.tensor(counts, device=x.device)
+        starts = torch.cumsum(counts_t, 0) - counts_t
+        expert_of_row = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts_t)
+        slot = expert_of_row * cap + (torch.arange(x.shape[0], device=x.device) - starts[expert_of_row])
+        xp = x.new_zeros((len(counts) * cap, self.d_model)).index_copy(0, slot, x).view(len(counts), cap, self.d_model)
+        h = self._act(torch.bmm(xp, self.w1), torch.bmm(xp, self.w3) if self.w3 is not None else None)
+        return torch.bmm(h, self.w2).view(-1, self.d_model).index_select(0, slot)
+
+    def _grouped(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        offs = torch.cumsum(torch.tensor(counts, device=x.device, dtype=torch.int32), 0, dtype=torch.int32)
+        h1 = _contiguous_grad(torch._grouped_mm(x, self.w1, offs=offs))
+        h3 = _contiguous_grad(torch._grouped_mm(x, self.w3, offs=offs)) if self.w3 is not None else None
+        return _contiguous_grad(torch._grouped_mm(self._act(h1, h3), self.w2, offs=offs))
+
+    def grouped_mm_supported(self, dtype: torch.dtype) -> bool:
+        """torch._grouped_mm needs 16-byte aligned strides."""
+        size = torch.empty((), dtype=dtype).element_size()
+        return hasattr(torch, "_grouped_mm") and (self.d_model * size) % 16 == 0 and (self.d_ff * size) % 16 == 0
+
+    def run_kernel(self, name: str, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        if name == "loop":
+            return self._loop(x, counts)
+        if name == "bmm":
+            return self._bmm(x, counts)
+        if name == "grouped_mm":
+            if not self.grouped_mm_supported(x.dtype):
+                return self._loop(x, counts)  # unaligned dims: the correct fallback
+            return self._grouped(x, counts)
+        raise ValueError(f"unknown expert kernel {name!r}; allowed: {list(KERNELS)}")
+
+    def forward(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        counts = [int(c) for c in counts]
+        if sum(counts) != x.shape[0]:
+            raise ValueError(f"expert counts sum to {sum(counts)} but {x.shape[0]} rows were given")
+        if not torch.is_autocast_enabled(x.device.type):
+            x = x.to(self.w1.dtype)  # e.g. bf16 activations into fp32 experts without autocast
+        kernel = self.kernel if self.kernel != "auto" else KERNEL_TUNER.choose(self, x, counts)
+        return self.run_kernel(kernel, x, counts)
+
+
+class KernelTuner:
+    """Times the expert kernels (forward + backward) once per shape bucket and remembers the
+    fastest. The bucket is (device, dtype, experts, d_model, d_ff, activation, rows rounded up
+    to a power of two)."""
+
+    def __init__(self, reps: int = 2):
+        self.reps = reps
+        self.choices: dict[tuple, str] = {}
+
+    def key(self, experts: GroupedExperts, x: torch.Tensor, counts: Sequence[int]) -> tuple:
+        rows = max(1, x.shape[0])
+        return (x.device.type, x.dtype, experts.num_experts, experts.d_model, experts.d_ff, experts.activation,
+                1 << math.ceil(math.log2(rows)))
+
+    def choose(self, experts: GroupedExperts, x: torch.Tensor, counts: Sequence[int]) -> str:
+        if x.shape[0] < 256:  # too small to matter; the loop is exact and cheap
+            return "loop"
+        key = self.key(experts, x, counts)
+        if key not in self.choices:
+            self.choices[key] = self._measure(experts, x, counts)
+        return self.choices[key]
+
+    def _measure(self, experts: GroupedExperts, x: torch.Tensor, counts: Sequence[int]) -> str:
+        candidates = ["loop", "bmm"] + (["grouped_mm"] if experts.grouped_mm_supported(x.dtype) else [])
+        xs = x.detach().clone().requires_grad_(True)
+        times = {}
+        with torch.enable_grad():
+            for name in candidates:
+                times[name] = self._time(experts, name, xs, counts)
+        return min(times, key=times.get)
+
+    def _time(self, experts: GroupedExperts, name: str, xs: torch.Tensor, counts: Sequence[int]) -> float:
+        best = float("inf")
+        for _ in range(self.reps + 1):  # the first run warms up
+            _sync(xs.device)
+            t0 = time.perf_counter()
+            y = experts.run_kernel(name, xs, counts)
+            torch.autograd.grad(y, [xs] + experts.expert_parameters(), torch.ones_like(y))
+            _sync(xs.device)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        getattr(torch, device.type).synchronize()
+
+
+KERNEL_TUNER = KernelTuner()

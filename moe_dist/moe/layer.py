@@ -1,0 +1,186 @@
+"""MoELayer = router -> capacity -> dispatch -> experts -> combine.
+
+The layer is built for one process; ``apply_expert_parallel`` (moe_dist.parallel) later
+keeps only this rank's experts and hands the layer its process groups.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from ..dist.collectives import all_gather_tensor, group_rank, group_size
+from ..dist.groups import ParallelGroups
+from .capacity import CAPACITY_SCOPES, DROP_POLICIES, expert_capacity, keep_by_position, keep_by_probs
+from .dispatch import combine, dispatch
+from .experts import GroupedExperts
+from .losses import LOSS_SCOPES, load_balance_share, load_balance_value, z_loss_share
+from .routers import build_router
+from .routing import Routing, RoutingContext
+from .stats import MoEStats
+
+
+def _check_choice(key: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{key}={value!r} is not allowed; allowed: {list(allowed)}")
+
+
+class MoELayer(nn.Module):
+    """A Mixture-of-Experts feed-forward layer: input ``[..., d_model]``, output the same shape.
+
+    After a forward pass:
+      ``layer.aux_loss``: the weighted auxiliary loss to add to the task loss
+          (``aux_loss_coef * load_balance + z_loss_coef * z_loss``; this rank's share, see
+          ``moe_dist.moe.losses``);
+      ``layer.stats``: a :class:`MoEStats` (per-expert counts, drops, losses, entropy).
+
+    capacity_factor: None = dropless; else each expert takes at most
+        ``max(min_capacity, ceil(cf * tokens * k / E))`` pairs (``eval_capacity_factor`` in eval).
+    drop_policy: ``position`` (first come) or ``probs`` (lowest gate dropped first).
+    capacity_scope: ``global`` (drops as one process would on the whole batch) or ``local``
+        (per source rank). loss_scope: ``global`` or ``local`` for the aux / z statistics.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int = 2, *, router: str = "topk",
+                 router_options: Optional[dict] = None, capacity_factor: Optional[float] = None,
+                 eval_capacity_factor: Optional[float] = None, min_capacity: int = 0,
+                 drop_policy: str = "position", capacity_scope: str = "global", loss_scope: str = "global",
+                 aux_loss_coef: float = 0.01, z_loss_coef: float = 0.001, activation: str = "swiglu",
+                 expert_kernel: str = "auto", layer_idx: int = 0, init_std: float = 0.02,
+                 out_init_std: Optional[float] = None):
+        super().__init__()
+        if num_experts < 1:
+            raise ValueError(f"model.moe.num_experts must be >= 1, got {num_experts}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"model.moe.top_k={top_k} must be between 1 and model.moe.num_experts={num_experts}")
+        for key, cf in (("model.moe.capacity_factor", capacity_factor), ("model.moe.eval_capacity_factor", eval_capacity_factor)):
+            if cf is not None and not (isinstance(cf, (int, float)) and math.isfinite(cf) and cf > 0):
+                raise ValueError(f"{key} must be > 0 or null (dropless), got {cf!r}")
+        if min_capacity < 0:
+            raise ValueError(f"model.moe.min_capacity must be >= 0, got {min_capacity}")
+        _check_choice("model.moe.drop_policy", drop_policy, DROP_POLICIES)
+        _check_choice("model.moe.capacity_scope", capacity_scope, CAPACITY_SCOPES)
+        _check_choice("model.moe.loss_scope", loss_scope, LOSS_SCOPES)
+        self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
+        self.capacity_factor = capacity_factor
+        self.eval_capacity_factor = capacity_factor if eval_capacity_factor is None else eval_capacity_factor
+        self.min_capacity, self.drop_policy = min_capacity, drop_policy
+        self.capacity_scope, self.loss_scope = capacity_scope, loss_scope
+        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        self.router = build_router(router, d_model, num_experts, top_k, **(router_options or {}))
+        self.experts = GroupedExperts(num_experts, d_model, d_ff, activation=activation, kernel=expert_kernel,
+                                      init_std=init_std, out_init_std=out_init_std)
+        self.groups = ParallelGroups.single()
+        self.context = RoutingContext(layer_idx=layer_idx)
+        self.aux_loss: Optional[torch.Tensor] = None
+        self.stats: Optional[MoEStats] = None
+        self.last_routing: Optional[Routing] = None
+
+    # ---- parallelism (applied from outside) ---------------------------------------------
+    def set_groups(self, groups: ParallelGroups) -> None:
+        if self.num_experts % groups.ep_size:
+            raise ValueError(f"parallel.ep={groups.ep_size} must divide model.moe.num_experts={self.num_experts}")
+        self.groups = groups
+        self.context.stats_group, self.context.ep_group = groups.dp, groups.ep
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.experts.num_experts
+
+    # ---- forward ------------------------------------------------------------------------
+    def _capacity_factor(self) -> Optional[float]:
+        return self.capacity_factor if self.training else self.eval_capacity_factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.d_model:
+            raise ValueError(f"MoELayer expects [..., {self.d_model}] input, got {tuple(x.shape)}")
+        shape = x.shape
+        x2 = x.reshape(-1, self.d_model)
+        n_tok = x2.shape[0]
+        ctx = self.context
+        stats_group = ctx.stats_group
+        ranks = group_size(stats_group)
+        me = group_rank(stats_group)
+
+        if self.router.needs_token_layout:
+            sizes = all_gather_tensor(torch.tensor([n_tok], device=x.device), stats_group).view(-1)
+            ctx.token_offset, ctx.global_tokens = int(sizes[:me].sum()), int(sizes.sum())
+        routing = self.router(x2, ctx)
+        self.last_routing = routing
+        E, k = self.num_experts, routing.top_k
+        probs = routing.probs
+
+        # one small collective: every rank's [counts, prob sums, z sum, entropy sum, tokens]
+        with torch.no_grad():
+            counts_local = torch.bincount(routing.expert_ids.reshape(-1), minlength=E).double()
+            lse = torch.logsumexp(routing.logits, -1) if routing.logits is not None else None
+            entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
+            row = torch.cat([counts_local, probs.sum(0).double(),
+                             (lse.square().sum() if lse is not None else probs.new_zeros(())).double().view(1),
+                             entropy.sum().double().view(1), counts_local.new_tensor([n_tok])])
+            rows = all_gather_tensor(row, stats_group)  # [R, 2E+3]
+            tot = rows.sum(0)
+            counts_r, psum_r, tokens_r = rows[:, :E], rows[:, E:2 * E], rows[:, -1]
+            counts_g, tokens_g = tot[:E], tot[-1]
+
+        # auxiliary losses: a differentiable share, a global value
+        if self.loss_scope == "global":
+            aux_share = load_balance_share(probs, counts_g.float(), float(tokens_g), k)
+            z_share = z_loss_share(routing.logits, float(tokens_g)) if routing.logits is not None else probs.new_zeros(())
+            aux_value = load_balance_value(counts_g, tot[E:2 * E], tokens_g, k)
+            z_value = tot[2 * E] / tokens_g.clamp_min(1)
+        else:
+            local_tokens = float(max(n_tok, 1))
+            aux_share = load_balance_share(probs, counts_local.float(), local_tokens, k) / ranks
+            z_share = (z_loss_share(routing.logits, local_tokens) / ranks) if routing.logits is not None else probs.new_zeros(())
+            aux_value = load_balance_value(counts_r, psum_r, tokens_r, k).mean()
+            z_value = (rows[:, 2 * E] / tokens_r.clamp_min(1)).mean()
+        self.aux_loss = self.aux_loss_coef * aux_share + self.z_loss_coef * z_share
+
+        # capacity: which pairs are kept
+        keep, capacity, dropped = None, None, counts_g.new_zeros(())
+        cf = self._capacity_factor()
+        if cf is not None:
+            if self.capacity_scope == "global":
+                capacity = expert_capacity(cf, int(tokens_g), k, E, self.min_capacity)
+                dropped = (counts_g - capacity).clamp_min(0).sum()
+                if self.drop_policy == "position":
+                    start = counts_r[:me].sum(0).long().to(x.device)
+                    keep = keep_by_position(routing.expert_ids, capacity, E, start)
+                else:
+                    keep = keep_by_probs(routing.expert_ids, routing.gates, capacity, E, stats_group)
+            else:
+                capacity = expert_capacity(cf, n_tok, k, E, self.min_capacity)
+                caps = torch.tensor([expert_capacity(cf, int(t), k, E, self.min_capacity) for t in tokens_r.tolist()],
+                                    dtype=counts_r.dtype, device=counts_r.device)
+                dropped = (counts_r - caps[:, None]).clamp_min(0).sum()
+                keep = (keep_by_position(routing.expert_ids, capacity, E) if self.drop_policy == "position"
+                        else keep_by_probs(routing.expert_ids, routing.gates, capacity, E, None))
+
+        routed, plan = dispatch(x2, routing.expert_ids, routing.gates, keep, E, self.groups.ep)
+        y = self.experts(routed, plan.local_counts)
+        out = combine(y, plan, n_tok, self.groups.ep)
+
+        self.stats = MoEStats(expert_counts=counts_g, dropped=dropped, pairs=tokens_g * k, tokens=tokens_g,
+                              aux_loss=aux_value, z_loss=z_value, entropy=tot[2 * E + 1] / tokens_g.clamp_min(1),
+                              capacity=capacity, extras=dict(routing.extras))
+        return out.to(x.dtype).reshape(shape)
+
+
+def moe_layers(model: nn.Module) -> list[MoELayer]:
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def collect_aux_loss(model: nn.Module) -> torch.Tensor:
+    """Sum of the weighted auxiliary losses of every MoE layer's last forward pass."""
+    losses = [m.aux_loss for m in moe_layers(model) if m.aux_loss is not None]
+    if not losses:
+        return torch.zeros(())
+    return torch.stack([l.float() for l in losses]).sum()
+
+
+def collect_stats(model: nn.Module) -> list[Optional[MoEStats]]:
+    """The last forward pass's :class:`MoEStats` of every MoE layer, in module order."""
+    return [m.stats for m in moe_layers(model)]

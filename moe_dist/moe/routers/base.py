@@ -1,0 +1,86 @@
+"""Shared pieces of every router: the base class and the steps routers have in common."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..routing import Routing, RoutingContext
+
+
+class Router(nn.Module):
+    """Maps router inputs ``[T, d]`` to a :class:`Routing`. Subclasses implement ``route``.
+
+    Class attributes tell the layer what context to supply:
+    ``needs_token_layout``: fill ``ctx.token_offset`` / ``ctx.global_tokens`` (layout-invariant noise).
+    ``needs_attention``: the model must hand this layer's attention probabilities.
+    """
+
+    needs_token_layout = False
+    needs_attention = False
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int):
+        super().__init__()
+        if num_experts < 1:
+            raise ValueError(f"model.moe.num_experts must be >= 1, got {num_experts}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"model.moe.top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
+
+    def forward(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:
+        return self.route(x, ctx)
+
+    def route(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:  # pragma: no cover - abstract
+        raise NotImplementedError(f"{type(self).__name__} must implement route()")
+
+    def extra_metrics(self) -> dict:
+        """Router-specific figures for metrics.jsonl (override where useful)."""
+        return {}
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Router scores in fp32 whatever the model dtype (autocast disabled)."""
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+
+def check_finite_logits(logits: torch.Tensor, where: str) -> None:
+    if not torch.isfinite(logits).all():
+        bad = (~torch.isfinite(logits)).sum().item()
+        raise FloatingPointError(
+            f"{where}: router logits contain {bad} NaN/Inf values (of {logits.numel()}); "
+            "check the learning rate, the input scale or enable bf16 autocast only outside the router"
+        )
+
+
+def select_topk(scores: torch.Tensor, probs: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose the ``k`` highest ``scores`` per token; gates are the chosen ``probs``.
+
+    With ``normalize`` the gates are renormalised to sum to one over the chosen experts.
+    Returns ``(expert_ids [T, k], gates [T, k])``.
+    """
+    expert_ids = torch.topk(scores, k, dim=-1, sorted=True).indices
+    gates = probs.gather(-1, expert_ids)
+    if normalize:
+        gates = gates / gates.sum(-1, keepdim=True).clamp_min(torch.finfo(gates.dtype).tiny)
+    return expert_ids, gates
+
+
+def default_normalize(top_k: int, normalize: bool | None) -> bool:
+    """Renormalise over the chosen k by default, except top-1 (Switch: a gate of 1 has no gradient)."""
+    return (top_k > 1) if normalize is None else bool(normalize)
+
+
+def layout_invariant_normal(shape_tail: tuple[int, ...], ctx: RoutingContext, local_tokens: int, salt: int, device) -> torch.Tensor:
+    """Standard normal noise ``[local_tokens, *shape_tail]`` that does not depend on the layout.
+
+    The noise of the whole global batch is drawn from a generator seeded by (seed, step,
+    micro-step, layer, salt) and each rank keeps its own rows, so R ranks draw exactly what
+    one process draws for the concatenated batch.
+    """
+    total = ctx.global_tokens if ctx.global_tokens is not None else local_tokens
+    seed = (ctx.seed * 1_000_003 + ctx.step * 10_007 + ctx.micro_step * 101 + ctx.layer_idx * 7 + salt) % (2**63 - 1)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    noise = torch.randn((total,) + tuple(shape_tail), generator=gen, device=device, dtype=torch.float32)
+    return noise[ctx.token_offset : ctx.token_offset + local_tokens]

@@ -1,0 +1,53 @@
+"""Softmax top-k routing: Switch (top-1, un-normalised gate), GShard / GLaM (top-2),
+and Shazeer's noisy top-k."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..routing import Routing, RoutingContext
+from .base import Router, check_finite_logits, default_normalize, fp32_linear, layout_invariant_normal, select_topk
+from .registry import register_router
+
+
+@register_router("noisy_topk", noisy=True)
+@register_router("topk")
+class TopKRouter(Router):
+    """Linear scores, softmax, top-k.
+
+    normalize: renormalise the k gates to sum to one (default: yes for k > 1, no for k = 1,
+        which is Switch's gate).
+    noisy: Shazeer et al. (2017) noisy top-k gating: in training, add
+        ``N(0, 1) * softplus(x W_noise)`` to the logits before choosing (the noise is
+        layout-invariant: drawn for the global batch and sliced per rank).
+    init_std: std of the router weight init.
+    """
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, *, normalize: bool | None = None,
+                 noisy: bool = False, init_std: float = 0.02):
+        super().__init__(d_model, num_experts, top_k)
+        self.normalize = default_normalize(top_k, normalize)
+        self.noisy = bool(noisy)
+        self.weight = nn.Parameter(torch.empty(num_experts, d_model))
+        nn.init.normal_(self.weight, std=init_std)
+        if self.noisy:
+            self.noise_weight = nn.Parameter(torch.zeros(num_experts, d_model))
+
+    @property
+    def needs_token_layout(self) -> bool:  # noise must be drawn for the global batch
+        return self.noisy and self.training
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        return fp32_linear(x, self.weight)
+
+    def route(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:
+        logits = self.scores(x)
+        check_finite_logits(logits, f"layer {ctx.layer_idx} router")
+        if self.noisy and self.training:
+            noise_std = F.softplus(fp32_linear(x, self.noise_weight))
+            eps = layout_invariant_normal((self.num_experts,), ctx, x.shape[0], salt=1, device=x.device)
+            logits = logits + eps * noise_std
+        probs = torch.softmax(logits, dim=-1)
+        expert_ids, gates = select_topk(logits, probs, self.top_k, self.normalize)
+        return Routing(expert_ids=expert_ids, gates=gates, probs=probs, logits=logits)

@@ -1,0 +1,50 @@
+"""X-MoE routing (Chi et al., 2022): scores are cosine similarities in a low-dimensional
+space between projected tokens and L2-normalised expert embeddings, over a learnable
+temperature. Keeps routing from collapsing onto the hidden states' dominant directions."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..routing import Routing, RoutingContext
+from .base import Router, check_finite_logits, default_normalize, fp32_linear, select_topk
+from .registry import register_router
+
+
+@register_router("xmoe")
+class XMoERouter(Router):
+    """dim: routing dimension (paper: 16). init_temperature: initial tau (learned in log space,
+    clamped to [min_temperature, 1])."""
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, *, dim: int = 16,
+                 init_temperature: float = 0.07, min_temperature: float = 0.01,
+                 normalize: bool | None = None, init_std: float = 0.02):
+        super().__init__(d_model, num_experts, top_k)
+        if dim < 1:
+            raise ValueError(f"model.moe.router_options.dim must be >= 1, got {dim}")
+        if not 0 < init_temperature:
+            raise ValueError(f"model.moe.router_options.init_temperature must be > 0, got {init_temperature}")
+        self.normalize = default_normalize(top_k, normalize)
+        self.min_temperature = min_temperature
+        self.proj = nn.Parameter(torch.empty(dim, d_model))
+        nn.init.normal_(self.proj, std=init_std)
+        self.expert_embed = nn.Parameter(torch.empty(num_experts, dim))
+        nn.init.orthogonal_(self.expert_embed) if num_experts <= dim else nn.init.normal_(self.expert_embed, std=0.32)
+        self.log_temperature = nn.Parameter(torch.tensor(math.log(init_temperature)))
+
+    def temperature(self) -> torch.Tensor:
+        return self.log_temperature.float().exp().clamp(self.min_temperature, 1.0)
+
+    def route(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            z = F.normalize(fp32_linear(x, self.proj), dim=-1)
+            e = F.normalize(self.expert_embed.float(), dim=-1)
+            logits = (z @ e.t()) / self.temperature()
+        check_finite_logits(logits, f"layer {ctx.layer_idx} router")
+        probs = torch.softmax(logits, dim=-1)
+        expert_ids, gates = select_topk(logits, probs, self.top_k, self.normalize)
+        return Routing(expert_ids=expert_ids, gates=gates, probs=probs, logits=logits,
+                       extras={"temperature": self.temperature().detach()})

@@ -1,0 +1,50 @@
+"""Per-forward routing statistics of one MoE layer (detached tensors; no host sync until read)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+
+@dataclass
+class MoEStats:
+    """What one forward pass of an MoE layer routed, over the whole stats group.
+
+    expert_counts: ``[E]`` token-expert pairs routed to each expert (before capacity).
+    dropped: pairs dropped by capacity; pairs: all pairs; tokens: tokens routed.
+    aux_loss / z_loss: global loss values (identical on every rank).
+    entropy: mean over tokens of the entropy of the full routing distribution.
+    capacity: token slots per expert (None: dropless).
+    extras: router-specific figures.
+    """
+
+    expert_counts: torch.Tensor
+    dropped: torch.Tensor
+    pairs: torch.Tensor
+    tokens: torch.Tensor
+    aux_loss: torch.Tensor
+    z_loss: torch.Tensor
+    entropy: torch.Tensor
+    capacity: Optional[int] = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def dropped_fraction(self) -> torch.Tensor:
+        return self.dropped / self.pairs.clamp_min(1)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain Python numbers (synchronises with the device)."""
+        out = {
+            "expert_counts": [int(c) for c in self.expert_counts.round().tolist()],
+            "dropped_fraction": float(self.dropped_fraction),
+            "aux_loss": float(self.aux_loss),
+            "z_loss": float(self.z_loss),
+            "entropy": float(self.entropy),
+            "tokens": int(self.tokens),
+        }
+        if self.capacity is not None:
+            out["capacity"] = int(self.capacity)
+        for k, v in self.extras.items():
+            out[k] = v.tolist() if torch.is_tensor(v) and v.numel() > 1 else (float(v) if torch.is_tensor(v) else v)
+        return out

@@ -1,0 +1,70 @@
+"""Run a function on R real gloo processes and collect what each rank returns.
+
+    results = run_ranks(fn, world_size=2, args=(...,))   # list, one entry per rank
+
+``fn(rank, world_size, *args)`` runs inside an initialised gloo process group; its
+return value (tensors, dicts, lists) is saved with torch.save and loaded back with
+weights_only=True. A rank that raises makes the whole call raise with its traceback; a
+rank that hangs is killed after ``timeout`` seconds (collective timeout too).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, out_dir, fn, args, timeout):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
+        result = fn(rank, world_size, *args)
+        torch.save({"ok": True, "result": result}, os.path.join(out_dir, f"rank{rank}.pt"))
+    except BaseException:  # noqa: BLE001 - report every failure to the parent
+        torch.save({"ok": False, "error": traceback.format_exc()}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0):
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        procs = [ctx.Process(target=_worker, args=(r, world_size, port, out_dir, fn, args, timeout)) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout + 60)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results, errors = [], []
+        for r in range(world_size):
+            path = os.path.join(out_dir, f"rank{r}.pt")
+            if not os.path.exists(path):
+                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode}; killed after {timeout}s?)")
+                continue
+            rec = torch.load(path, weights_only=True)
+            if rec["ok"]:
+                results.append(rec["result"])
+            else:
+                errors.append(f"rank {r}:\n{rec['error']}")
+        if errors:
+            raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
+        return results
