@@ -1,0 +1,71 @@
+"""Shared helpers for MoE layer tests: a reference run on one process and the same run
+split over ranks, both returning outputs, losses, gradients and statistics."""
+from __future__ import annotations
+
+import torch
+
+from moe_dist.dist import build_parallel_groups
+from moe_dist.moe import MoELayer
+from moe_dist.parallel import apply_expert_parallel, sync_gradients
+
+D_MODEL, D_FF = 16, 32
+
+
+def make_layer(cfg: dict, seed: int = 0) -> MoELayer:
+    torch.manual_seed(seed)
+    cfg = dict(cfg)
+    return MoELayer(cfg.pop("d_model", D_MODEL), cfg.pop("d_ff", D_FF), cfg.pop("num_experts", 8), cfg.pop("top_k", 2),
+                    expert_kernel=cfg.pop("expert_kernel", "loop"), **cfg)
+
+
+def make_batch(tokens: int, seed: int = 1, d_model: int = D_MODEL):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(tokens, d_model, generator=g), torch.randn(tokens, d_model, generator=g)
+
+
+def split_sizes(total: int, parts: int, uneven: bool) -> list[int]:
+    if not uneven:
+        return [total // parts] * parts
+    sizes = [total // parts + (2 * i - parts + 1) for i in range(parts)]
+    sizes[-1] = total - sum(sizes[:-1])
+    return sizes
+
+
+def step(layer: MoELayer, x: torch.Tensor, w: torch.Tensor, global_tokens: int) -> dict:
+    """One forward/backward with loss = sum(out * w) / T_global + aux share."""
+    x = x.clone().requires_grad_(True)
+    out = layer(x)
+    loss = (out * w).sum() / global_tokens + layer.aux_loss
+    loss.backward()
+    return {"out": out.detach(), "x_grad": x.grad}
+
+
+def collect(layer: MoELayer, res: dict) -> dict:
+    s = layer.stats
+    res.update(
+        router_grads={n: p.grad.clone() for n, p in layer.router.named_parameters() if p.grad is not None},
+        expert_grads={n: getattr(layer.experts, n).grad.clone() for n in ("w1", "w3", "w2") if getattr(layer.experts, n) is not None},
+        expert_offset=layer.experts.offset,
+        counts=s.expert_counts.clone(), aux=s.aux_loss.clone(), z=s.z_loss.clone(), dropped=s.dropped.clone(),
+        entropy=s.entropy.clone(),
+    )
+    return res
+
+
+def reference(cfg: dict, tokens: int, seed: int = 0) -> dict:
+    layer = make_layer(cfg, seed)
+    x, w = make_batch(tokens, d_model=cfg.get("d_model", D_MODEL))
+    return collect(layer, step(layer, x, w, tokens))
+
+
+def distributed_case(rank: int, world: int, cfg: dict, tokens: int, ep: int, uneven: bool, seed: int = 0) -> dict:
+    """Runs on each rank: the same layer, expert-parallel ``ep``, this rank's slice of the batch."""
+    torch.use_deterministic_algorithms(False)
+    groups = build_parallel_groups(ep, cfg.get("num_experts", 8))
+    layer = apply_expert_parallel(make_layer(cfg, seed), groups)
+    x, w = make_batch(tokens, d_model=cfg.get("d_model", D_MODEL))
+    sizes = split_sizes(tokens, world, uneven)
+    start = sum(sizes[:rank])
+    res = step(layer, x[start : start + sizes[rank]], w[start : start + sizes[rank]], tokens)
+    sync_gradients(layer, groups)
+    return collect(layer, res)
