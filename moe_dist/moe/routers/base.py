@@ -37,6 +37,11 @@ class Router(nn.Module):
         """Router-specific figures for metrics.jsonl (override where useful)."""
         return {}
 
+    def after_optimizer_step(self, ctx: RoutingContext) -> None:
+        """Called by the trainer once per optimizer step, after ``optimizer.step()``, on every
+        rank (collectives allowed over ``ctx.stats_group``). Routers with per-step state
+        (Symphony's graph, schedules) update it here."""
+
 
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Router scores in fp32 whatever the model dtype (autocast disabled)."""
