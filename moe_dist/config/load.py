@@ -1,0 +1,214 @@
+"""YAML configs with ``KEY=VALUE`` overrides, typed and checked against the schema.
+
+    cfg = load_config("configs/tiny.yaml", ["train.steps=20", "model.moe.layers=[1,3]"])
+
+Override values are parsed as YAML (``null``, ``true``, ``[1, 3]``, ``{a: 1}``). Unknown keys
+and bad values raise :class:`ConfigError` with the full key, what was given and what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import typing
+from typing import Any, Iterable, Literal, Optional, Union
+
+import yaml
+
+from .schema import Config, ConfigError
+
+
+def _describe(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _allowed(tp: Any) -> str:
+    """Human description of what a type allows."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin is Union:
+        parts = [_allowed(a) for a in args if a is not type(None)]
+        if type(None) in args:
+            parts.append("null")
+        return " or ".join(parts)
+    if origin is list:
+        plural = {int: "integers", float: "numbers", str: "strings"}
+        return f"a list of {plural.get(args[0], _allowed(args[0]))}" if args else "a list"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a mapping"}.get(tp, str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against type ``tp``; return it in canonical form or raise ConfigError."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Union:
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for alt in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, alt, key)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(f"{key}: got {_describe(value)}; allowed: {_allowed(tp)}")
+    if origin is Literal:
+        if value not in args or isinstance(value, bool) != any(isinstance(a, bool) for a in args if a == value):
+            raise ConfigError(f"{key}: {value!r} is not allowed; allowed: {', '.join(repr(a) for a in args)}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: got {_describe(value)}; allowed: {_allowed(tp)}")
+        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else list(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+            try:
+                f = float(value)
+                if math.isfinite(f):
+                    return f
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif tp is dict:
+        if isinstance(value, dict):
+            return dict(value)
+    else:  # pragma: no cover - a schema bug, not a user error
+        raise TypeError(f"unsupported schema type {tp!r} for {key}")
+    raise ConfigError(f"{key}: got {_describe(value)}; allowed: {_allowed(tp)}")
+
+
+def _check_bounds(value: Any, meta: dict, key: str) -> None:
+    if value is None or isinstance(value, (bool, str, list, dict)):
+        return
+    if "min" in meta and value < meta["min"]:
+        raise ConfigError(f"{key}: {value!r} is too small; allowed: >= {meta['min']}")
+    if "max" in meta and value > meta["max"]:
+        raise ConfigError(f"{key}: {value!r} is too large; allowed: <= {meta['max']}")
+    if "gt" in meta and value <= meta["gt"]:
+        raise ConfigError(f"{key}: {value!r} is not allowed; allowed: > {meta['gt']}")
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    """Typed dataclass instance from a nested mapping (unknown keys rejected)."""
+    where = prefix or "the config"
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: got {_describe(raw)}; allowed: a mapping of keys {sorted(f.name for f in dataclasses.fields(cls))}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = [k for k in raw if k not in fields]
+    if unknown:
+        key = str(unknown[0])
+        full = f"{prefix}.{key}" if prefix else key
+        hint = difflib.get_close_matches(key, list(fields), n=1)
+        hint_txt = f"; did you mean {(prefix + '.' if prefix else '') + hint[0]!r}" if hint else ""
+        raise ConfigError(f"{full}: unknown config key{hint_txt}; allowed keys in {where}: {sorted(fields)}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, f in fields.items():
+        key = f"{prefix}.{name}" if prefix else name
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, raw.get(name), key)
+        elif name in raw:
+            value = _coerce(raw[name], tp, key)
+            _check_bounds(value, f.metadata, key)
+            kwargs[name] = value
+    return cls(**kwargs)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"a.b=VALUE"`` -> ``("a.b", yaml value)``."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected KEY=VALUE (e.g. train.steps=100)")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r}: empty key; expected KEY=VALUE with a dotted key such as train.steps")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{key}: cannot parse value {raw!r} as YAML ({e.__class__.__name__})") from None
+    return key, value
+
+
+def apply_overrides(raw: dict, overrides: Iterable[str]) -> dict:
+    """Set each ``KEY=VALUE`` in a nested mapping (creating sections as needed)."""
+    for text in overrides:
+        key, value = parse_override(text)
+        node = raw
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"{key}: {'.'.join(parts[:i + 1])} is not a section (it holds {_describe(nxt)})")
+            node = nxt
+        node[parts[-1]] = value
+    return raw
+
+
+def config_from_dict(raw: Optional[dict]) -> Config:
+    cfg = _build(Config, raw or {}, "")
+    cfg.check()
+    return cfg
+
+
+def read_yaml(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--config: file {path!r} does not exist") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config: {path!r} is not valid YAML: {e}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config: {path!r} must hold a mapping of sections (run, model, parallel, data, train, eval, ckpt)")
+    return raw
+
+
+def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> Config:
+    """Schema defaults, then the YAML file (if any), then the overrides; checked."""
+    raw = read_yaml(path) if path else {}
+    return config_from_dict(apply_overrides(raw, overrides))
+
+
+def config_to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
+def save_config(cfg: Config, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(dump_config(cfg))
+
+
+def describe_schema(cls: type = Config, prefix: str = "") -> list[tuple[str, str, Any, str]]:
+    """``(key, allowed, default, help)`` for every key, for ``moe-dist train --list-keys``."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            rows.extend(describe_schema(tp, key))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        bounds = ", ".join(f"{op} {f.metadata[k]}" for k, op in (("min", ">="), ("max", "<="), ("gt", ">")) if k in f.metadata)
+        rows.append((key, _allowed(tp) + (f" ({bounds})" if bounds else ""), default, f.metadata.get("help", "")))
+    return rows

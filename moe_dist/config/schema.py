@@ -1,0 +1,236 @@
+"""The typed configuration schema: one dataclass per section, defaults, bounds and help.
+
+Every field is declared with :func:`knob` (default, help text, optional bounds). Types come
+from the annotations: ``int``, ``float``, ``bool``, ``str``, ``Optional[...]``,
+``Literal[...]`` (the allowed values), ``list[int]``, ``dict`` and nested sections.
+Loading and checking live in :mod:`moe_dist.config.load`; cross-field rules are each
+section's ``check()`` (they raise :class:`ConfigError` naming the key and what is allowed).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+DEFAULT_CORPUS = "/usr/share/doc/python3.11/html/_sources"
+MOE_LAYER_PATTERNS = ("every", "every_other")
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, of the wrong type or out of range."""
+
+
+def knob(default: Any, help: str, **bounds: Any) -> Any:
+    """A config field: ``bounds`` may hold ``min``, ``max`` (inclusive) and ``gt`` (exclusive)."""
+    meta = {"help": help, **bounds}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def section(cls) -> Any:
+    return field(default_factory=cls, metadata={"help": cls.__doc__.strip().splitlines()[0]})
+
+
+def _fail(key: str, msg: str) -> None:
+    raise ConfigError(f"{key}: {msg}")
+
+
+@dataclass
+class RunConfig:
+    """Where a run writes and how it reports."""
+
+    dir: str = knob("runs/default", "run directory (config.yaml, metrics.jsonl, checkpoints/, plots/, tb/)")
+    device: Literal["auto", "cpu", "cuda"] = knob("auto", "auto = cuda when available, else cpu")
+    threads: Optional[int] = knob(None, "torch intra-op threads per process (null = cores / local processes)", min=1)
+    progress: Literal["auto", "on", "off"] = knob("auto", "progress bar on rank 0 (auto = only on a terminal)")
+    log_every: int = knob(10, "steps between metrics.jsonl rows (and log lines without a progress bar)", min=1)
+    tensorboard: bool = knob(True, "write TensorBoard events to run.dir/tb")
+    plots: bool = knob(True, "write PNG plots to run.dir/plots at the end")
+
+    def check(self) -> None:
+        if not self.dir:
+            _fail("run.dir", "must be a non-empty path")
+
+
+@dataclass
+class MoEConfig:
+    """Which feed-forward layers are Mixture-of-Experts layers, and how they route."""
+
+    layers: Union[Literal["every", "every_other"], list[int]] = knob(
+        "every", "MoE blocks: every, every_other (blocks 1, 3, 5, ...) or a list of block indices")
+    router: str = knob("topk", "router name (see moe_dist.moe.routers)")
+    router_options: dict = knob({}, "keyword options of the router (its __init__ arguments)")
+    num_experts: int = knob(8, "experts per MoE layer", min=1)
+    top_k: int = knob(2, "experts per token", min=1)
+    d_ff: Optional[int] = knob(None, "hidden size of one expert (null = model.d_ff)", min=1)
+    capacity_factor: Optional[float] = knob(None, "tokens per expert = cf * tokens * k / E; null = dropless", gt=0)
+    eval_capacity_factor: Optional[float] = knob(None, "capacity factor in evaluation (null = capacity_factor)", gt=0)
+    min_capacity: int = knob(0, "lower bound on the per-expert capacity", min=0)
+    drop_policy: Literal["position", "probs"] = knob("position", "which pairs an over-full expert drops")
+    capacity_scope: Literal["global", "local"] = knob("global", "capacity over the global batch or per rank")
+    loss_scope: Literal["global", "local"] = knob("global", "aux / z statistics over the global batch or per rank")
+    aux_loss_coef: float = knob(0.01, "load-balance loss weight", min=0)
+    z_loss_coef: float = knob(0.001, "router z-loss weight", min=0)
+    activation: Literal["swiglu", "gelu"] = knob("swiglu", "expert activation")
+    expert_kernel: Literal["auto", "loop", "bmm", "grouped_mm"] = knob("auto", "expert matmul kernel (auto = timed)")
+
+    def check(self, n_layers: int) -> None:
+        from ..moe.routers import ROUTERS, router_options  # registry: routers register on import
+
+        if self.router not in ROUTERS:
+            _fail("model.moe.router", f"{self.router!r} is not a known router; allowed: {sorted(ROUTERS)}")
+        allowed = router_options(self.router)
+        unknown = sorted(set(self.router_options) - set(allowed))
+        if unknown:
+            _fail("model.moe.router_options", f"unknown option(s) {unknown} for router {self.router!r}; allowed: {allowed}")
+        if self.top_k > self.num_experts:
+            _fail("model.moe.top_k", f"{self.top_k} must be between 1 and model.moe.num_experts={self.num_experts}")
+        if isinstance(self.layers, list):
+            if not self.layers:
+                _fail("model.moe.layers", "an empty list; allowed: every, every_other or a non-empty list of block indices")
+            bad = [i for i in self.layers if not 0 <= i < n_layers]
+            if bad:
+                _fail("model.moe.layers", f"block indices {bad} out of range; allowed: 0..{n_layers - 1} (model.n_layers={n_layers})")
+            if len(set(self.layers)) != len(self.layers):
+                _fail("model.moe.layers", f"repeated block indices in {self.layers}")
+
+    def layer_indices(self, n_layers: int) -> list[int]:
+        """The blocks whose feed-forward layer is an MoE layer."""
+        if self.layers == "every":
+            return list(range(n_layers))
+        if self.layers == "every_other":
+            return list(range(1, n_layers, 2))
+        return sorted(self.layers)
+
+
+@dataclass
+class ModelConfig:
+    """Decoder-only language model."""
+
+    vocab_size: Optional[int] = knob(None, "vocabulary size (null = the tokenizer's)", min=2)
+    d_model: int = knob(256, "hidden size", min=1)
+    n_layers: int = knob(4, "transformer blocks", min=1)
+    n_heads: int = knob(8, "query heads", min=1)
+    n_kv_heads: Optional[int] = knob(None, "key/value heads for grouped-query attention (null = n_heads)", min=1)
+    d_ff: int = knob(768, "hidden size of a dense SwiGLU feed-forward layer", min=1)
+    rope_theta: float = knob(10000.0, "rotary embedding base", gt=0)
+    norm_eps: float = knob(1e-5, "RMSNorm epsilon", gt=0)
+    tie_embeddings: bool = knob(True, "share the input embedding and the output projection")
+    init_std: float = knob(0.02, "std of the weight initialisation", gt=0)
+    moe: MoEConfig = section(MoEConfig)
+
+    def check(self) -> None:
+        if self.d_model % self.n_heads:
+            _fail("model.n_heads", f"{self.n_heads} must divide model.d_model={self.d_model}")
+        if (self.d_model // self.n_heads) % 2:
+            _fail("model.n_heads", f"head size model.d_model / model.n_heads = {self.d_model // self.n_heads} must be even (rotary embeddings)")
+        kv = self.n_kv_heads or self.n_heads
+        if self.n_heads % kv:
+            _fail("model.n_kv_heads", f"{kv} must divide model.n_heads={self.n_heads}")
+        self.moe.check(self.n_layers)
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is spread over processes."""
+
+    ep: int = knob(1, "expert-parallel size: divides the world size and model.moe.num_experts", min=1)
+    dense: Literal["fsdp", "replicate"] = knob("fsdp", "dense weights: FSDP2 over data-parallel ranks, or replicated")
+    reshard_after_forward: bool = knob(True, "FSDP2: free gathered dense weights after forward (ZeRO-3) or keep them (ZeRO-2)")
+    backend: Literal["auto", "gloo", "nccl"] = knob("auto", "process-group backend (auto = nccl with CUDA, else gloo)")
+    timeout_s: int = knob(600, "collective timeout in seconds", min=1)
+
+
+@dataclass
+class DataConfig:
+    """Corpus, tokenizer and token cache."""
+
+    corpus: str = knob(DEFAULT_CORPUS, "a text / JSON-lines file or a directory of them "
+                       "(default: Python 3.11 docs sources from Debian's python3.11-doc, PSF licence)")
+    format: Literal["auto", "text", "jsonl"] = knob("auto", "auto = by extension (.jsonl/.json lines, else text)")
+    pattern: Optional[str] = knob(None, "glob inside a corpus directory (null = *.txt, *.rst, *.md, *.jsonl)")
+    jsonl_field: str = knob("text", "field holding the text in JSON-lines records")
+    cache_dir: str = knob("data_cache", "tokenizer and token files, keyed by corpus + tokenizer settings")
+    tokenizer: Optional[str] = knob(None, "an existing sentencepiece tokenizer.model (null = train one)")
+    vocab_size: int = knob(4096, "vocabulary size of a trained tokenizer", min=64)
+    tokenizer_type: Literal["bpe", "unigram"] = knob("bpe", "sentencepiece model type")
+    tokenizer_max_chars: int = knob(4_000_000, "at most this many characters train the tokenizer", min=1000)
+    val_fraction: float = knob(0.05, "fraction of documents held out for validation (chosen by a hash of their name)", gt=0, max=0.5)
+
+    def check(self) -> None:
+        if not self.corpus:
+            _fail("data.corpus", "must be a path to a file or directory")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation."""
+
+    steps: int = knob(100, "optimizer steps", min=1)
+    global_batch: int = knob(16, "sequences per optimizer step, whatever the number of ranks", min=1)
+    grad_accum: int = knob(1, "micro-batches per step (global_batch / grad_accum sequences per forward, over all ranks)", min=1)
+    seq_len: int = knob(256, "tokens per sequence", min=2)
+    seed: int = knob(0, "seed of the model initialisation and the data order", min=0)
+    lr: float = knob(3e-3, "peak learning rate", gt=0)
+    min_lr_ratio: float = knob(0.1, "final learning rate / peak after the cosine decay", min=0, max=1)
+    warmup_steps: int = knob(10, "linear warm-up steps (capped at train.steps)", min=0)
+    weight_decay: float = knob(0.1, "AdamW weight decay (matrices only)", min=0)
+    beta1: float = knob(0.9, "AdamW beta1", min=0, max=1)
+    beta2: float = knob(0.95, "AdamW beta2", min=0, max=1)
+    grad_clip: Optional[float] = knob(1.0, "clip the global gradient norm to this (null = no clipping)", gt=0)
+    dtype: Literal["fp32", "bf16"] = knob("fp32", "bf16 = autocast matmuls to bfloat16 (weights and router stay fp32)")
+    activation_checkpointing: bool = knob(False, "recompute each block in backward (non-reentrant)")
+
+    def check(self) -> None:
+        if self.global_batch % self.grad_accum:
+            _fail("train.grad_accum", f"{self.grad_accum} must divide train.global_batch={self.global_batch}")
+
+
+@dataclass
+class EvalConfig:
+    """Validation during and after training."""
+
+    every: int = knob(0, "steps between validations (0 = only at the end)", min=0)
+    max_sequences: int = knob(256, "validation sequences (of train.seq_len) evaluated, at most", min=1)
+    batch: int = knob(16, "validation sequences per forward, over all ranks", min=1)
+
+
+@dataclass
+class CkptConfig:
+    """Checkpoints (torch.distributed.checkpoint, experts keyed by global index)."""
+
+    every: int = knob(0, "steps between checkpoints (0 = only at the end)", min=0)
+    save_final: bool = knob(True, "save a checkpoint after the last step")
+
+
+@dataclass
+class Config:
+    """A whole moe_dist run."""
+
+    run: RunConfig = section(RunConfig)
+    model: ModelConfig = section(ModelConfig)
+    parallel: ParallelConfig = section(ParallelConfig)
+    data: DataConfig = section(DataConfig)
+    train: TrainConfig = section(TrainConfig)
+    eval: EvalConfig = section(EvalConfig)
+    ckpt: CkptConfig = section(CkptConfig)
+
+    def check(self) -> None:
+        """Cross-field rules that do not depend on the number of processes."""
+        self.run.check()
+        self.model.check()
+        self.data.check()
+        self.train.check()
+        if self.model.moe.num_experts % self.parallel.ep:
+            _fail("parallel.ep", f"{self.parallel.ep} must divide model.moe.num_experts={self.model.moe.num_experts}")
+
+    def check_world(self, world_size: int) -> None:
+        """Rules that depend on the number of processes (checked once it is known)."""
+        if world_size % self.parallel.ep:
+            _fail("parallel.ep", f"{self.parallel.ep} must divide the world size {world_size}")
+        per_forward = self.train.global_batch // self.train.grad_accum
+        if per_forward < world_size:
+            _fail("train.global_batch", f"global_batch / grad_accum = {per_forward} sequences per forward must be at "
+                  f"least the number of data-parallel ranks ({world_size}); raise train.global_batch or lower train.grad_accum")
+        if self.eval.batch < world_size:
+            _fail("eval.batch", f"{self.eval.batch} must be at least the number of data-parallel ranks ({world_size})")
