@@ -2,5 +2,7 @@
 from .base import Router
 from .registry import ROUTERS, build_router, register_router, router_options
 from . import topk, xmoe  # noqa: F401  (registration)
+from . import token_graph  # noqa: F401  (registration: similarity, attention)
+from . import symphony  # noqa: F401  (registration: symphony)
 
 __all__ = ["Router", "ROUTERS", "build_router", "register_router", "router_options"]
