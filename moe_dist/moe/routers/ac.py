@@ -1,0 +1,175 @@
+"""Adaptive Clustering routing (ACMoE; "Tight clusters make specialized experts", ICLR 2025).
+
+Tokens are grouped by their top-1 expert at the previous MoE layer (``ctx.prev_top1``, set by
+the model). Per group k and feature q the router input's dispersion ``s_qk`` (mean absolute
+deviation by default, or variance) gives a feature weight ``w_qk ~ 1 / (s_qk + eps)``; the
+router scores ``(x * w_{c(x)}) . e_j`` with ``e_j`` the L2-normalised expert embeddings, so
+features on which a cluster is tight count more. Only the router sees the scaled input;
+the weights carry no gradient.
+
+Distributed: the weights come from sufficient statistics summed in fp32 over
+``ctx.group_for(scope)`` in two rounds (``[n_k, sum x]``, then ``sum |x - mu_k|`` or
+``sum (x - mu_k)^2``), never from per-rank means, so with scope ``global`` R ranks compute the
+weights one process computes on the concatenated batch and every rank holds the same weights.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ...dist.collectives import all_reduce_sum
+from ..routing import Routing, RoutingContext, is_recomputing
+from .base import Router, check_finite_logits, default_normalize, fp32_linear, select_topk
+from .registry import register_router
+from .token_stats import SCOPES, check_choice, real_token_weights
+
+DISPERSIONS = ("mad", "var")
+WEIGHT_NORMS = ("feature", "global")
+EVAL_MODES = ("batch", "running")
+BASES = ("embedding", "linear")
+
+
+@torch.no_grad()
+def cluster_dispersion(x: torch.Tensor, labels: torch.Tensor, num_clusters: int, dispersion: str = "mad",
+                       group=None, row_weight: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-cluster size ``[K]`` and per-feature dispersion ``[K, d]`` of ``x [T, d]`` grouped by
+    ``labels [T]``, from fp32 sums over ``group`` (two all-reduces). Empty clusters get 0."""
+    x = x.detach().float()
+    ones = x.new_ones(x.shape[0]) if row_weight is None else row_weight.float()
+    d = x.shape[1]
+    first = x.new_zeros(num_clusters, d + 1)
+    first[:, 0].index_add_(0, labels, ones)
+    first[:, 1:].index_add_(0, labels, x * ones[:, None])
+    first = all_reduce_sum(first, group)  # round 1: counts and sums
+    counts = first[:, 0]
+    inv = 1.0 / counts.clamp_min(1.0)
+    mean = first[:, 1:] * inv[:, None]
+    dev = x - mean.index_select(0, labels)
+    dev = dev.abs() if dispersion == "mad" else dev.square()
+    spread = x.new_zeros(num_clusters, d).index_add_(0, labels, dev * ones[:, None])
+    spread = all_reduce_sum(spread, group)  # round 2: deviations around the global means
+    return counts, spread * inv[:, None]
+
+
+def dispersion_weights(dispersion: torch.Tensor, valid: torch.Tensor, eps: float = 1e-4, clamp: Optional[float] = 10.0,
+                       norm: str = "feature") -> torch.Tensor:
+    """Feature weights ``[K, d]``: ``1 / (dispersion + eps)``, capped at ``clamp`` times the mean
+    weight, divided by the per-feature mean over clusters (``feature``) or the overall mean
+    (``global``); clusters that are not ``valid`` (too small) get weight 1. No host sync."""
+    w = 1.0 / (dispersion + eps)
+    ok = valid.to(w.dtype)[:, None]
+    n_ok = ok.sum()
+    if clamp:
+        w = torch.minimum(w, clamp * (w * ok).sum() / (n_ok * w.shape[1]).clamp_min(1.0))
+    if norm == "feature":
+        denom = (w * ok).sum(0) / n_ok.clamp_min(1.0)
+    else:
+        denom = (w * ok).sum() / (n_ok * w.shape[1]).clamp_min(1.0)
+    w = w / denom.clamp_min(torch.finfo(w.dtype).tiny)
+    return torch.where(valid[:, None], w, torch.ones_like(w))
+
+
+@register_router("ac")
+class AdaptiveClusteringRouter(Router):
+    """Options:
+
+    start_layer: first layer (``ctx.layer_idx``) that uses AC; earlier layers, and any call
+        without ``ctx.prev_top1``, route by plain top-k on the same scores (default 2: the
+        paper's best Switch placement leaves the first two MoE layers plain).
+    dispersion: ``mad`` (mean absolute deviation, paper default) or ``var``.
+    eps: added to the dispersion before inverting. clamp: cap weights at ``clamp`` x their
+        mean (null/0: no cap; reference LM code 10, Swin 1.5). weight_norm: ``feature`` (each
+        feature's mean over clusters is 1; LM code) or ``global`` (Swin code).
+    min_count: clusters with fewer tokens get weight 1 and stay out of the means.
+    scope: ranks whose tokens form the clusters: ``global`` (default, layout-invariant), ``ep``,
+        or ``local`` (per rank, as the authors' code).
+    eval_mode: ``batch`` (statistics of the evaluated batch, as the paper) or ``running``
+        (an EMA of the training statistics, needed to decode one token at a time).
+    momentum: EMA weight of a new batch in the running dispersion.
+    base: ``embedding`` (scores against L2-normalised expert embeddings, orthogonal init with
+        gain 0.32, as the authors' LM code) or ``linear`` (a plain linear router).
+    normalize: renormalise the gates over the chosen k (default: k > 1).
+    """
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, *, start_layer: int = 2, dispersion: str = "mad",
+                 eps: float = 1e-4, clamp: Optional[float] = 10.0, weight_norm: str = "feature", min_count: int = 2,
+                 scope: str = "global", eval_mode: str = "batch", momentum: float = 0.1, base: str = "embedding",
+                 normalize: Optional[bool] = None, init_std: float = 0.02):
+        super().__init__(d_model, num_experts, top_k)
+        check_choice("dispersion", dispersion, DISPERSIONS)
+        check_choice("weight_norm", weight_norm, WEIGHT_NORMS)
+        check_choice("scope", scope, SCOPES)
+        check_choice("eval_mode", eval_mode, EVAL_MODES)
+        check_choice("base", base, BASES)
+        if not eps > 0:
+            raise ValueError(f"model.moe.router_options.eps must be > 0, got {eps}")
+        if clamp is not None and clamp < 0:
+            raise ValueError(f"model.moe.router_options.clamp must be >= 0 or null, got {clamp}")
+        if min_count < 1:
+            raise ValueError(f"model.moe.router_options.min_count must be >= 1, got {min_count}")
+        if not 0 < momentum <= 1:
+            raise ValueError(f"model.moe.router_options.momentum must be in (0, 1], got {momentum}")
+        if start_layer < 0:
+            raise ValueError(f"model.moe.router_options.start_layer must be >= 0, got {start_layer}")
+        self.start_layer, self.dispersion, self.eps, self.clamp = int(start_layer), dispersion, float(eps), clamp
+        self.weight_norm, self.min_count, self.scope = weight_norm, int(min_count), scope
+        self.eval_mode, self.momentum, self.base = eval_mode, float(momentum), base
+        self.normalize = default_normalize(top_k, normalize)
+        self.weight = nn.Parameter(torch.empty(num_experts, d_model))
+        if base == "embedding":
+            nn.init.orthogonal_(self.weight, gain=0.32)
+        else:
+            nn.init.normal_(self.weight, std=init_std)
+        # running statistics for eval_mode='running' (global, identical on every rank)
+        self.register_buffer("running_dispersion", torch.ones(num_experts, d_model))
+        self.register_buffer("running_valid", torch.zeros(num_experts, dtype=torch.bool))
+        self.last_weights: Optional[torch.Tensor] = None  # [E, d] weights of the last AC call
+
+    def router_weight(self) -> torch.Tensor:
+        return F.normalize(self.weight.float(), dim=-1) if self.base == "embedding" else self.weight
+
+    def active(self, ctx: RoutingContext) -> bool:
+        return ctx.prev_top1 is not None and ctx.layer_idx >= self.start_layer
+
+    @torch.no_grad()
+    def _update_running(self, counts: torch.Tensor, dispersion: torch.Tensor) -> None:
+        seen = counts >= self.min_count
+        blended = torch.where(self.running_valid[:, None],
+                              torch.lerp(self.running_dispersion, dispersion, self.momentum), dispersion)
+        self.running_dispersion.copy_(torch.where(seen[:, None], blended, self.running_dispersion))
+        self.running_valid |= seen
+
+    def feature_weights(self, x: torch.Tensor, labels: torch.Tensor, ctx: RoutingContext) -> tuple[torch.Tensor, dict]:
+        """``[E, d]`` weights for this call (detached) and the statistics for metrics."""
+        if not self.training and self.eval_mode == "running":
+            valid = self.running_valid
+            w = dispersion_weights(self.running_dispersion.float(), valid, self.eps, self.clamp, self.weight_norm)
+            return w, {}
+        counts, disp = cluster_dispersion(x, labels, self.num_experts, self.dispersion, ctx.group_for(self.scope),
+                                          real_token_weights(ctx, x.shape[0], x.device))
+        valid = counts >= self.min_count
+        if self.training and not is_recomputing():
+            self._update_running(counts, disp)
+        w = dispersion_weights(disp, valid, self.eps, self.clamp, self.weight_norm)
+        return w, {"ac_cluster_sizes": counts.detach(), "ac_small_clusters": (~valid).sum().float()}
+
+    def route(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:
+        extras: dict = {"ac_active": torch.zeros(())}
+        if self.active(ctx):
+            labels = ctx.prev_top1.reshape(-1).to(device=x.device, dtype=torch.long)
+            if labels.shape[0] != x.shape[0]:
+                raise ValueError(f"layer {ctx.layer_idx}: ctx.prev_top1 has {labels.shape[0]} labels for {x.shape[0]} tokens")
+            w, stats = self.feature_weights(x, labels, ctx)
+            self.last_weights = w
+            extras.update(stats, ac_active=torch.ones(()))
+            router_input = x.float() * w.index_select(0, labels)
+        else:
+            router_input = x
+        logits = fp32_linear(router_input, self.router_weight())
+        check_finite_logits(logits, f"layer {ctx.layer_idx} router")
+        probs = torch.softmax(logits, dim=-1)
+        expert_ids, gates = select_topk(logits, probs, self.top_k, self.normalize)
+        return Routing(expert_ids=expert_ids, gates=gates, probs=probs, logits=logits, extras=extras)
