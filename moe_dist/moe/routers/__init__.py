@@ -4,5 +4,8 @@ from .registry import ROUTERS, build_router, register_router, router_options
 from . import topk, xmoe  # noqa: F401  (registration)
 from . import token_graph  # noqa: F401  (registration: similarity, attention)
 from . import symphony  # noqa: F401  (registration: symphony)
+from . import ssr  # noqa: F401  (registration: ssr, sinkhorn)
+from . import hyper  # noqa: F401  (registration: hyper, smoe_dropout)
+from . import ac  # noqa: F401  (registration: ac)
 
 __all__ = ["Router", "ROUTERS", "build_router", "register_router", "router_options"]
