@@ -1,0 +1,401 @@
+"""Similarity- and Attention-aware routers: explicit references, causality, padding, and
+1 process vs 2 / 4 gloo ranks (expert-parallel 2 / 4) with whole sequences per rank."""
+import math
+
+import pytest
+import torch
+
+from collective_count import record_collectives
+from dist_harness import run_ranks
+from moe_cases import D_MODEL, collect, make_layer, step
+from test_moe_invariance import check_against_reference
+
+from moe_dist.dist import build_parallel_groups
+from moe_dist.moe import MoELayer
+from moe_dist.moe.routers import build_router
+from moe_dist.moe.routers.token_graph import ATTN_OUT_WEIGHT, ATTN_OUTPUT, ATTN_VALUES
+from moe_dist.moe.routing import RoutingContext
+from moe_dist.parallel import apply_expert_parallel, sync_gradients
+
+E, K = 8, 2
+
+
+# ---------------------------------------------------------------- synthetic inputs
+def attention_inputs(B, S, H, Hkv, dh, D, seed, padding_mask=None, causal=True, scale=1.0):
+    """Attention probabilities (causal, padded keys masked, diagonal always allowed) and the
+    value path the attention-aware router reads, as leaf tensors that require grad."""
+    g = torch.Generator().manual_seed(seed)
+    logits = 2.0 * torch.randn(B, H, S, S, generator=g)
+    allowed = torch.ones(B, 1, S, S, dtype=torch.bool)
+    if causal:
+        allowed &= torch.ones(S, S, dtype=torch.bool).tril()
+    if padding_mask is not None:
+        allowed &= padding_mask[:, None, None, :] | torch.eye(S, dtype=torch.bool)
+    probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), -1)
+    values = scale * torch.randn(B, Hkv, S, dh, generator=g)
+    w_out = scale * torch.randn(D, H * dh, generator=g) / math.sqrt(dh)
+    out = scale * torch.randn(B, S, D, generator=g)
+    return {"attn_probs": probs.requires_grad_(), ATTN_VALUES: values.requires_grad_(),
+            ATTN_OUT_WEIGHT: w_out.requires_grad_(), ATTN_OUTPUT: out.requires_grad_()}
+
+
+def context_for(B, S, attn=None, padding_mask=None, causal=True):
+    extras = {} if attn is None else {k: v for k, v in attn.items() if k != "attn_probs"}
+    return RoutingContext(batch_shape=(B, S), padding_mask=padding_mask, causal=causal,
+                          attn_probs=None if attn is None else attn["attn_probs"], extras=extras)
+
+
+class CausalAttention(torch.nn.Module):
+    """A tiny causal multi-head attention producing everything the attention-aware router reads."""
+
+    def __init__(self, D, H, dh):
+        super().__init__()
+        self.H, self.dh = H, dh
+        self.qkv = torch.nn.Linear(D, 3 * H * dh, bias=False)
+        self.o = torch.nn.Linear(H * dh, D, bias=False)
+
+    def forward(self, x):  # x [B, S, D]
+        B, S, _ = x.shape
+        q, k, v = self.qkv(x).view(B, S, 3, self.H, self.dh).permute(2, 0, 3, 1, 4)
+        s = (q @ k.transpose(-1, -2)) / math.sqrt(self.dh)
+        a = torch.softmax(s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf")), -1)
+        out = self.o((a @ v).transpose(1, 2).reshape(B, S, -1))
+        return {"attn_probs": a, ATTN_VALUES: v, ATTN_OUT_WEIGHT: self.o.weight, ATTN_OUTPUT: out}
+
+
+# ---------------------------------------------------------------- references from the digest
+def similarity_reference(u, R, tau, causal, padding_mask=None, cosine=False):
+    """P = softmax_row(U U^T / tau) R per sequence, future keys and padded keys masked (float64)."""
+    u = u.double()
+    if cosine:
+        u = u / u.norm(dim=-1, keepdim=True)
+    L = u @ u.transpose(1, 2) / tau
+    S = u.shape[1]
+    allowed = torch.ones(u.shape[0], S, S, dtype=torch.bool)
+    if causal:
+        allowed &= torch.ones(S, S, dtype=torch.bool).tril()
+    if padding_mask is not None:
+        allowed &= padding_mask[:, None, :] | torch.eye(S, dtype=torch.bool)
+    return torch.softmax(L.masked_fill(~allowed, float("-inf")), -1) @ R.double()
+
+
+def attention_reference(R, attn, sigma, out_scale, causal, padding_mask=None, likelihood=True):
+    """Digest formulas, written out token by token: h* = argmin_h mean_i H(A_h[i, :]);
+    L[i, j] = N(u_i | v'_{h*, j}, sigma^2 I) with v'_{h,j} = W_O,h v_{h,j}; A^P = A L / sum_j A L;
+    P = A^P R (float64)."""
+    A, values, w_out, u = (attn[k].double() for k in ("attn_probs", ATTN_VALUES, ATTN_OUT_WEIGHT, ATTN_OUTPUT))
+    B, H, S, _ = A.shape
+    Hkv, dh, D = values.shape[1], values.shape[-1], u.shape[-1]
+    rows = []
+    for b in range(B):
+        real = [i for i in range(S) if padding_mask is None or bool(padding_mask[b, i])]
+        mean_entropy = []
+        for h in range(H):
+            ent = [-sum(float(a) * math.log(float(a)) for a in A[b, h, i].detach() if a > 0) for i in real]
+            mean_entropy.append(sum(ent) / len(ent))
+        hs = min(range(H), key=lambda h: (mean_entropy[h], h))
+        vp = values[b, hs // (H // Hkv)] @ w_out[:, hs * dh:(hs + 1) * dh].t()  # [S, D]
+        for i in range(S):
+            weights = []
+            for j in range(S):
+                ok = (j <= i or not causal) and (padding_mask is None or bool(padding_mask[b, j]) or j == i)
+                lik = torch.exp(-((out_scale * u[b, i] - vp[j]) ** 2).sum() / (2 * sigma ** 2)) / (2 * math.pi * sigma ** 2) ** (D / 2)
+                weights.append(A[b, hs, i, j] * (lik if likelihood else 1.0) if ok else A.new_zeros(()))
+            w = torch.stack(weights)
+            rows.append((w / w.sum()) @ R[b].double())
+    return torch.stack(rows).view(B, S, -1)
+
+
+def base_probs(router, x):
+    return torch.softmax(x.double() @ router.base.weight.double().t(), -1)
+
+
+# ---------------------------------------------------------------- single-process tests
+@pytest.mark.parametrize("cosine,tau,pad", [(False, 4.0, False), (True, 0.25, True), (False, 1.0, True)])
+def test_similarity_matches_reference(cosine, tau, pad):
+    torch.manual_seed(0)
+    B, S = 3, 7
+    router = build_router("similarity", D_MODEL, E, K, temperature=tau, similarity="cosine" if cosine else "dot")
+    x = torch.randn(B * S, D_MODEL, requires_grad=True)
+    pm = None
+    if pad:
+        pm = torch.ones(B, S, dtype=torch.bool)
+        pm[0, -2:] = False
+        pm[2, :2] = False
+    r = router(x, context_for(B, S, padding_mask=pm))
+    P = similarity_reference(x.view(B, S, -1), base_probs(router, x).view(B, S, -1), tau, True, pm, cosine)
+    torch.testing.assert_close(r.probs.double(), P.view(B * S, -1), rtol=1e-5, atol=1e-6)
+    ids = P.view(B * S, -1).topk(K, -1).indices
+    assert torch.equal(r.expert_ids, ids)
+    gates = P.view(B * S, -1).gather(-1, ids)
+    gates = gates / gates.sum(-1, keepdim=True)
+    torch.testing.assert_close(r.gates.double(), gates, rtol=1e-5, atol=1e-6)
+    c = torch.randn(B * S, K, dtype=torch.float64)
+    gx, = torch.autograd.grad((r.gates.double() * c).sum(), x)
+    x_ref = x.detach().clone().requires_grad_()
+    P2 = similarity_reference(x_ref.view(B, S, -1), base_probs(router, x_ref).view(B, S, -1), tau, True, pm, cosine)
+    g2 = P2.view(B * S, -1).gather(-1, ids)
+    gx_ref, = torch.autograd.grad(((g2 / g2.sum(-1, keepdim=True)) * c).sum(), x_ref)
+    torch.testing.assert_close(gx.double(), gx_ref.double(), rtol=1e-4, atol=1e-6)
+
+
+def test_similarity_options():
+    torch.manual_seed(1)
+    B, S = 2, 6
+    x = torch.randn(B * S, D_MODEL, requires_grad=True)
+    ctx = context_for(B, S)
+    fixed = build_router("similarity", D_MODEL, E, K, temperature=4.0)
+    torch.manual_seed(1)
+    learned = build_router("similarity", D_MODEL, E, K, temperature=4.0, learn_similarity=True)
+    learned.base.load_state_dict(fixed.base.state_dict())
+    torch.testing.assert_close(learned(x, ctx).gates, fixed(x, ctx).gates)  # W_s starts at I
+    (learned(x, ctx).gates[:, 0].sum()).backward()
+    assert learned.similarity_weight.grad is not None and learned.similarity_weight.grad.abs().sum() > 0
+    # detach_graph: gradient reaches x only through R
+    det = build_router("similarity", D_MODEL, E, K, temperature=4.0, detach_graph=True)
+    det.base.load_state_dict(fixed.base.state_dict())
+    c = torch.randn(B * S, K)
+    g_det, = torch.autograd.grad((det(x, ctx).gates * c).sum(), x)
+    xd = x.detach().clone().requires_grad_()
+    with torch.no_grad():
+        S_mat = torch.softmax((xd.view(B, S, -1) @ xd.view(B, S, -1).transpose(1, 2) / 4.0)
+                              .masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf")), -1)
+    P = S_mat @ torch.softmax(xd @ det.base.weight.t(), -1).view(B, S, -1)
+    ids = det(x, ctx).expert_ids
+    gate = P.view(B * S, -1).gather(-1, ids)
+    g_ref, = torch.autograd.grad(((gate / gate.sum(-1, keepdim=True)) * c).sum(), xd)
+    torch.testing.assert_close(g_det, g_ref, rtol=1e-4, atol=1e-6)
+    g_full, = torch.autograd.grad((fixed(x, ctx).gates * c).sum(), x)
+    assert not torch.allclose(g_full, g_det)  # the graph does carry gradient when not detached
+    # top-1 keeps the un-normalised P[i, e*] (Switch style)
+    top1 = build_router("similarity", D_MODEL, E, 1, temperature=4.0)
+    r1 = top1(x, ctx)
+    torch.testing.assert_close(r1.gates, r1.probs.gather(-1, r1.expert_ids))
+    assert (r1.gates < 1).all()
+    # the load-balance probabilities: mixed P by default, base R on request
+    base_aux = build_router("similarity", D_MODEL, E, K, temperature=4.0, aux_probs="base")
+    base_aux.base.load_state_dict(fixed.base.state_dict())
+    torch.testing.assert_close(base_aux(x, ctx).probs, fixed.base(x, ctx).probs)
+
+
+@pytest.mark.parametrize("sigma,likelihood,Hkv,pad", [(1.0, True, 3, False), (0.7, True, 1, True), (1.0, False, 3, True)])
+def test_attention_matches_digest_formulas(sigma, likelihood, Hkv, pad):
+    torch.manual_seed(2)
+    B, S, H, dh, D = 2, 5, 3, 4, 6
+    router = build_router("attention", D, 4, K, sigma=sigma, likelihood=likelihood)
+    pm = None
+    if pad:
+        pm = torch.ones(B, S, dtype=torch.bool)
+        pm[1, -1] = False
+    attn = attention_inputs(B, S, H, Hkv, dh, D, seed=3, padding_mask=pm, scale=0.6)
+    x = torch.randn(B * S, D, requires_grad=True)
+    r = router(x, context_for(B, S, attn, pm))
+    P = attention_reference(base_probs(router, x).view(B, S, -1), attn, sigma, 1.0 / H, True, pm, likelihood)
+    torch.testing.assert_close(r.probs.double(), P.view(B * S, -1), rtol=1e-5, atol=1e-6)
+    ids = P.view(B * S, -1).topk(K, -1).indices
+    assert torch.equal(r.expert_ids, ids)
+    # gradients into the base router's input, the attention probabilities and the value path
+    c = torch.randn(B * S, K, dtype=torch.float64)
+    leaves = [x, *attn.values()]
+    grads = torch.autograd.grad((r.gates.double() * c).sum(), leaves, allow_unused=True)
+    ref_leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    ref_attn = dict(zip(attn.keys(), ref_leaves[1:]))
+    P2 = attention_reference(base_probs(router, ref_leaves[0]).view(B, S, -1), ref_attn, sigma, 1.0 / H, True, pm,
+                             likelihood).view(B * S, -1).gather(-1, ids)
+    ref_grads = torch.autograd.grad(((P2 / P2.sum(-1, keepdim=True)) * c).sum(), ref_leaves, allow_unused=True)
+    for name, g, gr in zip(["x", *attn.keys()], grads, ref_grads):
+        if gr is None:  # likelihood=False does not read the value path
+            assert g is None or not g.abs().any(), name
+            continue
+        torch.testing.assert_close(g.double(), gr.double(), rtol=1e-4, atol=1e-7, msg=lambda m: f"grad {name}: {m}")
+    # the likelihood term matters on this example (the check above can fail)
+    if likelihood:
+        plain = attention_reference(base_probs(router, x).view(B, S, -1), attn, sigma, 1.0 / H, True, pm, False)
+        assert (plain - P).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", ["similarity", "attention"])
+def test_causality(name):
+    """Changing token t+1 (and anything later) leaves the routing of tokens <= t unchanged;
+    without the causal mask it does not (so the check can fail)."""
+    torch.manual_seed(4)
+    B, S, D, H, dh = 2, 9, D_MODEL, 2, 4
+    opts = {"temperature": 4.0} if name == "similarity" else {}
+    router = build_router(name, D, E, K, **opts)
+    attn_layer = CausalAttention(D, H, dh)
+    x = torch.randn(B, S, D)
+
+    def route(inp, causal=True):
+        attn = attn_layer(inp) if name == "attention" else None
+        return router(inp.reshape(B * S, D), context_for(B, S, attn, causal=causal))
+
+    for t in (0, 3, S - 2):
+        x2 = x.clone()
+        x2[:, t + 1:] = torch.randn(B, S - t - 1, D)
+        a, b = route(x), route(x2)
+        keep = torch.zeros(B, S, dtype=torch.bool)
+        keep[:, : t + 1] = True
+        keep = keep.reshape(-1)
+        assert torch.equal(a.expert_ids[keep], b.expert_ids[keep])
+        torch.testing.assert_close(a.gates[keep], b.gates[keep], rtol=0, atol=1e-7)
+        torch.testing.assert_close(a.probs[keep], b.probs[keep], rtol=0, atol=1e-7)
+    if name == "similarity":
+        x2 = x.clone()
+        x2[:, 1:] = torch.randn(B, S - 1, D)
+        assert not torch.allclose(route(x, causal=False).probs[:1], route(x2, causal=False).probs[:1])
+
+
+def test_padded_tokens_do_not_influence_real_tokens():
+    torch.manual_seed(5)
+    B, S = 2, 8
+    pm = torch.ones(B, S, dtype=torch.bool)
+    pm[0, 5:] = False
+    router = build_router("similarity", D_MODEL, E, K, temperature=4.0, similarity="cosine")
+    x = torch.randn(B, S, D_MODEL)
+    x2 = x.clone()
+    x2[0, 5:] = 10 * torch.randn(3, D_MODEL)
+    for causal in (True, False):
+        a = router(x.reshape(-1, D_MODEL), context_for(B, S, padding_mask=pm, causal=causal))
+        b = router(x2.reshape(-1, D_MODEL), context_for(B, S, padding_mask=pm, causal=causal))
+        real = pm.reshape(-1)
+        torch.testing.assert_close(a.probs[real], b.probs[real], rtol=0, atol=1e-7)
+        assert torch.equal(a.expert_ids[real], b.expert_ids[real])
+
+
+def test_clear_errors():
+    x = torch.randn(6, D_MODEL)
+    with pytest.raises(ValueError, match="batch_shape"):
+        build_router("similarity", D_MODEL, E, K)(x, RoutingContext())
+    with pytest.raises(ValueError, match="batch_shape"):
+        build_router("similarity", D_MODEL, E, K)(x, RoutingContext(batch_shape=(2, 4)))
+    with pytest.raises(ValueError, match="attn_probs"):
+        build_router("attention", D_MODEL, E, K)(x, RoutingContext(batch_shape=(2, 3)))
+    probs = torch.softmax(torch.randn(2, 2, 3, 3), -1)
+    with pytest.raises(ValueError, match="attn_values"):
+        build_router("attention", D_MODEL, E, K)(x, RoutingContext(batch_shape=(2, 3), attn_probs=probs))
+    build_router("attention", D_MODEL, E, K, likelihood=False)(x, RoutingContext(batch_shape=(2, 3), attn_probs=probs))
+    with pytest.raises(ValueError, match="base='symphony'.*allowed"):
+        build_router("similarity", D_MODEL, E, K, base="symphony")
+    with pytest.raises(ValueError, match="temperature"):
+        build_router("similarity", D_MODEL, E, K, temperature=0)
+    with pytest.raises(ValueError, match="similarity='l2'"):
+        build_router("similarity", D_MODEL, E, K, similarity="l2")
+    with pytest.raises(ValueError, match="sigma"):
+        build_router("attention", D_MODEL, E, K, sigma=-1.0)
+    with pytest.raises(ValueError, match="aux_probs"):
+        build_router("attention", D_MODEL, E, K, aux_probs="raw")
+    assert build_router("attention", D_MODEL, E, K).needs_attention
+    assert not build_router("similarity", D_MODEL, E, K).needs_attention
+    assert build_router("similarity", D_MODEL, E, K, base="noisy_topk").needs_token_layout
+
+
+def test_layer_extras_and_bf16_model():
+    torch.manual_seed(6)
+    layer = MoELayer(D_MODEL, 32, E, K, router="similarity", router_options={"temperature": 4.0, "base": "xmoe"},
+                     expert_kernel="loop")
+    B, S = 3, 10
+    layer.context.batch_shape = (B, S)
+    x = torch.randn(B, S, D_MODEL, requires_grad=True)
+    layer(x).sum().backward()
+    extras = layer.stats.extras
+    assert set(extras) >= {"topk_changed", "temperature"}
+    assert 0 < float(extras["topk_changed"]) <= 1  # the mixing changed some choices
+    assert not extras["topk_changed"].requires_grad
+    layer.to(torch.bfloat16)
+    out = layer(x.detach().to(torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and layer.last_routing.probs.dtype == torch.float32
+
+
+# ---------------------------------------------------------------- 1 vs 2 vs 4 ranks
+B_SEQ, S_LEN, HEADS, HEADS_KV, D_HEAD = 8, 12, 4, 2, 4
+
+CASES = {
+    "similarity": dict(cfg=dict(router="similarity", router_options={"temperature": 4.0}), causal=True, pad=True,
+                       baseline="baseline-topk"),
+    "similarity-cosine-xmoe-detach-cap": dict(cfg=dict(router="similarity", capacity_factor=1.0, drop_policy="probs",
+                                                       router_options={"similarity": "cosine", "temperature": 0.1,
+                                                                       "base": "xmoe", "detach_graph": True}),
+                                              causal=False, pad=False, baseline="baseline-xmoe-cap"),
+    "attention": dict(cfg=dict(router="attention"), causal=True, pad=True, baseline="baseline-topk"),
+    "attention-top1-cap": dict(cfg=dict(router="attention", top_k=1, capacity_factor=1.25,
+                                        router_options={"sigma": 2.0}), causal=True, pad=False,
+                               baseline="baseline-top1-cap"),
+    # the same layers with the plain base router: the collectives the layer issues anyway
+    "baseline-topk": dict(cfg=dict(router="topk"), causal=True, pad=True),
+    "baseline-xmoe-cap": dict(cfg=dict(router="xmoe", capacity_factor=1.0, drop_policy="probs"), causal=False, pad=False),
+    "baseline-top1-cap": dict(cfg=dict(router="topk", top_k=1, capacity_factor=1.25), causal=True, pad=False),
+}
+SPLITS = {1: [[8]], 2: [[4, 4], [3, 5]], 4: [[2, 2, 2, 2], [1, 2, 3, 2]]}
+
+
+def case_data(spec):
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(B_SEQ, S_LEN, D_MODEL, generator=g)
+    w = torch.randn(B_SEQ, S_LEN, D_MODEL, generator=g)
+    pm = None
+    if spec["pad"]:
+        pm = torch.ones(B_SEQ, S_LEN, dtype=torch.bool)
+        pm[1, -4:] = False
+        pm[6, :3] = False
+    attn = None
+    if spec["cfg"]["router"] == "attention":
+        attn = attention_inputs(B_SEQ, S_LEN, HEADS, HEADS_KV, D_HEAD, D_MODEL, seed=12, padding_mask=pm,
+                                causal=spec["causal"], scale=0.5)
+    return x, w, pm, attn
+
+
+def run_case(rank, spec, ep, sizes):
+    """One forward/backward of the layer on this rank's whole sequences (ranks: sizes)."""
+    cfg = spec["cfg"]
+    groups = build_parallel_groups(ep, cfg.get("num_experts", E))
+    layer = apply_expert_parallel(make_layer(cfg), groups)
+    x, w, pm, attn = case_data(spec)
+    b0, nb = sum(sizes[:rank]), sizes[rank]
+    sl = slice(b0, b0 + nb)
+    mine = None if attn is None else {k: (v if k == ATTN_OUT_WEIGHT else v[sl]) for k, v in attn.items()}
+    layer.context.batch_shape = (nb, S_LEN)
+    layer.context.padding_mask = None if pm is None else pm[sl]
+    layer.context.causal = spec["causal"]
+    if mine is not None:
+        layer.context.attn_probs = mine["attn_probs"]
+        layer.context.extras.update({k: v for k, v in mine.items() if k != "attn_probs"})
+    with record_collectives() as calls:
+        res = step(layer, x[sl].reshape(-1, D_MODEL), w[sl].reshape(-1, D_MODEL), B_SEQ * S_LEN)
+    sync_gradients(layer, groups)
+    res = collect(layer, res)
+    res["collectives"] = [(n, dt) for n, _, dt in calls]
+    res["topk_changed"] = layer.stats.extras.get("topk_changed", torch.zeros(()))
+    if attn is not None:  # per-sequence inputs: this rank's rows; W_O: this rank's partial gradient
+        res["attn_grads"] = {k: v.grad.clone() for k, v in attn.items()}
+    return res
+
+
+def _all_cases(rank, world, ep):
+    return {(name, i): run_case(rank, spec, ep, sizes)
+            for name, spec in CASES.items() for i, sizes in enumerate(SPLITS[world])}
+
+
+@pytest.mark.parametrize("world,ep", [(2, 2), (4, 4)])
+def test_token_graph_invariance_and_collectives(world, ep):
+    results = run_ranks(_all_cases, world, args=(ep,))
+    tokens = B_SEQ * S_LEN
+    for name, spec in CASES.items():
+        ref = run_case(0, spec, 1, SPLITS[1][0])
+        if "baseline" in spec:
+            assert float(ref["topk_changed"]) > 0, f"{name}: the mixing changed no choice; the case checks nothing"
+        for i, sizes in enumerate(SPLITS[world]):
+            per_rank = [r[(name, i)] for r in results]
+            check_against_reference(ref, per_rank, tokens)
+            if "attn_grads" in ref:
+                for key, g_ref in ref["attn_grads"].items():
+                    if key == ATTN_OUT_WEIGHT:  # a dense parameter: partial gradients sum over ranks
+                        got = torch.stack([r["attn_grads"][key] for r in per_rank]).sum(0)
+                    else:
+                        got = torch.cat([r["attn_grads"][key][sum(sizes[:j]):sum(sizes[:j]) + sizes[j]]
+                                         for j, r in enumerate(per_rank)])
+                    torch.testing.assert_close(got, g_ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {key}: {m}")
+            # no collective beyond the layer's own: the same calls as the plain top-k layer
+            if "baseline" in spec:
+                for r_case, r in zip(per_rank, results):
+                    assert ("all_to_all_single", "torch.int64") in r_case["collectives"]  # the recorder works
+                    assert r_case["collectives"] == r[(spec["baseline"], i)]["collectives"], name
