@@ -1,0 +1,95 @@
+"""A corpus: text or JSON-lines files, read as documents, split into train / validation.
+
+A document is a whole text file or one JSON-lines record. A document belongs to the
+validation split when a hash of its name (relative path, plus the line number for a
+JSON-lines record) falls under ``val_fraction``: the split does not depend on file order,
+machine or process count, and adding files does not move existing documents.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+TEXT_SUFFIXES = (".txt", ".rst", ".md", ".text")
+JSONL_SUFFIXES = (".jsonl", ".json")
+
+
+@dataclass(frozen=True)
+class Document:
+    name: str  # stable identifier: relative path[:line]
+    text: str
+
+
+def _is_jsonl(path: Path, fmt: str) -> bool:
+    return fmt == "jsonl" or (fmt == "auto" and path.name.endswith(JSONL_SUFFIXES))
+
+
+def corpus_files(corpus: str, pattern: Optional[str] = None) -> list[Path]:
+    """The files of a corpus, sorted by relative path."""
+    root = Path(corpus)
+    if root.is_file():
+        return [root]
+    if not root.is_dir():
+        hint = (" (the default corpus comes from Debian's python3.11-doc package: run scripts/setup.sh as root "
+                "or `apt-get install python3.11-doc`)") if "python3.11" in str(root) else ""
+        raise FileNotFoundError(f"data.corpus={corpus!r} does not exist{hint}")
+    if pattern:
+        files = [p for p in root.glob(pattern) if p.is_file()]
+    else:
+        files = [p for p in root.rglob("*") if p.is_file() and p.name.endswith(TEXT_SUFFIXES + JSONL_SUFFIXES)]
+    files.sort(key=lambda p: p.relative_to(root).as_posix())
+    if not files:
+        raise FileNotFoundError(f"data.corpus={corpus!r} holds no files matching "
+                                f"{pattern or '*' + ', *'.join(TEXT_SUFFIXES + JSONL_SUFFIXES)} (data.pattern)")
+    return files
+
+
+def _relative(path: Path, corpus: str) -> str:
+    root = Path(corpus)
+    return path.name if root.is_file() else path.relative_to(root).as_posix()
+
+
+def read_documents(corpus: str, pattern: Optional[str] = None, fmt: str = "auto",
+                   jsonl_field: str = "text") -> Iterator[Document]:
+    """Documents in a stable order."""
+    for path in corpus_files(corpus, pattern):
+        rel = _relative(path, corpus)
+        if _is_jsonl(path, fmt):
+            with open(path, encoding="utf-8") as f:
+                for i, line in enumerate(f):
+                    if not line.strip():
+                        continue
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path}:{i + 1}: not valid JSON ({e.msg}); data.format='jsonl' expects one "
+                                         "JSON object per line") from None
+                    if not isinstance(rec, dict) or not isinstance(rec.get(jsonl_field), str):
+                        raise ValueError(f"{path}:{i + 1}: no string field {jsonl_field!r} (data.jsonl_field)")
+                    if rec[jsonl_field]:
+                        yield Document(f"{rel}:{i + 1}", rec[jsonl_field])
+        else:
+            text = path.read_text(encoding="utf-8", errors="replace")
+            if text:
+                yield Document(rel, text)
+
+
+def is_validation(name: str, val_fraction: float) -> bool:
+    h = int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "big")
+    return h / 2.0**64 < val_fraction
+
+
+def corpus_fingerprint(corpus: str, pattern: Optional[str] = None) -> str:
+    """sha256 over relative paths and file contents (what makes two corpora the same)."""
+    h = hashlib.sha256()
+    for path in corpus_files(corpus, pattern):
+        h.update(_relative(path, corpus).encode("utf-8") + b"\0")
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        h.update(b"\0" + str(os.path.getsize(path)).encode())
+    return h.hexdigest()

@@ -1,0 +1,281 @@
+"""Start torch.distributed from whatever launched us: torchrun, Slurm's srun, or mpirun.
+
+    rt = init_distributed(ep=2, num_experts=8)   # every rank calls it
+    rt.groups, rt.device, rt.dp_mesh, rt.mesh     # ParallelGroups, torch.device, FSDP2 mesh, named mesh
+
+Rank, world size, local rank and rendezvous address are read from the environment in
+this order: torchrun (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``), a Slurm job step
+(``SLURM_PROCID``/``SLURM_STEP_NUM_TASKS`` or ``SLURM_NTASKS``/``SLURM_LOCALID``, master =
+first host of the node list), Open MPI (``OMPI_COMM_WORLD_*``), PMIx (``PMIX_RANK``), MPICH /
+Hydra (``PMI_RANK``/``PMI_SIZE``/``MPI_LOCALRANKID``), MVAPICH (``MV2_COMM_WORLD_*``), and
+finally mpi4py when asked for (``MOE_DIST_MPI4PY=1``). Nothing found means one process.
+``MASTER_ADDR`` / ``MASTER_PORT`` always win when set.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import socket
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from .groups import ParallelGroups, build_parallel_groups
+
+DEFAULT_PORT = 29517
+
+
+@dataclass
+class LaunchInfo:
+    """Where this process sits in the job, as the launcher described it."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = DEFAULT_PORT
+    launcher: str = "single"  # torchrun | slurm | openmpi | pmix | mpich | mvapich | mpi4py | single | external
+
+    def __post_init__(self):
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"{self.launcher}: rank {self.rank} is outside a world of size {self.world_size}")
+
+
+def first_host(nodelist: str) -> str:
+    """First host of a Slurm host list: ``node[07-09,12],gpu1`` -> ``node07``."""
+    nodelist = nodelist.strip()
+    depth, end = 0, len(nodelist)
+    for i, ch in enumerate(nodelist):
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            end = i
+            break
+    entry = nodelist[:end]
+    host = re.sub(r"\[([^\]]*)\]", lambda m: m.group(1).split(",")[0].split("-")[0], entry)
+    if not host or "[" in host or "]" in host:
+        raise ValueError(f"cannot read the first host of the Slurm node list {nodelist!r}")
+    return host
+
+
+def _int(env: Mapping[str, str], *names: str) -> Optional[int]:
+    for name in names:
+        if env.get(name, "").strip():
+            try:
+                return int(env[name])
+            except ValueError:
+                raise ValueError(f"environment variable {name}={env[name]!r} is not an integer") from None
+    return None
+
+
+def _tasks_on_first_node(spec: str) -> Optional[int]:
+    """``SLURM_STEP_TASKS_PER_NODE`` looks like ``2(x3),1``; the first count."""
+    m = re.match(r"\s*(\d+)", spec or "")
+    return int(m.group(1)) if m else None
+
+
+def _port(env: Mapping[str, str], fallback: int) -> int:
+    return _int(env, "MASTER_PORT") or fallback
+
+
+def _from_mpi_env(env: Mapping[str, str]) -> Optional[LaunchInfo]:
+    flavours = (
+        ("openmpi", ("OMPI_COMM_WORLD_RANK",), ("OMPI_COMM_WORLD_SIZE",), ("OMPI_COMM_WORLD_LOCAL_RANK",),
+         ("OMPI_COMM_WORLD_LOCAL_SIZE",)),
+        ("pmix", ("PMIX_RANK",), ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"), ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"),
+         ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")),
+        ("mpich", ("PMI_RANK",), ("PMI_SIZE",), ("MPI_LOCALRANKID", "PMI_LOCAL_RANK"), ("MPI_LOCALNRANKS", "PMI_LOCAL_SIZE")),
+        ("mvapich", ("MV2_COMM_WORLD_RANK",), ("MV2_COMM_WORLD_SIZE",), ("MV2_COMM_WORLD_LOCAL_RANK",),
+         ("MV2_COMM_WORLD_LOCAL_SIZE",)),
+    )
+    for name, rank_v, size_v, lrank_v, lsize_v in flavours:
+        rank = _int(env, *rank_v)
+        if rank is None:
+            continue
+        size = _int(env, *size_v)
+        if size is None:
+            raise ValueError(f"{name} launch: {rank_v[0]} is set but not the world size ({' / '.join(size_v)})")
+        local_size = _int(env, *lsize_v)
+        return LaunchInfo(rank=rank, world_size=size, local_rank=_int(env, *lrank_v) or 0,
+                          local_world_size=local_size or size, master_addr=env.get("MASTER_ADDR", ""),
+                          master_port=_port(env, DEFAULT_PORT), launcher=name)
+    return None
+
+
+def _mpi4py_info() -> tuple[int, int, int, int]:
+    try:
+        from mpi4py import MPI
+    except ImportError as e:
+        raise RuntimeError("MOE_DIST_MPI4PY=1 needs mpi4py with an MPI runtime: pip install mpi4py mpich") from e
+    comm = MPI.COMM_WORLD
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    return comm.Get_rank(), comm.Get_size(), local.Get_rank(), local.Get_size()
+
+
+def _mpi4py_rendezvous(info: LaunchInfo) -> None:
+    """Rank 0 publishes its host name and a free port over MPI (when MASTER_ADDR is unset)."""
+    from mpi4py import MPI
+
+    payload = None
+    if info.rank == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            payload = (socket.gethostname(), s.getsockname()[1])
+    info.master_addr, info.master_port = MPI.COMM_WORLD.bcast(payload, root=0)
+
+
+def detect_launch(environ: Optional[Mapping[str, str]] = None, use_mpi4py: Optional[bool] = None) -> LaunchInfo:
+    """Read this process's place in the job from the launcher's environment."""
+    env = os.environ if environ is None else environ
+    if use_mpi4py is None:
+        use_mpi4py = env.get("MOE_DIST_MPI4PY", "0") not in ("", "0", "false")
+
+    if _int(env, "RANK") is not None and _int(env, "WORLD_SIZE") is not None:  # torchrun or a hand-set env
+        size = _int(env, "WORLD_SIZE")
+        return LaunchInfo(rank=_int(env, "RANK"), world_size=size, local_rank=_int(env, "LOCAL_RANK") or 0,
+                          local_world_size=_int(env, "LOCAL_WORLD_SIZE") or size,
+                          master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=_port(env, DEFAULT_PORT),
+                          launcher="torchrun")
+
+    # a Slurm job *step* (srun); a batch script alone also has SLURM_PROCID=0 but is one process
+    in_step = any(env.get(v) for v in ("SLURM_STEP_ID", "SLURM_STEPID", "SLURM_STEP_NUM_TASKS"))
+    if _int(env, "SLURM_PROCID") is not None and in_step:
+        size = _int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
+        if size is None:
+            raise ValueError("Slurm launch: SLURM_PROCID is set but not SLURM_STEP_NUM_TASKS / SLURM_NTASKS")
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+        addr = env.get("MASTER_ADDR") or (first_host(nodelist) if nodelist else "127.0.0.1")
+        job = _int(env, "SLURM_JOB_ID", "SLURM_JOBID") or 0
+        local_size = (_tasks_on_first_node(env.get("SLURM_STEP_TASKS_PER_NODE", "")) or
+                      _tasks_on_first_node(env.get("SLURM_TASKS_PER_NODE", "")) or size)
+        return LaunchInfo(rank=_int(env, "SLURM_PROCID"), world_size=size, local_rank=_int(env, "SLURM_LOCALID") or 0,
+                          local_world_size=local_size, master_addr=addr,
+                          master_port=_port(env, 15000 + job % 20000), launcher="slurm")
+
+    info = _from_mpi_env(env)
+    if info is None and use_mpi4py:
+        rank, size, lrank, lsize = _mpi4py_info()
+        info = LaunchInfo(rank=rank, world_size=size, local_rank=lrank, local_world_size=lsize,
+                          master_addr=env.get("MASTER_ADDR", ""), master_port=_port(env, DEFAULT_PORT), launcher="mpi4py")
+    if info is not None:
+        if not info.master_addr:
+            if info.world_size == info.local_world_size:  # one node: no need to ask anyone
+                info.master_addr = "127.0.0.1"
+            elif use_mpi4py or info.launcher == "mpi4py":
+                _mpi4py_rendezvous(info)
+            else:
+                raise ValueError(f"{info.launcher} launch over several nodes: set MASTER_ADDR (and MASTER_PORT) to the "
+                                 "host of rank 0, or set MOE_DIST_MPI4PY=1 to exchange it with mpi4py")
+        return info
+    return LaunchInfo()
+
+
+def pick_device(kind: str, local_rank: int) -> torch.device:
+    """``auto``: this rank's CUDA device when CUDA is present, else the CPU."""
+    if kind not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"run.device={kind!r} is not allowed; allowed: 'auto', 'cpu', 'cuda'")
+    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("run.device='cuda' but torch sees no CUDA device; allowed here: 'cpu' or 'auto'")
+        dev = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+        return dev
+    return torch.device("cpu")
+
+
+def pick_backend(kind: str, device: torch.device) -> str:
+    if kind not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"parallel.backend={kind!r} is not allowed; allowed: 'auto', 'gloo', 'nccl'")
+    if kind == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if kind == "nccl" and device.type != "cuda":
+        raise ValueError("parallel.backend='nccl' needs CUDA devices; allowed on CPU: 'gloo' (or 'auto')")
+    return kind
+
+
+@dataclass
+class Runtime:
+    """The distributed state of one process."""
+
+    launch: LaunchInfo
+    device: torch.device
+    backend: Optional[str]
+    groups: ParallelGroups = field(default_factory=ParallelGroups.single)
+    dp_mesh: Optional[object] = None  # 1-D DeviceMesh ("dp",) over every rank: FSDP2 for dense weights
+    mesh: Optional[object] = None  # 2-D DeviceMesh ("edp", "ep"): the expert layout, by name
+    owns_process_group: bool = False
+
+    @property
+    def rank(self) -> int:
+        return self.launch.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.launch.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.launch.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.launch.world_size > 1
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+
+def _meshes(groups: ParallelGroups, device: torch.device, world: int):
+    """Name the existing groups as device meshes (no new communicators)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    dp_mesh = DeviceMesh.from_group(dist.group.WORLD, device.type, mesh_dim_names=("dp",))
+    layout = torch.arange(world).view(world // groups.ep_size, groups.ep_size)
+    mesh = DeviceMesh.from_group([groups.edp, groups.ep], device.type, mesh=layout, mesh_dim_names=("edp", "ep"))
+    return dp_mesh, mesh
+
+
+def init_distributed(ep: int = 1, num_experts: Optional[int] = None, *, backend: str = "auto", device: str = "auto",
+                     timeout_s: float = 600, environ: Optional[Mapping[str, str]] = None) -> Runtime:
+    """Initialise the default process group (unless one exists) and build the parallel groups.
+
+    Expert-parallel size ``ep`` must divide the world size and ``num_experts``.
+    """
+    if dist.is_available() and dist.is_initialized():  # started by someone else (tests, a notebook)
+        world, rank = dist.get_world_size(), dist.get_rank()
+        env = os.environ if environ is None else environ
+        launch = LaunchInfo(rank=rank, world_size=world, local_rank=_int(env, "LOCAL_RANK") or 0,
+                            local_world_size=_int(env, "LOCAL_WORLD_SIZE") or world, launcher="external")
+        dev = pick_device(device, launch.local_rank)
+        be, owns = dist.get_backend(), False
+    else:
+        launch = detect_launch(environ)
+        dev = pick_device(device, launch.local_rank)
+        be, owns = None, False
+        if launch.world_size > 1:
+            be = pick_backend(backend, dev)
+            dist.init_process_group(be, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
+                                    rank=launch.rank, world_size=launch.world_size,
+                                    timeout=datetime.timedelta(seconds=timeout_s),
+                                    device_id=dev if dev.type == "cuda" else None)
+            owns = True
+    if launch.world_size > 1:
+        if launch.world_size % ep:
+            raise ValueError(f"parallel.ep={ep} must divide the world size {launch.world_size}")
+        groups = build_parallel_groups(ep, num_experts)
+        dp_mesh, mesh = _meshes(groups, dev, launch.world_size)
+    else:
+        groups = build_parallel_groups(ep, num_experts)  # raises for ep > 1 on one process
+        dp_mesh = mesh = None
+    return Runtime(launch=launch, device=dev, backend=be, groups=groups, dp_mesh=dp_mesh, mesh=mesh, owns_process_group=owns)
+
+
+def shutdown(rt: Runtime) -> None:
+    """Destroy the process group if :func:`init_distributed` created it."""
+    if rt.owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,96 @@
+"""Building blocks of the decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[seq_len, head_dim]`` for the rotate-half formulation (computed in fp32)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x ``[B, H, S, hd]``; rotates pairs (i, i + hd/2) by the position's angle."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def _init_linear(layer: nn.Linear, std: float) -> nn.Linear:
+    nn.init.normal_(layer.weight, std=std)
+    return layer
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention: ``n_heads`` query heads share ``n_kv_heads`` key/value heads.
+
+    The fused SDPA kernel runs unless the caller asks for the attention probabilities
+    (``need_probs``); then scores and softmax are computed explicitly and returned ``[B, H, S, S]``.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, init_std: float, out_init_std: float):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, d_model // n_heads
+        self.wq = _init_linear(nn.Linear(d_model, n_heads * self.head_dim, bias=False), init_std)
+        self.wk = _init_linear(nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False), init_std)
+        self.wv = _init_linear(nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False), init_std)
+        self.wo = _init_linear(nn.Linear(n_heads * self.head_dim, d_model, bias=False), out_init_std)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
+                need_probs: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        B, S, _ = x.shape
+        q = self.wq(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        mask = None
+        if padding_mask is not None:  # a query sees earlier real keys, and always itself
+            causal = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
+            eye = torch.eye(S, dtype=torch.bool, device=x.device)
+            mask = (causal & padding_mask[:, None, None, :].bool()) | eye
+        probs = None
+        if need_probs:
+            groups = self.n_heads // self.n_kv_heads
+            k_all, v_all = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            if mask is None:
+                mask = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
+            with torch.autocast(device_type=x.device.type, enabled=False):  # probabilities in fp32
+                scores = (q.float() @ k_all.float().transpose(-1, -2)) / math.sqrt(self.head_dim)
+                probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+            out = probs.to(v_all.dtype) @ v_all
+        elif mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.wo(out.transpose(1, 2).reshape(B, S, -1)), probs
+
+
+class SwiGLU(nn.Module):
+    """Dense feed-forward layer ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, d_model: int, d_ff: int, init_std: float, out_init_std: float):
+        super().__init__()
+        self.w1 = _init_linear(nn.Linear(d_model, d_ff, bias=False), init_std)
+        self.w3 = _init_linear(nn.Linear(d_model, d_ff, bias=False), init_std)
+        self.w2 = _init_linear(nn.Linear(d_ff, d_model, bias=False), out_init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))

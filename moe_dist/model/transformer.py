@@ -1,0 +1,129 @@
+"""Decoder-only language model whose feed-forward layers may be MoE layers.
+
+The model knows nothing of parallelism: ``moe_dist.parallel.apply_expert_parallel`` and the
+trainer's sharding are applied to it afterwards. Before each MoE layer runs, the model fills
+the layer's :class:`~moe_dist.moe.routing.RoutingContext` with what routers may read:
+``batch_shape``, ``padding_mask``, ``causal``, ``prev_top1`` (top-1 experts of the previous
+MoE layer in this forward) and, only for routers with ``needs_attention``, ``attn_probs``
+(``[B, H, S, S]`` probabilities of the same block's attention, computed explicitly there;
+other blocks keep the fused SDPA kernel). The trainer fills ``step``, ``micro_step``, ``seed``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from ..moe import MoELayer
+from .layers import Attention, RMSNorm, SwiGLU, rotary_tables
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + ffn(norm(x))``."""
+
+    def __init__(self, cfg, idx: int, is_moe: bool):
+        super().__init__()
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        self.idx, self.is_moe = idx, is_moe
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, cfg.init_std, out_std)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        if is_moe:
+            m = cfg.moe
+            self.ffn = MoELayer(cfg.d_model, m.d_ff or cfg.d_ff, m.num_experts, m.top_k, router=m.router,
+                                router_options=m.router_options, capacity_factor=m.capacity_factor,
+                                eval_capacity_factor=m.eval_capacity_factor, min_capacity=m.min_capacity,
+                                drop_policy=m.drop_policy, capacity_scope=m.capacity_scope, loss_scope=m.loss_scope,
+                                aux_loss_coef=m.aux_loss_coef, z_loss_coef=m.z_loss_coef, activation=m.activation,
+                                expert_kernel=m.expert_kernel, layer_idx=idx, init_std=cfg.init_std,
+                                out_init_std=out_std)
+        else:
+            self.ffn = SwiGLU(cfg.d_model, cfg.d_ff, cfg.init_std, out_std)
+
+    @property
+    def needs_attention(self) -> bool:
+        return self.is_moe and bool(getattr(self.ffn.router, "needs_attention", False))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h, probs = self.attn(self.attn_norm(x), cos, sin, padding_mask, need_probs=self.needs_attention)
+        x = x + h
+        if probs is not None:
+            self.ffn.context.attn_probs = probs
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class TransformerLM(nn.Module):
+    """Token ids ``[B, S]`` -> logits ``[B, S, vocab]``."""
+
+    def __init__(self, cfg, vocab_size: int):
+        super().__init__()
+        self.cfg, self.vocab_size = cfg, vocab_size
+        self.moe_indices = cfg.moe.layer_indices(cfg.n_layers)
+        self.embed = nn.Embedding(vocab_size, cfg.d_model)
+        nn.init.normal_(self.embed.weight, std=cfg.init_std)
+        self.blocks = nn.ModuleList(Block(cfg, i, i in self.moe_indices) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        else:
+            nn.init.normal_(self.lm_head.weight, std=cfg.init_std)
+        self.head_dim = cfg.d_model // cfg.n_heads
+        self.activation_checkpointing = False
+
+    def moe_layers(self) -> list[MoELayer]:
+        return [b.ffn for b in self.blocks if b.is_moe]
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        """Recompute each block in backward (non-reentrant ``torch.utils.checkpoint``)."""
+        self.activation_checkpointing = bool(enabled)
+
+    def forward(self, tokens: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if tokens.dim() != 2:
+            raise ValueError(f"expected token ids [batch, seq], got shape {tuple(tokens.shape)}")
+        B, S = tokens.shape
+        x = self.embed(tokens)
+        cos, sin = rotary_tables(S, self.head_dim, self.cfg.rope_theta, tokens.device, x.dtype)
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
+        prev_top1 = None
+        for block in self.blocks:
+            if block.is_moe:
+                ctx = block.ffn.context
+                ctx.batch_shape, ctx.padding_mask, ctx.causal = (B, S), padding_mask, True
+                ctx.prev_top1, ctx.attn_probs = prev_top1, None
+            if recompute:
+                x = checkpoint(block, x, cos, sin, padding_mask, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, padding_mask)
+            if block.is_moe:
+                prev_top1 = block.ffn.last_routing.expert_ids[:, 0].detach()
+        return self.lm_head(self.norm(x))
+
+
+def build_model(cfg, vocab_size: int, seed: int = 0) -> TransformerLM:
+    """The full model, initialised from ``seed`` alone (not from the number of processes),
+    without touching the caller's random state."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return TransformerLM(cfg, vocab_size)
+
+
+def count_parameters(model: nn.Module) -> dict[str, int]:
+    """Total parameters (each tied tensor once) and those one token uses (top-k of the experts)."""
+    total, expert_total, active_expert = 0, 0, 0
+    seen = set()
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    for layer in [m for m in model.modules() if isinstance(m, MoELayer)]:
+        n = sum(p.numel() for p in layer.experts.expert_parameters())
+        per_expert = n // layer.experts.num_experts
+        expert_total += per_expert * layer.num_experts
+        active_expert += per_expert * layer.top_k
+        total += per_expert * (layer.num_experts - layer.experts.num_experts)  # experts held by other ranks
+    return {"total": total, "active": total - expert_total + active_expert}
