@@ -42,6 +42,7 @@ def _worker(rank, world_size, port, out_dir, fn, args, timeout):
 
 
 def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0):
+    timeout = float(os.environ.get("MOE_DIST_TEST_TIMEOUT", timeout))
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.get_context("spawn")
         port = free_port()

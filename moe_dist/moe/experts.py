@@ -134,7 +134,11 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"expert counts sum to {sum(counts)} but {x.shape[0]} rows were given")
         if not torch.is_autocast_enabled(x.device.type):
             x = x.to(self.w1.dtype)  # e.g. bf16 activations into fp32 experts without autocast
+        if x.shape[0] == 0:
+            # no rows here, but stay on the autograd graph: the backward all-to-all is collective
+            return (x @ self.w1[0]) @ self.w2[0] if self.num_experts else x
         kernel = self.kernel if self.kernel != "auto" else KERNEL_TUNER.choose(self, x, counts)
+        self.last_kernel = kernel  # what ran last (benchmarks report it)
         return self.run_kernel(kernel, x, counts)
 
 
