@@ -116,6 +116,7 @@ class ModelConfig:
     rope_theta: float = knob(10000.0, "rotary embedding base", gt=0)
     norm_eps: float = knob(1e-5, "RMSNorm epsilon", gt=0)
     tie_embeddings: bool = knob(True, "share the input embedding and the output projection")
+    qkv_bias: bool = knob(False, "biases on the query, key and value projections (Qwen2 checkpoints have them)")
     init_std: float = knob(0.02, "std of the weight initialisation", gt=0)
     moe: MoEConfig = section(MoEConfig)
 

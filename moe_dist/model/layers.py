@@ -36,6 +36,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def _init_linear(layer: nn.Linear, std: float) -> nn.Linear:
     nn.init.normal_(layer.weight, std=std)
+    if layer.bias is not None:
+        nn.init.zeros_(layer.bias)
     return layer
 
 
@@ -46,12 +48,13 @@ class Attention(nn.Module):
     (``need_probs``); then scores and softmax are computed explicitly and returned ``[B, H, S, S]``.
     """
 
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, init_std: float, out_init_std: float):
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, init_std: float, out_init_std: float,
+                 qkv_bias: bool = False):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, d_model // n_heads
-        self.wq = _init_linear(nn.Linear(d_model, n_heads * self.head_dim, bias=False), init_std)
-        self.wk = _init_linear(nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False), init_std)
-        self.wv = _init_linear(nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False), init_std)
+        self.wq = _init_linear(nn.Linear(d_model, n_heads * self.head_dim, bias=qkv_bias), init_std)
+        self.wk = _init_linear(nn.Linear(d_model, n_kv_heads * self.head_dim, bias=qkv_bias), init_std)
+        self.wv = _init_linear(nn.Linear(d_model, n_kv_heads * self.head_dim, bias=qkv_bias), init_std)
         self.wo = _init_linear(nn.Linear(n_heads * self.head_dim, d_model, bias=False), out_init_std)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,

@@ -29,7 +29,8 @@ class Block(nn.Module):
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         self.idx, self.is_moe = idx, is_moe
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, cfg.init_std, out_std)
+        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, cfg.init_std, out_std,
+                              qkv_bias=cfg.qkv_bias)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if is_moe:
             m = cfg.moe
