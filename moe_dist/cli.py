@@ -1,0 +1,93 @@
+"""The ``moe-dist`` command line.
+
+    moe-dist train --config configs/tiny.yaml --nproc 2 [KEY=VALUE ...]
+    moe-dist eval --run-dir runs/tiny [--nproc N] [KEY=VALUE ...]
+
+Each subcommand lives in its own module, named in :data:`COMMANDS`; the module defines
+``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``, and sets
+``LAUNCHABLE = True`` if it runs as one rank of a distributed job. For those, this module
+adds ``--nproc N``: start N local processes with torch.distributed.run (torchrun) running
+the same command without ``--nproc``. Without it the command is one rank of whatever
+launched it (torchrun, srun, mpirun) or a single process. Adding a subcommand = one line
+in COMMANDS plus its module.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import subprocess
+import sys
+from typing import Optional, Sequence
+
+COMMANDS: dict[str, str] = {
+    "train": "moe_dist.train.cmd_train",
+    "eval": "moe_dist.train.cmd_eval",
+}
+
+
+def _strip_nproc(argv: Sequence[str]) -> list[str]:
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a == "--nproc":
+            skip = True
+            continue
+        if a.startswith("--nproc="):
+            continue
+        out.append(a)
+    return out
+
+
+def launch_local(nproc: int, argv: Sequence[str]) -> int:
+    """Run ``moe-dist <argv>`` as ``nproc`` local ranks under torchrun; returns its exit code."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)  # the children get theirs from torchrun
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={nproc}",
+           "--module", "moe_dist.cli", *argv]
+    try:
+        return subprocess.call(cmd, env=env)
+    except KeyboardInterrupt:
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moe-dist", description="Expert-parallel Mixture-of-Experts training.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_name in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(p)
+        if getattr(module, "LAUNCHABLE", False):
+            p.add_argument("--nproc", type=int, default=None, metavar="N",
+                           help="start N local processes (torchrun-style); without it, run as one rank of the "
+                                "current torchrun / srun / mpirun launch, or as a single process")
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    nproc = getattr(args, "nproc", None)
+    if nproc is not None:
+        if nproc < 1:
+            parser.error(f"--nproc must be >= 1, got {nproc}")
+        return launch_local(nproc, _strip_nproc(argv))
+    return int(args._module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Step metrics: MoE routing statistics over a step's micro-batches, metrics.jsonl, TensorBoard."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+import torch.nn as nn
+
+from ..moe import MoELayer
+
+STANDARD_STATS = ("expert_counts", "dropped_fraction", "aux_loss", "z_loss", "entropy", "tokens", "capacity")
+
+
+class MoEStepStats:
+    """Sums per-expert counts and drops, averages losses and entropy, over one step's micro-batches,
+    for every MoE layer (keyed by its block index). The layer statistics are already global
+    (identical on every rank)."""
+
+    def __init__(self, model: nn.Module):
+        self.layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+        self.reset()
+
+    def reset(self) -> None:
+        self._acc: dict[int, dict[str, Any]] = {}
+
+    def add(self) -> None:
+        """Record the layers' statistics of the forward pass that just ran."""
+        for layer in self.layers:
+            if layer.stats is None:
+                continue
+            s = layer.stats.as_dict()
+            acc = self._acc.setdefault(layer.context.layer_idx, {"n": 0, "tokens": 0, "counts": None, "dropped": 0.0,
+                                                                  "pairs": 0.0, "aux": 0.0, "z": 0.0, "entropy": 0.0})
+            tokens = s["tokens"]
+            acc["n"] += 1
+            acc["tokens"] += tokens
+            acc["counts"] = s["expert_counts"] if acc["counts"] is None else [a + b for a, b in zip(acc["counts"], s["expert_counts"])]
+            pairs = sum(s["expert_counts"])
+            acc["pairs"] += pairs
+            acc["dropped"] += s["dropped_fraction"] * pairs
+            acc["aux"] += s["aux_loss"]
+            acc["z"] += s["z_loss"]
+            acc["entropy"] += s["entropy"] * tokens
+            acc["extras"] = {k: v for k, v in s.items() if k not in STANDARD_STATS}
+            if "capacity" in s:
+                acc["capacity"] = s["capacity"]
+
+    def summary(self) -> dict[str, dict]:
+        out = {}
+        for layer in self.layers:
+            idx = layer.context.layer_idx
+            acc = self._acc.get(idx)
+            if acc is None:
+                continue
+            row = {
+                "expert_counts": acc["counts"],
+                "dropped_fraction": acc["dropped"] / max(acc["pairs"], 1),
+                "aux_loss": acc["aux"] / acc["n"],
+                "z_loss": acc["z"] / acc["n"],
+                "entropy": acc["entropy"] / max(acc["tokens"], 1),
+            }
+            if "capacity" in acc:
+                row["capacity"] = acc["capacity"]
+            row.update(acc.get("extras", {}))
+            row.update(_plain(layer.router.extra_metrics()))
+            out[str(idx)] = row
+        return out
+
+
+def _plain(d: dict) -> dict:
+    """JSON-friendly values (tensors become numbers or lists)."""
+    out = {}
+    for k, v in d.items():
+        if hasattr(v, "tolist"):
+            v = v.tolist()
+        out[k] = v
+    return out
+
+
+class MetricsLogger:
+    """metrics.jsonl rows and TensorBoard scalars (rank 0 only; other ranks get a no-op logger)."""
+
+    def __init__(self, run_dir: Optional[str], tensorboard: bool):
+        self.path = os.path.join(run_dir, "metrics.jsonl") if run_dir else None
+        self._file = open(self.path, "a", encoding="utf-8") if self.path else None
+        self._tb = None
+        if run_dir and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
+
+    def log(self, row: dict) -> None:
+        if self._file is None:
+            return
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            step = row["step"]
+            for key, value in row.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(f"train/{key}" if not key.startswith("val_") else f"val/{key[4:]}", value, step)
+            for layer, stats in row.get("moe", {}).items():
+                for key in ("aux_loss", "z_loss", "entropy", "dropped_fraction"):
+                    if key in stats:
+                        self._tb.add_scalar(f"moe_layer{layer}/{key}", stats[key], step)
+                counts = stats.get("expert_counts")
+                if counts and sum(counts) > 0:
+                    self._tb.add_scalar(f"moe_layer{layer}/max_load_ratio", max(counts) * len(counts) / sum(counts), step)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def read_metrics(path: str) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]

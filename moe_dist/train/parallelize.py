@@ -1,0 +1,95 @@
+"""Apply parallelism to a model built for one process, and finish its gradients.
+
+Experts: expert parallelism keeps each rank's slice (global init kept); replicas of the same
+experts (the expert-data-parallel group) sum their gradients. Dense weights: FSDP2
+``fully_shard`` over all data-parallel ranks (one unit per block plus the root), with the
+gradient reduction set to a plain SUM, or replicated with summed gradients. Summing matches
+the loss-shares convention (each rank's loss is its share of the global loss).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..dist.bootstrap import Runtime
+from ..parallel import apply_expert_parallel, dense_parameters, expert_parameters, sync_gradients
+
+
+class Parallelized:
+    """What the trainer needs to know about how ``model`` is spread."""
+
+    def __init__(self, model: nn.Module, rt: Runtime, dense: str):
+        self.model, self.rt, self.dense = model, rt, dense
+        self.fsdp = dense == "fsdp" and rt.distributed
+
+    def set_gradient_sync(self, enabled: bool) -> None:
+        """FSDP2: skip the reduce-scatter on micro-batches before the last one of a step."""
+        if self.fsdp:
+            self.model.set_requires_gradient_sync(enabled)
+
+    def finish_gradients(self) -> None:
+        """After the last backward of a step: sum what FSDP did not already reduce."""
+        groups = self.rt.groups
+        if self.fsdp:  # dense gradients were reduce-scattered by FSDP; experts still need their edp sum
+            sync_gradients(self.model, dataclasses.replace(groups, dp=None))
+        else:
+            sync_gradients(self.model, groups)
+
+    def grad_norm(self) -> torch.Tensor:
+        """The true global gradient norm: every dense weight and every expert counted once."""
+        dev = self.rt.device
+        dense_sq = torch.zeros((), dtype=torch.float64, device=dev)
+        for p in dense_parameters(self.model):
+            if p.grad is not None:
+                g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                dense_sq += g.double().square().sum()
+        expert_sq = torch.zeros((), dtype=torch.float64, device=dev)
+        for p in expert_parameters(self.model):
+            if p.grad is not None:
+                expert_sq += p.grad.double().square().sum()
+        if self.fsdp:  # each rank holds a different shard of the dense gradients
+            dist.all_reduce(dense_sq, group=self.rt.groups.dp)
+        if self.rt.groups.ep_size > 1:  # an expert-parallel group holds every expert exactly once
+            dist.all_reduce(expert_sq, group=self.rt.groups.ep)
+        return (dense_sq + expert_sq).sqrt()
+
+    def clip_gradients(self, max_norm: Optional[float]) -> float:
+        """Scale all gradients so the global norm is at most ``max_norm``; returns the norm before."""
+        norm = float(self.grad_norm())
+        if max_norm is not None and norm > max_norm:
+            scale = max_norm / (norm + 1e-6)
+            grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                     for p in self.model.parameters() if p.grad is not None]
+            torch._foreach_mul_(grads, scale)
+        return norm
+
+
+def _fully_shard(model: nn.Module, rt: Runtime, reshard_after_forward: bool) -> None:
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    experts = set(expert_parameters(model))
+    units = list(getattr(model, "blocks", []))
+    for unit in units:
+        fully_shard(unit, mesh=rt.dp_mesh, reshard_after_forward=reshard_after_forward,
+                    ignored_params={p for p in unit.parameters() if p in experts})
+    fully_shard(model, mesh=rt.dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=experts)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):  # SUM, not mean; gloo has no PREMUL_SUM, so force plain sums
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+
+
+def parallelize(model: nn.Module, rt: Runtime, parallel_cfg) -> Parallelized:
+    """Expert parallelism, then FSDP2 or replication for the dense weights (in place)."""
+    model.to(rt.device)
+    apply_expert_parallel(model, rt.groups)
+    if parallel_cfg.dense == "fsdp" and rt.distributed:
+        _fully_shard(model, rt, parallel_cfg.reshard_after_forward)
+    elif rt.distributed:
+        for p in dense_parameters(model):  # replicas start equal by construction; make sure of it
+            dist.broadcast(p.data, src=0, group=rt.groups.dp)
+    return Parallelized(model, rt, parallel_cfg.dense)

@@ -1,0 +1,68 @@
+"""PNG plots of a run from its metrics.jsonl: loss curves and expert load over time."""
+from __future__ import annotations
+
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from .metrics import read_metrics  # noqa: E402
+
+
+def plot_losses(rows: list[dict], path: str, baseline_loss: float | None = None) -> None:
+    steps = [r["step"] for r in rows if "loss" in r]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    ax.plot(steps, losses, lw=1.2, label="train (LM loss)")
+    if val:
+        ax.plot([s for s, _ in val], [v for _, v in val], "o-", ms=5, lw=1.5, label="validation")
+    if baseline_loss is not None:
+        ax.axhline(baseline_loss, ls="--", color="gray", lw=1, label=f"unigram baseline ({baseline_loss:.2f})")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats / token)")
+    ax.set_title("Language-model loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_expert_load(rows: list[dict], path: str) -> None:
+    """One heatmap per MoE layer: share of routed pairs per expert (rows) over steps (columns);
+    1/E everywhere is perfect balance."""
+    rows = [r for r in rows if r.get("moe")]
+    if not rows:
+        return
+    layers = sorted(rows[0]["moe"], key=int)
+    fig, axes = plt.subplots(len(layers), 1, figsize=(8, 1.2 + 1.5 * len(layers)), dpi=120, squeeze=False)
+    steps = [r["step"] for r in rows]
+    image = None
+    for ax, layer in zip(axes[:, 0], layers):
+        counts = np.array([r["moe"][layer]["expert_counts"] for r in rows], dtype=float).T  # [E, steps]
+        share = counts / np.maximum(counts.sum(0, keepdims=True), 1)
+        E = share.shape[0]
+        image = ax.imshow(share, aspect="auto", interpolation="nearest", cmap="viridis", vmin=0, vmax=min(1.0, 3.0 / E),
+                          extent=(steps[0] - 0.5, steps[-1] + 0.5, E - 0.5, -0.5))
+        ax.set_ylabel(f"block {layer}\nexpert")
+        ax.set_yticks(range(E))
+        ax.tick_params(axis="y", labelsize=7)
+    axes[-1, 0].set_xlabel("optimizer step")
+    axes[0, 0].set_title(f"Expert load: share of routed token-expert pairs (balanced = 1/{E} = {1 / E:.3f})")
+    fig.colorbar(image, ax=axes[:, 0].tolist(), fraction=0.03, pad=0.02, label="share")
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+
+
+def make_plots(run_dir: str, baseline_loss: float | None = None) -> list[str]:
+    rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    out_dir = os.path.join(run_dir, "plots")
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, "loss.png"), os.path.join(out_dir, "expert_load.png")]
+    plot_losses(rows, paths[0], baseline_loss)
+    plot_expert_load(rows, paths[1])
+    return [p for p in paths if os.path.exists(p)]

@@ -1,0 +1,291 @@
+"""The training loop.
+
+One optimizer step = ``train.grad_accum`` micro-batches of ``global_batch / grad_accum``
+sequences spread over the data-parallel ranks. Each rank's loss is its *share* of the
+step's global loss (sum of its token losses / tokens in the global step, plus its share of
+the MoE auxiliary losses / grad_accum), gradients are summed over ranks, so any number of
+ranks computes what one process computes on the whole batch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..config import Config, ConfigError, save_config
+from ..data import PreparedData, TrainSampler, load_prepared, prepare_data
+from ..dist.bootstrap import Runtime, init_distributed, shutdown
+from ..model import build_model, count_parameters
+from ..moe import collect_aux_loss, moe_layers
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .evaluate import autocast, evaluate, format_report, unigram_baseline, validation_batches
+from .metrics import MetricsLogger, MoEStepStats
+from .optim import build_optimizer, lr_at, set_lr
+from .parallelize import parallelize
+
+
+def default_threads(rt: Runtime) -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, rt.launch.local_world_size))
+
+
+def setup_runtime(cfg: Config, rt: Optional[Runtime] = None) -> Runtime:
+    if rt is None:
+        rt = init_distributed(cfg.parallel.ep, cfg.model.moe.num_experts, backend=cfg.parallel.backend,
+                              device=cfg.run.device, timeout_s=cfg.parallel.timeout_s)
+    cfg.check_world(rt.world_size)
+    torch.set_num_threads(cfg.run.threads or default_threads(rt))
+    return rt
+
+
+def load_data(cfg: Config, rt: Runtime, log: Callable[[str], None]) -> PreparedData:
+    """The first process of each node builds the cache if needed (atomically); the rest wait."""
+    directory = None
+    if rt.launch.local_rank == 0:
+        directory = prepare_data(cfg.data, log=log)
+    if rt.distributed:
+        dist.barrier()
+    if directory is None:
+        directory = prepare_data(cfg.data, log=lambda _: None)  # finds the finished cache
+    return load_prepared(directory)
+
+
+def resolve_vocab(cfg: Config, data: PreparedData) -> int:
+    if cfg.model.vocab_size is None:
+        cfg.model.vocab_size = data.vocab_size
+    elif cfg.model.vocab_size < data.vocab_size:
+        raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's {data.vocab_size}; "
+                          "allowed: null (use the tokenizer's) or at least the tokenizer's size")
+    return cfg.model.vocab_size
+
+
+class Trainer:
+    def __init__(self, cfg: Config, rt: Optional[Runtime] = None):
+        self.cfg = cfg
+        self._owns_runtime = rt is None
+        self.rt = setup_runtime(cfg, rt)
+        self.is_main = self.rt.is_main
+        self.run_dir = cfg.run.dir
+        self._bar = None
+        if self.is_main:
+            os.makedirs(os.path.join(self.run_dir, "checkpoints"), exist_ok=True)
+            os.makedirs(os.path.join(self.run_dir, "plots"), exist_ok=True)
+            if os.path.exists(os.path.join(self.run_dir, "metrics.jsonl")):
+                os.remove(os.path.join(self.run_dir, "metrics.jsonl"))
+        self.data = load_data(cfg, self.rt, self.log)
+        vocab = resolve_vocab(cfg, self.data)
+
+        self.model = build_model(cfg.model, vocab, seed=cfg.train.seed)  # the full model, same on every rank
+        self.params = count_parameters(self.model)
+        self.model.set_activation_checkpointing(cfg.train.activation_checkpointing)
+        self.par = parallelize(self.model, self.rt, cfg.parallel)
+        self.optimizer = build_optimizer(self.model, cfg.train)
+        self.moe = moe_layers(self.model)
+        self.moe_stats = MoEStepStats(self.model)
+
+        groups = self.rt.groups
+        self.sampler = TrainSampler(self.data.train.array(), cfg.train.seq_len, cfg.train.global_batch,
+                                    cfg.train.grad_accum, groups.dp_rank, groups.dp_size, cfg.train.seed)
+        self.val_batches = validation_batches(self.data, cfg.train.seq_len, cfg.eval, groups.dp_rank, groups.dp_size)
+        self.metrics = MetricsLogger(self.run_dir if self.is_main else None, cfg.run.tensorboard)
+        self.step = 0
+        if self.is_main:
+            save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
+            self._write_run_info()
+
+    # ---- reporting ------------------------------------------------------------------------
+    def log(self, msg: str) -> None:
+        if not self.is_main:
+            return
+        if self._bar is not None:
+            self._bar.write(msg)
+        else:
+            print(msg, flush=True)
+
+    def _write_run_info(self) -> None:
+        info = {
+            "world_size": self.rt.world_size, "ep": self.rt.groups.ep_size, "dense": self.cfg.parallel.dense,
+            "launcher": self.rt.launch.launcher, "backend": self.rt.backend, "device": str(self.rt.device),
+            "threads_per_process": torch.get_num_threads(), "parameters": self.params,
+            "data": {"directory": self.data.directory, "source": self.data.manifest["source"],
+                     "tokenizer_sha256": self.data.manifest["tokenizer"]["sha256"],
+                     "token_count": self.data.manifest["token_count"]},
+            "torch": torch.__version__, "python": platform.python_version(),
+        }
+        with open(os.path.join(self.run_dir, "run.json"), "w", encoding="utf-8") as f:
+            json.dump(info, f, indent=2)
+
+    def _progress(self):
+        mode = self.cfg.run.progress
+        show = self.is_main and (mode == "on" or (mode == "auto" and sys.stderr.isatty()))
+        if not show:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.cfg.train.steps, desc="train", unit="step", dynamic_ncols=True, leave=True)
+
+    # ---- one step -------------------------------------------------------------------------
+    def _set_context(self, micro_step: int) -> None:
+        for layer in self.moe:
+            ctx = layer.context
+            ctx.step, ctx.micro_step, ctx.seed = self.step, micro_step, self.cfg.train.seed
+
+    def train_step(self) -> dict:
+        cfg, dev = self.cfg.train, self.rt.device
+        lr = lr_at(self.step, cfg)
+        set_lr(self.optimizer, lr)
+        micro_batches = self.sampler.next_step()
+        step_tokens = cfg.global_batch * cfg.seq_len
+        sums = torch.zeros(2, dtype=torch.float64, device=dev)  # [LM loss sum, aux loss share]
+        self.moe_stats.reset()
+        for m, batch in enumerate(micro_batches):
+            self._set_context(m)
+            self.par.set_gradient_sync(m == len(micro_batches) - 1)
+            x = torch.from_numpy(batch).to(dev)
+            with autocast(dev, cfg.dtype):
+                logits = self.model(x[:, :-1])
+            lm_sum = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten(), reduction="sum")
+            aux = collect_aux_loss(self.model).to(dev) / len(micro_batches)
+            (lm_sum / step_tokens + aux).backward()
+            self.moe_stats.add()
+            sums += torch.stack([lm_sum.detach().double(), aux.detach().double()])
+        self.par.finish_gradients()
+        grad_norm = self.par.clip_gradients(cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for layer in self.moe:
+            layer.router.after_optimizer_step(layer.context)
+        if self.rt.distributed:
+            dist.all_reduce(sums, group=self.rt.groups.dp)
+        self.step += 1
+        return {"loss": float(sums[0]) / step_tokens, "aux_loss": float(sums[1]), "lr": lr, "grad_norm": grad_norm}
+
+    def validate(self) -> dict:
+        return evaluate(self.model, self.val_batches, self.rt.device, self.cfg.train.dtype, self.rt.groups.dp)
+
+    def save(self) -> str:
+        meta = {"sampler": self.sampler.state_dict(), "world_size": self.rt.world_size, "ep": self.rt.groups.ep_size,
+                "vocab_size": self.cfg.model.vocab_size, "tokenizer_sha256": self.data.tokenizer.sha256}
+        return save_checkpoint(self.model, self.run_dir, self.step, meta, self.is_main)
+
+    # ---- the loop -------------------------------------------------------------------------
+    def fit(self) -> dict:
+        cfg = self.cfg
+        t_start = time.perf_counter()
+        steps = cfg.train.steps
+        self.log(f"model: {self.params['total'] / 1e6:.2f}M parameters ({self.params['active'] / 1e6:.2f}M active per "
+                 f"token), {len(self.moe)} MoE layers x {cfg.model.moe.num_experts} experts, top-{cfg.model.moe.top_k}, "
+                 f"router {cfg.model.moe.router}")
+        self.log(f"parallel: {self.rt.world_size} process(es) [{self.rt.launch.launcher}, {self.rt.backend or 'no backend'}, "
+                 f"{self.rt.device}, {torch.get_num_threads()} thread(s) each], ep={self.rt.groups.ep_size}, "
+                 f"dense={cfg.parallel.dense if self.rt.distributed else 'local'}; data: "
+                 f"{self.data.train.count:,} train tokens, {cfg.train.global_batch}x{cfg.train.seq_len} tokens per step")
+        baseline = unigram_baseline(self.data, cfg.train.seq_len, cfg.eval)
+        self._bar = self._progress()
+        tokens_seen, last_val = 0, None
+        try:
+            while self.step < steps:
+                t0 = time.perf_counter()
+                row = self.train_step()
+                dt = time.perf_counter() - t0
+                step_tokens = cfg.train.global_batch * cfg.train.seq_len
+                tokens_seen += step_tokens
+                row = {"step": self.step, **row, "tokens_per_s": step_tokens / dt, "tokens": tokens_seen,
+                       "epoch": round(self.sampler.epoch, 4), "elapsed_s": round(time.perf_counter() - t_start, 2)}
+                last = self.step == steps
+                if (cfg.eval.every and self.step % cfg.eval.every == 0) or last:
+                    last_val = self.validate()
+                    row.update(val_loss=last_val["loss"], val_ppl=last_val["ppl"])
+                    self.log(f"step {self.step}/{steps}: val loss {last_val['loss']:.4f}, perplexity {last_val['ppl']:.2f}")
+                if self.step % cfg.run.log_every == 0 or last or "val_loss" in row or self.step == 1:
+                    row["moe"] = self.moe_stats.summary()
+                    self.metrics.log(row)
+                if self._bar is not None:
+                    self._bar.update(1)
+                    self._bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
+                elif self.step % cfg.run.print_every == 0 or self.step == 1 or last:
+                    self.log(f"step {self.step}/{steps}  loss {row['loss']:.4f}  lr {row['lr']:.2e}  "
+                             f"grad_norm {row['grad_norm']:.3f}  {row['tokens_per_s']:.0f} tok/s  "
+                             f"{row['elapsed_s']:.0f}s")
+                if (cfg.ckpt.every and self.step % cfg.ckpt.every == 0) or (last and cfg.ckpt.save_final):
+                    self.save()
+        finally:
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
+        wall = time.perf_counter() - t_start
+        summary = {"steps": self.step, "train_loss": row["loss"], "val_loss": last_val["loss"], "val_ppl": last_val["ppl"],
+                   "unigram_loss": baseline["loss"], "unigram_ppl": baseline["ppl"], "val_tokens": last_val["tokens"],
+                   "train_seconds": round(wall, 1), "tokens": tokens_seen, "parameters": self.params}
+        self.metrics.close()
+        if self.is_main:
+            with open(os.path.join(self.run_dir, "summary.json"), "w", encoding="utf-8") as f:
+                json.dump(summary, f, indent=2)
+            if cfg.run.plots:
+                from .plots import make_plots
+
+                make_plots(self.run_dir, baseline_loss=baseline["loss"])
+            self.log(f"done: {self.step} steps in {wall:.0f}s; run directory {self.run_dir}")
+            self.log(format_report(last_val, baseline))
+        return summary
+
+    def close(self) -> None:
+        self.metrics.close()
+        if self._owns_runtime:
+            shutdown(self.rt)
+
+
+def train(cfg: Config, rt: Optional[Runtime] = None) -> dict:
+    """Train as configured; returns the summary (same on every rank)."""
+    trainer = Trainer(cfg, rt)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
+
+
+def evaluate_run(cfg: Config, checkpoint: Optional[str] = None, rt: Optional[Runtime] = None) -> dict:
+    """Validation perplexity of a saved model next to the unigram baseline's (collective).
+
+    ``checkpoint``: a checkpoint directory (default: the latest complete one in ``run.dir``).
+    """
+    owns = rt is None
+    rt = setup_runtime(cfg, rt)
+    log = print if rt.is_main else (lambda _msg: None)
+    try:
+        path = checkpoint or latest_checkpoint(cfg.run.dir)
+        if path is None:
+            raise FileNotFoundError(f"no complete checkpoint under {os.path.join(cfg.run.dir, 'checkpoints')} (run.dir)")
+        data = load_data(cfg, rt, log)
+        vocab = resolve_vocab(cfg, data)
+        model = build_model(cfg.model, vocab, seed=cfg.train.seed)
+        parallelize(model, rt, cfg.parallel)
+        meta = load_checkpoint(model, path)
+        if meta.get("tokenizer_sha256") not in (None, data.tokenizer.sha256):
+            raise ValueError(f"{path} was trained with another tokenizer (sha256 {meta['tokenizer_sha256'][:12]}...) than "
+                             f"the data settings give now ({data.tokenizer.sha256[:12]}...); check the data.* keys")
+        batches = validation_batches(data, cfg.train.seq_len, cfg.eval, rt.groups.dp_rank, rt.groups.dp_size)
+        val = evaluate(model, batches, rt.device, cfg.train.dtype, rt.groups.dp)
+        baseline = unigram_baseline(data, cfg.train.seq_len, cfg.eval)
+        result = {"checkpoint": path, "step": meta.get("step"), "val_loss": val["loss"], "val_ppl": val["ppl"],
+                  "unigram_loss": baseline["loss"], "unigram_ppl": baseline["ppl"], "val_tokens": val["tokens"],
+                  "world_size": rt.world_size, "ep": rt.groups.ep_size}
+        if rt.is_main:
+            with open(os.path.join(cfg.run.dir, "eval.json"), "w", encoding="utf-8") as f:
+                json.dump(result, f, indent=2)
+            log(f"checkpoint {path} (step {meta.get('step')}), {rt.world_size} process(es), ep={rt.groups.ep_size}")
+            log(format_report(val, baseline))
+        return result
+    finally:
+        if owns:
+            shutdown(rt)
