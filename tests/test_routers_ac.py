@@ -1,0 +1,158 @@
+"""Adaptive Clustering routing (ac): distributed exactness of the cluster weights and the
+running statistics (1 process vs 2 and 4 gloo ranks), local statistics differ, the weights'
+definition (dispersion, clamp, normalisation, small clusters), eval modes, recomputation."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dist_harness import run_ranks
+from router_cases import call_labels, check_calls, differs, distributed_calls, groups_by_ep, layouts, reference_calls
+from moe_dist.moe import MoELayer
+from moe_dist.moe.routers import build_router
+from moe_dist.moe.routers.ac import cluster_dispersion, dispersion_weights
+from moe_dist.moe.routing import RoutingContext
+
+E = 8
+AC = dict(labels=True, layer_idx=2)
+CASES = {
+    "ac-mad-batch": (dict(router="ac"), [dict(AC, step=0), dict(AC, step=1), dict(AC, train=False)]),
+    "ac-var-running": (dict(router="ac", router_options=dict(dispersion="var", eval_mode="running", base="linear",
+                                                              weight_norm="global", clamp=1.5, momentum=0.5, init_std=0.3)),
+                       [dict(AC, step=0), dict(AC, step=1), dict(AC, train=False)]),
+    "ac-plain-before-start-or-without-labels": (dict(router="ac"), [dict(labels=True, layer_idx=1), dict(layer_idx=3)]),
+}
+LOCAL_CASE = ("ac-local", (dict(router="ac", router_options=dict(scope="local")), [dict(AC)]))
+
+
+def _rank_main(rank, world):
+    groups = groups_by_ep(world)
+    results = {}
+    for name, (cfg, calls) in {**CASES, LOCAL_CASE[0]: LOCAL_CASE[1]}.items():
+        for ep, uneven in layouts(world):
+            results[(name, ep, uneven)] = distributed_calls(rank, world, cfg, calls, groups[ep], uneven)
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ac_distributed(world):
+    results = run_ranks(_rank_main, world, args=(), timeout=60)
+    for name, (cfg, calls) in CASES.items():
+        ref = reference_calls(cfg, calls)
+        for ep, uneven in layouts(world):
+            check_calls(ref, [r[(name, ep, uneven)] for r in results], f"{name} world={world} ep={ep} uneven={uneven}")
+    ref = reference_calls(*CASES["ac-mad-batch"])
+    assert float(ref[0]["extras"]["ac_active"]) == 1 and float(ref[0]["extras"]["ac_small_clusters"]) == 1
+    assert ref[0]["extras"]["ac_cluster_sizes"].sum() == 96
+    assert bool(ref[1]["state"]["running_valid"][:-1].all()) and not bool(ref[1]["state"]["running_valid"][-1])
+    plain = reference_calls(*CASES["ac-plain-before-start-or-without-labels"])
+    assert all(float(c["extras"]["ac_active"]) == 0 for c in plain)
+    name, (cfg, calls) = LOCAL_CASE
+    ref = reference_calls(cfg, calls)
+    for ep, uneven in layouts(world):
+        assert differs(ref, [r[(name, ep, uneven)] for r in results]), f"{name} ep={ep}: local statistics equal global"
+
+
+# ---- single process ---------------------------------------------------------------------------
+
+def test_dispersion_and_weights_definition():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 6, generator=g) * torch.linspace(0.2, 3.0, 6)
+    labels = torch.randint(0, 3, (200,), generator=g)
+    labels[:3] = 3  # a cluster of 3; cluster 4 is empty
+    x[labels == 0, 0] *= 0.1  # cluster 0 is tight on feature 0
+    for kind in ("mad", "var"):
+        counts, disp = cluster_dispersion(x, labels, 5, kind)
+        for k in range(5):
+            xs = x[labels == k]
+            assert counts[k] == xs.shape[0]
+            if xs.shape[0]:
+                dev = xs - xs.mean(0)
+                expect = dev.abs().mean(0) if kind == "mad" else dev.square().mean(0)
+                torch.testing.assert_close(disp[k], expect, rtol=1e-5, atol=1e-6)
+    counts, disp = cluster_dispersion(x, labels, 5, "mad")
+    valid = counts >= 4  # cluster 3 (3 tokens) and 4 (empty) are too small
+    w = dispersion_weights(disp, valid, eps=1e-4, clamp=None, norm="feature")
+    torch.testing.assert_close(w[valid].mean(0), torch.ones(6))
+    assert torch.equal(w[~valid], torch.ones(2, 6))
+    raw = 1 / (disp[valid] + 1e-4)
+    torch.testing.assert_close(w[valid], raw / raw.mean(0))  # weight ~ 1 / dispersion
+    assert w[0, 0] > 3 * w[1, 0] and w[0, 0] > 3 * w[2, 0]  # a cluster's tight feature weighs more
+    wg = dispersion_weights(disp, valid, eps=1e-4, clamp=1.5, norm="global")
+    capped = torch.minimum(raw, 1.5 * raw.mean())
+    torch.testing.assert_close(wg[valid], capped / capped.mean())
+    assert (raw > 1.5 * raw.mean()).any()  # the cap was binding
+    assert torch.equal(dispersion_weights(disp, torch.zeros(5, dtype=torch.bool)), torch.ones(5, 6))
+    # padding rows (weight 0) are left out of every statistic
+    weights = (torch.arange(200) % 4 != 0).float()
+    counts_p, disp_p = cluster_dispersion(x, labels, 5, "mad", row_weight=weights)
+    keep = weights.bool()
+    counts_k, disp_k = cluster_dispersion(x[keep], labels[keep], 5, "mad")
+    torch.testing.assert_close(counts_p, counts_k)
+    torch.testing.assert_close(disp_p, disp_k)
+
+
+def _layer(**opts):
+    torch.manual_seed(0)
+    return MoELayer(16, 32, E, 2, router="ac", router_options=opts, expert_kernel="loop")
+
+
+def test_scaled_scores_and_plain_fallback():
+    layer = _layer(start_layer=1)
+    router = layer.router
+    x = torch.randn(96, 16)
+    labels = call_labels(0, 96, E)
+    emb = F.normalize(router.weight.detach(), dim=-1)
+    plain = router(x, RoutingContext(layer_idx=0, prev_top1=labels))
+    torch.testing.assert_close(plain.logits, x @ emb.t())
+    assert torch.equal(router(x, RoutingContext(layer_idx=3)).expert_ids, plain.expert_ids)
+    ac = router(x, RoutingContext(layer_idx=1, prev_top1=labels))
+    w = router.last_weights
+    torch.testing.assert_close(ac.logits, (x * w[labels]) @ emb.t())
+    assert not torch.equal(ac.expert_ids, plain.expert_ids)
+    assert torch.equal(ac.expert_ids[:, 0], ac.logits.argmax(-1))  # column 0 is the label for the next layer
+    with pytest.raises(ValueError, match="prev_top1 has 5 labels for 96 tokens"):
+        router(x, RoutingContext(layer_idx=1, prev_top1=labels[:5]))
+
+
+def test_running_statistics_and_eval_modes():
+    from torch.utils.checkpoint import checkpoint
+    plain, ckpt = _layer(start_layer=0, eval_mode="running", momentum=0.25), _layer(start_layer=0, eval_mode="running", momentum=0.25)
+    batches = [(torch.randn(96, 16), call_labels(i, 96, E)) for i in range(3)]
+    disps = []
+    for x, labels in batches:
+        for layer in (plain, ckpt):
+            layer.context.prev_top1 = labels
+        plain(x).sum().backward()
+        checkpoint(ckpt, x.clone().requires_grad_(), use_reentrant=False).sum().backward()  # recomputes the forward
+        disps.append(cluster_dispersion(x, labels, E, "mad")[1])
+    # EMA: first sighting copies, then blends; recomputation does not update again
+    expect = disps[0]
+    for d in disps[1:]:
+        expect = 0.75 * expect + 0.25 * d
+    valid = plain.router.running_valid
+    assert torch.equal(valid, torch.tensor([True] * (E - 1) + [False]))
+    torch.testing.assert_close(plain.router.running_dispersion[valid], expect[valid])
+    torch.testing.assert_close(ckpt.router.running_dispersion, plain.router.running_dispersion)
+    assert "router.running_dispersion" in plain.state_dict()
+    # running mode decodes one token at a time with the training statistics
+    plain.eval()
+    one = torch.randn(1, 16)
+    plain.context.prev_top1 = torch.tensor([2])
+    routing = plain.router(one, plain.context)
+    w = dispersion_weights(plain.router.running_dispersion, valid)
+    emb = F.normalize(plain.router.weight.detach(), dim=-1)
+    torch.testing.assert_close(routing.logits, (one * w[2]) @ emb.t())
+    # batch mode on one token: every cluster is too small -> plain scores
+    batch = build_router("ac", 16, E, 2, start_layer=0)
+    batch.load_state_dict(plain.router.state_dict())
+    batch.eval()
+    torch.testing.assert_close(batch(one, plain.context).logits, one @ emb.t())
+
+
+def test_validation_messages():
+    for key, value in (("dispersion", "std"), ("weight_norm", "expert"), ("scope", "world"), ("eval_mode", "ema"),
+                       ("base", "cosine")):
+        with pytest.raises(ValueError, match=f"router_options.{key}"):
+            build_router("ac", 16, E, 2, **{key: value})
+    with pytest.raises(ValueError, match="min_count"):
+        build_router("ac", 16, E, 2, min_count=0)
