@@ -110,7 +110,7 @@ class SymphonyRouter(WrappingRouter):
         return self
 
     # ---- routing -------------------------------------------------------------------------
-    def graph(self) -> torch.Tensor:
+    def expert_graph(self) -> torch.Tensor:
         """The graph routing uses now (fp32, with bias correction when enabled)."""
         A = self.A.float()
         if self.bias_correction:
@@ -123,7 +123,7 @@ class SymphonyRouter(WrappingRouter):
         base = self.base_routing(x, ctx)
         probs = base.probs  # softmax of the base logits, fp32
         with torch.autocast(device_type=x.device.type, enabled=False):
-            g = probs @ self.graph().t()  # g[i, j] = sum_k A[j, k] p[i, k]
+            g = probs @ self.expert_graph().t()  # g[i, j] = sum_k A[j, k] p[i, k]
         expert_ids = topk_descending_stable(g.detach(), probs.detach(), self.top_k)
         gates = g.gather(-1, expert_ids)
         if self.normalize:

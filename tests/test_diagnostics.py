@@ -1,0 +1,177 @@
+"""Routing diagnostics: load figures and fluctuation rates against hand-computed cases, the
+RoutingDiagnostics object on a tiny model (1 process and 2 gloo ranks), PNGs, TensorBoard."""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from dist_harness import run_ranks
+
+from moe_dist.diagnostics import RoutingDiagnostics, fluctuation_rates, load_summary, probe_assignments, ranked_experts
+from moe_dist.dist import build_parallel_groups
+from moe_dist.moe import MoELayer, collect_stats
+from moe_dist.moe.routing import Routing
+from moe_dist.parallel import apply_expert_parallel
+
+D, E, VOCAB = 16, 4, 40
+
+
+def test_load_summary_by_hand():
+    s = load_summary([3, 1, 0, 0])  # mean 1, deviations (2, 0, -1, -1): std sqrt(6/4)
+    assert s["load"] == [0.75, 0.25, 0.0, 0.0]
+    assert s["max_load_ratio"] == 3.0 and s["dead_experts"] == 2
+    assert math.isclose(s["load_cv"], math.sqrt(1.5))
+    even = load_summary(torch.tensor([5.0, 5.0, 5.0, 5.0]))
+    assert even["max_load_ratio"] == 1.0 and even["load_cv"] == 0.0 and even["dead_experts"] == 0
+    empty = load_summary([0, 0, 0])
+    assert empty["max_load_ratio"] == 0.0 and empty["dead_experts"] == 3
+    with pytest.raises(ValueError):
+        load_summary([])
+
+
+def test_fluctuation_rates_by_hand():
+    # columns ranked by gate: column 0 is the top-1 expert
+    prev = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2], [0, 2]])
+    cur = torch.tensor([[0, 1], [3, 2], [0, 1], [3, 1], [1, 0]])
+    # token 0: nothing changed; 1: top-1 2->3, same set; 2: top-1 1->0, same set;
+    # 3: same top-1, set {2,3}->{1,3}; 4: top-1 0->1 and set {0,2}->{0,1}
+    assert fluctuation_rates(prev, cur) == {"fluct_top1": 3 / 5, "fluct_topk": 2 / 5}
+    assert fluctuation_rates(prev, prev) == {"fluct_top1": 0.0, "fluct_topk": 0.0}
+    with pytest.raises(ValueError, match="probe set must stay fixed"):
+        fluctuation_rates(prev, cur[:4])
+
+
+def test_ranked_experts_orders_by_gate():
+    r = Routing(expert_ids=torch.tensor([[1, 0], [2, 3], [0, 3]]), gates=torch.tensor([[0.3, 0.7], [0.6, 0.4], [0.0, 0.0]]),
+                probs=torch.zeros(3, E))
+    assert torch.equal(ranked_experts(r), torch.tensor([[0, 1], [2, 3], [0, 3]]))  # ties keep the router's order
+
+
+class TinyLM(nn.Module):
+    """Embedding and two residual MoE layers (blocks 1 and 3), sequences as the routers expect."""
+
+    def __init__(self, router="topk", router_options=None, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(VOCAB, D)
+        self.moe = nn.ModuleList(MoELayer(D, 24, E, 2, router=router, router_options=router_options, layer_idx=i,
+                                          expert_kernel="loop") for i in (1, 3))
+
+    def forward(self, tokens, padding_mask=None):
+        B, S = tokens.shape
+        x = self.embed(tokens)
+        for m in self.moe:
+            m.context.batch_shape, m.context.padding_mask = (B, S), padding_mask
+            x = x + m(x)
+        return x
+
+
+def probe(seed=5, B=4, S=6):
+    return torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(seed))
+
+
+def perturb_router(model, layer, scale=0.3, seed=9):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        w = model.moe[layer].router.base.weight if hasattr(model.moe[layer].router, "base") else model.moe[layer].router.weight
+        w.add_(scale * torch.randn(w.shape, generator=g))
+
+
+def test_probe_fluctuation_on_a_model():
+    model = TinyLM()
+    model.train()
+    tokens = probe()
+    pm = torch.ones_like(tokens, dtype=torch.bool)
+    pm[1, -2:] = False
+    diag = RoutingDiagnostics()
+    assert diag.evaluate_probe(model, tokens, step=0, padding_mask=pm) == {}
+    assert model.training  # restored
+    assert diag.evaluate_probe(model, tokens, step=1, padding_mask=pm) == {
+        "1": {"fluct_top1": 0.0, "fluct_topk": 0.0}, "3": {"fluct_top1": 0.0, "fluct_topk": 0.0}}
+    before = probe_assignments(model, tokens, pm)
+    assert before["1"].shape == (int(pm.sum()), 2)  # real tokens only
+    perturb_router(model, 0)  # block 1's router
+    after = probe_assignments(model, tokens, pm)
+    got = diag.evaluate_probe(model, tokens, step=2, padding_mask=pm)
+    for key in ("1", "3"):
+        assert got[key] == fluctuation_rates(before[key], after[key])
+    assert got["1"]["fluct_top1"] > 0  # the perturbation moved some tokens
+    assert [s for s, _ in diag.fluct_history["1"]] == [1, 2]
+    # resume: the next evaluation compares against the restored assignments
+    restored = RoutingDiagnostics()
+    restored.load_state_dict(diag.state_dict())
+    assert restored.evaluate_probe(model, tokens, step=3, padding_mask=pm)["1"] == {"fluct_top1": 0.0, "fluct_topk": 0.0}
+    assert len(restored.fluct_history["1"]) == 3
+
+
+def test_update_tensorboard_pngs_with_symphony(tmp_path):
+    model = TinyLM(router="symphony", router_options={"init": "identity"})
+    tokens = probe(B=3, S=8)
+    diag = RoutingDiagnostics()
+    for step in range(1, 4):
+        model.train()
+        model(tokens).sum().backward()
+        for m in model.moe:
+            m.router.after_optimizer_step(m.context)
+        rows = diag.update(step, model)
+        if step == 2:
+            assert diag.update(step, collect_stats(model)).keys() == {"0", "1"}  # a plain list is keyed by position
+            diag.load_history.pop("0"), diag.load_history.pop("1")
+        diag.evaluate_probe(model, tokens, step=step)
+        assert model.moe[0].router._counts is None  # eval-mode probe forwards do not count
+    assert set(rows) == {"1", "3"}
+    r = rows["1"]
+    counts = model.moe[0].stats.expert_counts
+    assert r["load"] == pytest.approx((counts / counts.sum()).tolist())
+    assert r["max_load_ratio"] == pytest.approx(float(counts.max() / counts.mean()))
+    assert r["dead_experts"] == int((counts == 0).sum())
+    assert r["entropy"] == pytest.approx(float(model.moe[0].stats.entropy))
+    # the trainer's summary format ({layer: {"expert_counts": [...]}}) works too
+    assert diag.update(4, {"1": {"expert_counts": [4, 0, 2, 2]}})["1"]["dead_experts"] == 1
+    assert diag.record_graphs(model) == 2
+    metrics = {k: {**v, **diag.fluct_history[k][-1][1]} for k, v in rows.items()}
+
+    class Writer:
+        def __init__(self):
+            self.calls = []
+
+        def add_scalar(self, tag, value, step):
+            self.calls.append((tag, value, step))
+
+    w = Writer()
+    diag.write_tensorboard(w, 3, metrics)
+    tags = {t for t, _, _ in w.calls}
+    for layer in ("1", "3"):
+        for key in ("max_load_ratio", "load_cv", "dead_experts", "entropy", "dropped_fraction", "fluct_top1", "fluct_topk"):
+            assert f"moe_layer{layer}/{key}" in tags
+    assert all(s == 3 and isinstance(v, float) for _, v, s in w.calls)
+    paths = diag.write_pngs(str(tmp_path / "plots"))
+    assert sorted(p.rsplit("/", 1)[1] for p in paths) == ["routing_fluctuation.png", "routing_load.png", "symphony_graph.png"]
+    for p in paths:
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def _two_rank_probe(rank, world, halves):
+    groups = build_parallel_groups(2, E)
+    model = apply_expert_parallel(TinyLM(), groups)
+    tokens = probe(B=4)
+    mine = slice(rank * halves, (rank + 1) * halves)
+    diag = RoutingDiagnostics()
+    diag.evaluate_probe(model, tokens[mine], step=0, group=groups.dp)
+    perturb_router(model, 0)
+    return diag.evaluate_probe(model, tokens[mine], step=1, group=groups.dp)
+
+
+def test_fluctuation_over_ranks_equals_one_process():
+    """Each of 2 ranks (expert-parallel 2) routes half the probe; the summed counts give the
+    single-process rates."""
+    got = run_ranks(_two_rank_probe, 2, args=(2,))
+    model = TinyLM()
+    diag = RoutingDiagnostics()
+    diag.evaluate_probe(model, probe(B=4), step=0)
+    perturb_router(model, 0)
+    want = diag.evaluate_probe(model, probe(B=4), step=1)
+    assert want["1"]["fluct_top1"] > 0
+    assert got[0] == want and got[1] == want
