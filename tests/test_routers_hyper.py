@@ -15,7 +15,7 @@ from moe_dist.moe.routing import RoutingContext
 E = 8
 HYPER = dict(router="hyper", router_options=dict(embed_dim=16, hyper_dim=32, k_max=6, k_schedule_steps=10))
 CASES = {
-    # k = 2, 4, 6, 6 over the schedule; eval at the scheduled k, then at eval_k = 3
+    # k = 2, 4, 6, 6 over the schedule; eval at k_max, then at eval_k = 3
     "hyper-schedule": (HYPER, [dict(step=0), dict(step=5), dict(step=10), dict(step=25),
                                dict(train=False, step=5), dict(train=False, eval_k=3)]),
     "smoe-dropout": (dict(router="smoe_dropout", top_k=1, router_options=dict(k_max=4, k_schedule_steps=8, init_std=0.3)),
@@ -69,7 +69,7 @@ def test_hyper_distributed(world):
         ref = reference_calls(cfg, calls)
         for ep, uneven in layouts(world):
             check_calls(ref, [r[(name, ep, uneven)] for r in results], f"{name} world={world} ep={ep} uneven={uneven}")
-    assert [c["k"] for c in reference_calls(*CASES["hyper-schedule"])] == [2, 4, 6, 6, 4, 3]
+    assert [c["k"] for c in reference_calls(*CASES["hyper-schedule"])] == [2, 4, 6, 6, 6, 3]
     assert [c["k"] for c in reference_calls(*CASES["smoe-dropout"])] == [1, 2, 4, 2]
     ref = reference_calls(*FROZEN_CASE)
     check_calls(ref, [r["synced"] for r in results], "frozen tensors broadcast from rank 0")
@@ -93,11 +93,11 @@ def test_k_schedule():
         assert routing.expert_ids.shape == (10, k) and float(routing.extras["k"]) == k
         assert all(len(set(row.tolist())) == k for row in routing.expert_ids)
     router.eval()
-    assert router(x, RoutingContext(step=6)).top_k == 5  # eval default: the scheduled k
+    assert router(x, RoutingContext(step=6)).top_k == E  # eval default: k_max
     wrapper = torch.nn.Sequential(router)
     assert set_inference_k(wrapper, 1) == 1 and router(x, RoutingContext(step=6)).top_k == 1
     set_inference_k(wrapper, None)
-    assert router(x, RoutingContext(step=40)).top_k == E
+    assert router(x, RoutingContext(step=0)).top_k == E
 
 
 def test_validation_messages():

@@ -202,6 +202,8 @@ class CkptConfig:
 
     every: int = knob(0, "steps between checkpoints (0 = only at the end)", min=0)
     save_final: bool = knob(True, "save a checkpoint after the last step")
+    init_from: Optional[str] = knob(None, "start from these model weights: a `moe-dist upcycle` output directory "
+                                    "(model.safetensors, experts by global index); null = random initialisation")
 
 
 @dataclass

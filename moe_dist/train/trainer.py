@@ -86,6 +86,10 @@ class Trainer:
         vocab = resolve_vocab(cfg, self.data)
 
         self.model = build_model(cfg.model, vocab, seed=cfg.train.seed)  # the full model, same on every rank
+        if cfg.ckpt.init_from:  # e.g. an upcycled dense checkpoint
+            from ..upcycle.weights import load_model_weights
+
+            load_model_weights(self.model, cfg.ckpt.init_from)
         self.params = count_parameters(self.model)
         self.model.set_activation_checkpointing(cfg.train.activation_checkpointing)
         self.par = parallelize(self.model, self.rt, cfg.parallel)

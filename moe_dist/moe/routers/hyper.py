@@ -5,7 +5,8 @@ SMoE-Dropout routes with a random router that never trains. HyperRouter generate
 layer's router ``[W | b] = H(e)`` from a trainable embedding ``e`` through a frozen random
 hypernetwork ``H`` (2-layer ReLU MLP), so the router moves only along directions ``H`` allows.
 Both raise k linearly from ``k_min`` to ``k_max`` over ``k_schedule_steps`` optimizer steps
-(``ctx.step``), and route at ``eval_k`` experts at inference (``set_inference_k``).
+(``ctx.step``), and route at ``eval_k`` (default ``k_max``) experts at inference
+(``set_inference_k`` changes it for a whole model, e.g. to evaluate at several k).
 
 Frozen tensors are *buffers*: outside every optimizer, weight decay and gradient
 reduction, saved in the state dict. They are drawn from the global RNG like the other
@@ -50,7 +51,8 @@ class FrozenRouter(Router):
     k_min: k at step 0 (default: the layer's top_k). k_max: k from ``k_schedule_steps`` on
         (default: k_min, i.e. a fixed k). k_schedule_steps: length of the linear ramp in
         optimizer steps (the trainer sets it to the run's total steps; required if k_max > k_min).
-    eval_k: experts per token at inference (default: the scheduled k at ``ctx.step``).
+    eval_k: experts per token at inference (default: k_max, the k training ends with; the
+        reference code selects checkpoints on validation at k = E).
     normalize: renormalise the gates over the chosen k (default: yes when k > 1).
     Subclasses register their frozen tensors with :meth:`register_frozen` and implement
     :meth:`router_weights`.
@@ -82,8 +84,8 @@ class FrozenRouter(Router):
         self.eval_k = None if k is None else int(k)
 
     def current_k(self, ctx: RoutingContext) -> int:
-        if not self.training and self.eval_k is not None:
-            return self.eval_k
+        if not self.training:  # the trained model's k unless told otherwise (not ctx.step: 0 in a fresh eval process)
+            return self.k_max if self.eval_k is None else self.eval_k
         return scheduled_k(ctx.step, self.k_min, self.k_max, self.k_schedule_steps)
 
     # ---- frozen tensors ---------------------------------------------------------------------
