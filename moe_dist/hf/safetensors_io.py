@@ -1,0 +1,176 @@
+"""Reading and writing safetensors checkpoints: one file, or shards with an index.
+
+Layout (the Hugging Face convention, also used for our own upcycled weights):
+``model.safetensors``, or ``model-00001-of-00003.safetensors``... with
+``model.safetensors.index.json`` = ``{"metadata": {...}, "weight_map": {name: shard file}}``.
+Tensors are read lazily, one at a time, so a multi-GB checkpoint never sits in memory whole.
+Pickled ``*.bin`` checkpoints are refused: loading them can run arbitrary code.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterable, Optional
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import HFFormatError
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+class SafetensorsCheckpoint:
+    """Lazy access to the tensors of a checkpoint directory by name."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        single, index = os.path.join(directory, SINGLE), os.path.join(directory, INDEX)
+        if os.path.exists(index):
+            self.weight_map = self._read_index(index)
+        elif os.path.exists(single):
+            self.weight_map = {name: SINGLE for name in self._keys_of(SINGLE)}
+        else:
+            self.weight_map = self._fallback(directory)
+        self._handles: dict[str, object] = {}
+
+    # ---- discovery ----------------------------------------------------------------------
+    def _read_index(self, index: str) -> dict[str, str]:
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise HFFormatError(f"{index}: not a valid safetensors index (expected a JSON object with a "
+                                f"'weight_map'): {e}") from None
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not os.path.exists(os.path.join(self.directory, s))]
+        if missing:
+            raise HFFormatError(f"{self.directory}: {len(missing)} of {len(shards)} shards named in {INDEX} are missing: "
+                                f"{missing}; download or copy them next to the index")
+        return dict(weight_map)
+
+    def _keys_of(self, shard: str) -> list[str]:
+        path = os.path.join(self.directory, shard)
+        try:
+            with safe_open(path, framework="pt") as f:
+                return list(f.keys())
+        except Exception as e:  # safetensors raises several types for a damaged file
+            raise HFFormatError(f"{path}: not a readable safetensors file ({e})") from None
+
+    def _fallback(self, directory: str) -> dict[str, str]:
+        if not os.path.isdir(directory):
+            raise HFFormatError(f"{directory}: no such checkpoint directory")
+        files = sorted(os.listdir(directory))
+        shards = [f for f in files if f.endswith(".safetensors")]
+        if shards:  # shards without an index: the union of their tensors
+            return {name: s for s in shards for name in self._keys_of(s)}
+        pickled = [f for f in files if f.endswith((".bin", ".pt", ".pth"))]
+        if pickled:
+            raise HFFormatError(f"{directory}: only pickled weights ({pickled[:3]}) were found; they are not loaded "
+                                "because unpickling can run code. Convert them to safetensors first, e.g. "
+                                "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)")
+        raise HFFormatError(f"{directory}: no {SINGLE}, {INDEX} or *.safetensors file")
+
+    # ---- access -------------------------------------------------------------------------
+    def keys(self) -> list[str]:
+        return list(self.weight_map)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def _handle(self, shard: str):
+        if shard not in self._handles:
+            path = os.path.join(self.directory, shard)
+            try:
+                self._handles[shard] = safe_open(path, framework="pt")
+            except Exception as e:
+                raise HFFormatError(f"{path}: not a readable safetensors file ({e})") from None
+        return self._handles[shard]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(self._shard(name)).get_slice(name).get_shape())
+
+    def _shard(self, name: str) -> str:
+        try:
+            return self.weight_map[name]
+        except KeyError:
+            raise HFFormatError(f"{self.directory}: tensor {name!r} is missing from the checkpoint") from None
+
+    def get(self, name: str) -> torch.Tensor:
+        shard = self._shard(name)
+        try:
+            return self._handle(shard).get_tensor(name)
+        except Exception as e:
+            raise HFFormatError(f"{os.path.join(self.directory, shard)}: cannot read tensor {name!r} "
+                                f"(named in the index but unreadable: {e})") from None
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of a tensor's first dimension, read without loading the rest."""
+        shard = self._shard(name)
+        try:
+            return self._handle(shard).get_slice(name)[start:stop]
+        except Exception as e:
+            raise HFFormatError(f"{os.path.join(self.directory, shard)}: cannot read rows {start}:{stop} of "
+                                f"{name!r}: {e}") from None
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+class ShardedWriter:
+    """Write named tensors to ``model-XXXXX-of-YYYYY.safetensors`` shards of about
+    ``max_shard_bytes`` each, then an index (or a single ``model.safetensors``)."""
+
+    def __init__(self, directory: str, max_shard_bytes: int = 4 << 30, metadata: Optional[dict] = None):
+        self.directory, self.max_bytes = directory, max_shard_bytes
+        self.metadata = {k: str(v) for k, v in (metadata or {}).items()}
+        os.makedirs(directory, exist_ok=True)
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._written: list[tuple[str, list[str]]] = []  # (temporary file, names)
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._pending or any(name in names for _, names in self._written):
+            raise ValueError(f"tensor {name!r} written twice")
+        t = tensor.detach().contiguous()
+        size = t.numel() * t.element_size()
+        if self._pending and self._pending_bytes + size > self.max_bytes:
+            self._flush()
+        self._pending[name] = t
+        self._pending_bytes += size
+        self.total_bytes += size
+
+    def add_all(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in items:
+            self.add(name, tensor)
+
+    def _flush(self) -> None:
+        tmp = os.path.join(self.directory, f".shard-{len(self._written):05d}.safetensors")
+        save_file(self._pending, tmp, metadata={"format": "pt", **self.metadata})
+        self._written.append((tmp, list(self._pending)))
+        self._pending, self._pending_bytes = {}, 0
+
+    def close(self) -> list[str]:
+        """Finish the files; returns their names."""
+        if self._pending or not self._written:
+            self._flush()
+        n = len(self._written)
+        for name in os.listdir(self.directory):  # files of an earlier write to this directory
+            if name == INDEX or (name.startswith("model") and name.endswith(".safetensors")):
+                os.remove(os.path.join(self.directory, name))
+        if n == 1:
+            os.replace(self._written[0][0], os.path.join(self.directory, SINGLE))
+            return [SINGLE]
+        weight_map, names = {}, []
+        for i, (tmp, keys) in enumerate(self._written):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(tmp, os.path.join(self.directory, final))
+            names.append(final)
+            weight_map.update({k: final for k in keys})
+        with open(os.path.join(self.directory, INDEX), "w", encoding="utf-8") as f:
+            json.dump({"metadata": {"total_size": self.total_bytes, **self.metadata}, "weight_map": weight_map}, f,
+                      indent=2, sort_keys=True)
+        return names

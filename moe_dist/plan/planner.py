@@ -1,0 +1,216 @@
+"""``moe-dist plan``: parameters, per-GPU memory, all-to-all traffic and a layout that fits.
+
+The input is one of our YAML configs or a Hugging Face ``config.json`` (dense or MoE);
+``KEY=VALUE`` overrides apply to either (for a dense Hugging Face config, any ``model.moe.*``
+override plans its upcycled MoE instead of the dense model).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import yaml
+
+from ..config import ConfigError, apply_overrides, config_from_dict, load_config
+from ..hf.config import HFModelSpec, hf_model_spec, is_hf_config
+from .memory import (GIB, STAGES, Workload, activation_bytes, all_to_all_bytes, engine_state_bytes,
+                     fsdp_transient_bytes, grad_sync_bytes, state_bytes)
+from .params import block_shape, count_params
+
+USABLE_FRACTION = 0.9  # leave 10% of each GPU for the framework, allocator fragmentation and buffers
+DEFAULT_HF_SEQ_LEN = 4096
+
+
+@dataclass
+class PlanInput:
+    """What is planned: the model, its MoE blocks, and the training settings."""
+
+    source: str
+    kind: str  # "moe_dist" or "hf:<family>"
+    model: object  # moe_dist.config.ModelConfig
+    moe_blocks: list[int]
+    seq_len: int
+    global_batch: Optional[int]
+    grad_accum: int
+    dtype: str
+    dense_mode: str
+    configured_ep: Optional[int]
+    notes: list[str]
+
+
+def _read_mapping(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"--config: file {path!r} does not exist") from None
+    try:
+        raw = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"--config: {path!r} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: {e}") from None
+    return raw if isinstance(raw, dict) else {}
+
+
+def _vocab_of(cfg) -> int:
+    if cfg.model.vocab_size:
+        return cfg.model.vocab_size
+    if cfg.data.tokenizer and os.path.isfile(cfg.data.tokenizer):
+        import sentencepiece as spm
+
+        return spm.SentencePieceProcessor(model_file=cfg.data.tokenizer).get_piece_size()
+    return cfg.data.vocab_size  # the tokenizer the trainer would train
+
+
+def load_plan_input(path: str, overrides: Iterable[str] = (), seq_len: Optional[int] = None) -> PlanInput:
+    overrides = list(overrides)
+    raw = _read_mapping(path)
+    if path.endswith(".json") or is_hf_config(raw):
+        spec: HFModelSpec = hf_model_spec(raw, where=path)
+        plans_moe = spec.is_moe or any(o.split("=", 1)[0].strip().startswith("model.moe.") for o in overrides)
+        cfg = config_from_dict(apply_overrides({"model": json.loads(json.dumps(spec.model))}, overrides))
+        moe_blocks = cfg.model.moe.layer_indices(cfg.model.n_layers) if plans_moe else []
+        max_pos = int(raw.get("max_position_embeddings") or DEFAULT_HF_SEQ_LEN)
+        return PlanInput(source=path, kind=f"hf:{spec.family}", model=cfg.model, moe_blocks=moe_blocks,
+                         seq_len=seq_len or min(DEFAULT_HF_SEQ_LEN, max_pos), global_batch=None, grad_accum=1,
+                         dtype="bf16", dense_mode="fsdp", configured_ep=None, notes=list(spec.notes))
+    cfg = load_config(path, overrides)
+    cfg.model.vocab_size = _vocab_of(cfg)
+    return PlanInput(source=path, kind="moe_dist", model=cfg.model,
+                     moe_blocks=cfg.model.moe.layer_indices(cfg.model.n_layers), seq_len=seq_len or cfg.train.seq_len,
+                     global_batch=cfg.train.global_batch, grad_accum=cfg.train.grad_accum, dtype=cfg.train.dtype,
+                     dense_mode=cfg.parallel.dense, configured_ep=cfg.parallel.ep, notes=[])
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _gib(x: float) -> float:
+    return round(x / GIB, 3)
+
+
+def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int, ep: int, micro_batch: int) -> dict:
+    """Memory (GiB per GPU) and traffic of one (world, ep) layout."""
+    m = inp.model
+    s = block_shape(m)
+    n_moe = len(inp.moe_blocks)
+    experts_local = n_moe * (s.num_experts // ep) * counts["per_expert"] if n_moe else 0
+    dense = counts["dense_params"]
+    from ..moe.routers import ROUTERS
+
+    router_cls = ROUTERS.get(m.moe.router)
+    work = Workload(seq_len=inp.seq_len, micro_batch=micro_batch, grad_accum=inp.grad_accum,
+                    act_bytes=2 if inp.dtype == "bf16" else 4, vocab_size=m.vocab_size, n_layers=m.n_layers,
+                    moe_blocks=inp.moe_blocks, attention_probs=bool(n_moe and getattr(router_cls, "needs_attention", False)))
+    act = activation_bytes(s, work, checkpointing=False)
+    act_ckpt = activation_bytes(s, work, checkpointing=True)
+    root = counts["embedding"] + counts["lm_head"] + s.d_model
+    engine = engine_state_bytes(dense, experts_local, world, inp.dense_mode)
+    gather = fsdp_transient_bytes(counts["largest_dense_block"], root, world)
+    transient = gather if inp.dense_mode == "fsdp" else 0.0
+    states = sum(engine.values())
+    stages = {}
+    for stage in STAGES:
+        st = state_bytes(dense, experts_local, world, ep, stage)
+        stages[f"zero{stage}"] = {k: _gib(v) for k, v in st.items()} | {
+            "total": _gib(sum(st.values()) + act + (gather if stage == 3 else 0.0)),
+            "total_with_activation_checkpointing": _gib(sum(st.values()) + act_ckpt + (gather if stage == 3 else 0.0))}
+    a2a = all_to_all_bytes(s, work, ep, gpus_per_node, checkpointing=False)
+    a2a_ckpt = all_to_all_bytes(s, work, ep, gpus_per_node, checkpointing=True)
+    return {
+        "ep": ep, "edp": world // ep, "dp": world, "micro_batch": micro_batch, "ep_within_node": ep <= gpus_per_node,
+        "memory_gib": {
+            "weights": _gib(engine["weights"]), "grads": _gib(engine["grads"]), "optimizer": _gib(engine["optimizer"]),
+            "fsdp_gather": _gib(transient), "activations": _gib(act), "activations_checkpointed": _gib(act_ckpt),
+            "total": _gib(states + transient + act), "total_with_activation_checkpointing": _gib(states + transient + act_ckpt),
+        },
+        "zero_stages_gib": stages,
+        "all_to_all": {"bytes_per_gpu_per_step": int(a2a["per_gpu"]),
+                       "bytes_per_gpu_per_step_checkpointed": int(a2a_ckpt["per_gpu"]),
+                       "inter_node_bytes_per_gpu_per_step": int(a2a["inter_node_per_gpu"]),
+                       "bytes_per_step_all_gpus": int(a2a["per_gpu"] * world),
+                       "collectives_per_step": a2a["collectives"]},
+        "weight_and_grad_sync_bytes_per_gpu_per_step": int(grad_sync_bytes(dense, experts_local, world, ep,
+                                                                           inp.dense_mode, inp.grad_accum)),
+    }
+
+
+def _micro_batch(inp: PlanInput, world: int, override: Optional[int]) -> tuple[int, list[str]]:
+    if override is not None:
+        return override, []
+    if inp.global_batch is None:
+        return 1, []
+    per_forward = inp.global_batch // inp.grad_accum
+    notes = []
+    if per_forward < world:
+        notes.append(f"train.global_batch / train.grad_accum = {per_forward} sequences per forward is below the "
+                     f"{world} data-parallel ranks: the trainer refuses this; raise train.global_batch")
+    return max(1, math.ceil(per_forward / world)), notes
+
+
+def recommend(layouts: list[dict], usable_gib: float) -> tuple[Optional[dict], str]:
+    """The layout to use, and why. Without activation checkpointing if one fits (it is
+    faster), then the smallest ep (least all-to-all traffic), preferring EP groups inside a node."""
+    def pick(key: str) -> Optional[dict]:
+        fits = [l for l in layouts if l["memory_gib"][key] <= usable_gib]
+        fits.sort(key=lambda l: (not l["ep_within_node"], l["ep"]))
+        return fits[0] if fits else None
+
+    best = pick("total")
+    if best is not None:
+        return dict(best, activation_checkpointing=False), (
+            f"ep={best['ep']} fits without activation checkpointing ({best['memory_gib']['total']:.1f} of "
+            f"{usable_gib:.1f} usable GiB); the smallest such ep keeps all-to-all traffic lowest")
+    best = pick("total_with_activation_checkpointing")
+    if best is not None:
+        return dict(best, activation_checkpointing=True), (
+            f"no layout fits without activation checkpointing; with it ep={best['ep']} needs "
+            f"{best['memory_gib']['total_with_activation_checkpointing']:.1f} of {usable_gib:.1f} usable GiB")
+    low = min(layouts, key=lambda l: l["memory_gib"]["total_with_activation_checkpointing"])
+    mem = low["memory_gib"]
+    return None, (f"no layout fits: the smallest need is {mem['total_with_activation_checkpointing']:.1f} GiB per GPU "
+                  f"(ep={low['ep']}, activation checkpointing; weights {mem['weights']:.1f}, grads {mem['grads']:.1f}, "
+                  f"optimizer {mem['optimizer']:.1f}, activations {mem['activations_checkpointed']:.1f}, FSDP gathers "
+                  f"{mem['fsdp_gather']:.1f}) but {usable_gib:.1f} GiB are usable")
+
+
+def plan(path: str, nodes: int, gpus_per_node: int, gpu_mem_gib: float, overrides: Iterable[str] = (),
+         seq_len: Optional[int] = None, micro_batch: Optional[int] = None) -> dict:
+    """The whole plan as a JSON-serialisable dict (``total_params``, ``active_params``, ...)."""
+    for key, value in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node)):
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{key}: {value!r}; allowed: an integer >= 1")
+    if not gpu_mem_gib > 0:
+        raise ConfigError(f"--gpu-mem-gib: {gpu_mem_gib!r}; allowed: a number > 0")
+    for key, value in (("--seq-len", seq_len), ("--micro-batch", micro_batch)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{key}: {value!r}; allowed: an integer >= 1")
+    inp = load_plan_input(path, overrides, seq_len)
+    counts = count_params(inp.model, inp.moe_blocks)
+    world = nodes * gpus_per_node
+    mb, notes = _micro_batch(inp, world, micro_batch)
+    E = inp.model.moe.num_experts if inp.moe_blocks else 1
+    eps = [ep for ep in _divisors(E) if world % ep == 0]
+    layouts = [evaluate_layout(inp, counts, world, gpus_per_node, ep, mb) for ep in eps]
+    usable = gpu_mem_gib * USABLE_FRACTION
+    best, reason = recommend(layouts, usable)
+    m = inp.model
+    return {
+        "source": inp.source, "kind": inp.kind,
+        "total_params": counts["total"], "active_params": counts["active"],
+        "params": counts,
+        "model": {"d_model": m.d_model, "n_layers": m.n_layers, "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads or m.n_heads,
+                  "d_ff": m.d_ff, "vocab_size": m.vocab_size, "tie_embeddings": m.tie_embeddings,
+                  "moe_layers": inp.moe_blocks, "num_experts": E if inp.moe_blocks else 0,
+                  "top_k": m.moe.top_k if inp.moe_blocks else 0, "expert_d_ff": m.moe.d_ff or m.d_ff,
+                  "router": m.moe.router if inp.moe_blocks else None},
+        "cluster": {"nodes": nodes, "gpus_per_node": gpus_per_node, "world_size": world, "gpu_mem_gib": gpu_mem_gib,
+                    "usable_gib": round(usable, 3)},
+        "workload": {"seq_len": inp.seq_len, "micro_batch_per_gpu": mb, "grad_accum": inp.grad_accum,
+                     "tokens_per_gpu_per_micro_batch": mb * inp.seq_len, "activation_dtype": inp.dtype,
+                     "dense_weights": inp.dense_mode, "configured_ep": inp.configured_ep},
+        "layouts": layouts, "recommended": best, "reason": reason, "notes": inp.notes + notes,
+    }

@@ -1,0 +1,65 @@
+"""Human-readable rendering of a plan (``moe-dist plan`` without ``--json``)."""
+from __future__ import annotations
+
+
+def _b(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_plan(p: dict) -> str:
+    m, c, w, pc = p["model"], p["cluster"], p["workload"], p["params"]
+    lines = [f"model: {p['source']} ({p['kind']})",
+             f"  parameters: {_b(p['total_params'])} total, {_b(p['active_params'])} active per token "
+             f"({p['total_params']:,} / {p['active_params']:,})"]
+    if m["moe_layers"]:
+        lines.append(f"  MoE: {len(m['moe_layers'])} of {m['n_layers']} blocks x {m['num_experts']} experts "
+                     f"(top-{m['top_k']}, router {m['router']}), {_b(pc['per_expert'])} per expert, experts "
+                     f"{_b(pc['experts'])}, everything else {_b(pc['dense_params'])}")
+    else:
+        lines.append(f"  dense: {m['n_layers']} blocks")
+    lines.append(f"cluster: {c['nodes']} node(s) x {c['gpus_per_node']} GPU(s) = {c['world_size']}, "
+                 f"{c['gpu_mem_gib']:g} GiB each ({c['usable_gib']:.1f} usable)")
+    lines.append(f"workload: {w['micro_batch_per_gpu']} x {w['seq_len']} tokens per GPU per micro-batch, "
+                 f"grad_accum {w['grad_accum']}, {w['activation_dtype']} activations, dense weights {w['dense_weights']}")
+    lines.append("")
+    lines.append("per-GPU memory (GiB) by expert-parallel size, moe_dist engine "
+                 "(weights+grads+AdamW fp32; dense FSDP-sharded over all ranks, experts split over ep):")
+    head = f"  {'ep':>4} {'edp':>4} {'weights':>8} {'grads':>8} {'optim':>8} {'gather':>7} {'act':>8} {'act(ckpt)':>9} " \
+           f"{'total':>8} {'total(ckpt)':>11} {'a2a/GPU/step':>13}"
+    lines.append(head)
+    for l in p["layouts"]:
+        g = l["memory_gib"]
+        lines.append(f"  {l['ep']:>4} {l['edp']:>4} {g['weights']:>8.2f} {g['grads']:>8.2f} {g['optimizer']:>8.2f} "
+                     f"{g['fsdp_gather']:>7.2f} {g['activations']:>8.2f} {g['activations_checkpointed']:>9.2f} "
+                     f"{g['total']:>8.2f} {g['total_with_activation_checkpointing']:>11.2f} "
+                     f"{_bytes(l['all_to_all']['bytes_per_gpu_per_step']):>13}")
+    lines.append("")
+    lines.append("ZeRO stages (dense sharded over all ranks, experts over their edp replicas), total GiB per GPU "
+                 "without / with activation checkpointing:")
+    for l in p["layouts"]:
+        parts = [f"{k}: {v['total']:.2f} / {v['total_with_activation_checkpointing']:.2f}" for k, v in l["zero_stages_gib"].items()]
+        lines.append(f"  ep={l['ep']:<3} " + "  ".join(parts))
+    lines.append("")
+    r = p["recommended"]
+    if r:
+        lines.append(f"recommended: ep={r['ep']}, edp={r['edp']}, dp={r['dp']}, activation checkpointing "
+                     f"{'on' if r['activation_checkpointing'] else 'off'} "
+                     f"(parallel.ep={r['ep']} train.activation_checkpointing={str(r['activation_checkpointing']).lower()})")
+        a = r["all_to_all"]
+        lines.append(f"  all-to-all per step: {_bytes(a['bytes_per_gpu_per_step_checkpointed' if r['activation_checkpointing'] else 'bytes_per_gpu_per_step'])} "
+                     f"sent per GPU, {_bytes(a['bytes_per_step_all_gpus'])} over all GPUs, "
+                     f"{'within a node' if r['ep_within_node'] else _bytes(a['inter_node_bytes_per_gpu_per_step']) + ' per GPU across nodes'}; "
+                     f"weights/grads sync {_bytes(r['weight_and_grad_sync_bytes_per_gpu_per_step'])} per GPU")
+    else:
+        lines.append("recommended: none")
+    lines.append(f"  why: {p['reason']}")
+    for note in p["notes"]:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)

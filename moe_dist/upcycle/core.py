@@ -1,0 +1,202 @@
+"""Sparse upcycling: a dense decoder checkpoint becomes an MoE whose experts start as copies
+of the dense feed-forward layer (Komatsuzaki et al., "Sparse Upcycling"; CuMo; the 4.2B and
+7.4B Phi-3 models of the SymphonySMoE paper).
+
+The selected blocks (``model.moe.layers``: every / every_other / a list) get
+``model.moe.num_experts`` experts, each the dense FFN plus optional N(0, noise_std) noise; the
+router is initialised by its own class (any registered router, seeded per block). Everything
+else is copied. With no noise and gates renormalised over the top-k, every MoE layer computes
+exactly the dense FFN (sum_k g_k FFN(x) = FFN(x)), so the upcycled model's logits equal the
+dense model's (function preservation).
+
+The model is built and written one block at a time, so upcycling a 7B model needs memory for
+one block, not the whole model.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+from typing import Callable, Iterable, Iterator, Optional
+
+import torch
+
+from ..config import Config, ConfigError, apply_overrides, config_from_dict, save_config
+from ..hf.config import HFModelSpec, source_dtype
+from ..hf.dense import DenseCheckpoint
+from ..hf.safetensors_io import ShardedWriter
+from ..hf.tokenizer import check_tokenizer_fits, copy_tokenizer, sentencepiece_model
+from ..model import Block, SwiGLU, TransformerLM, build_model
+from .weights import DTYPES
+
+# our model keys that the checkpoint's config.json fixes
+ARCHITECTURE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "rope_theta", "norm_eps",
+                     "tie_embeddings", "qkv_bias")
+_HF_NAMES = {"vocab_size": "vocab_size", "d_model": "hidden_size", "n_layers": "num_hidden_layers",
+             "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "d_ff": "intermediate_size",
+             "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings",
+             "qkv_bias": "model_type (qwen2 has q/k/v biases)"}
+
+
+def upcycle_config(spec: HFModelSpec, overrides: Iterable[str] = (), base: Optional[dict] = None) -> Config:
+    """Our config for the upcycled model: the architecture from config.json, then ``base``
+    (e.g. a preset YAML's mapping), then ``KEY=VALUE`` overrides for the MoE, training and data.
+    Overrides of the architecture keys are refused: the weights fix them."""
+    raw = json.loads(json.dumps(base or {}))  # deep copy
+    raw = apply_overrides(raw, overrides)
+    model = raw.setdefault("model", {})
+    if not isinstance(model, dict):
+        raise ConfigError("model: expected a mapping")
+    for key in ARCHITECTURE_KEYS:
+        if key in model and model[key] != spec.model[key]:
+            raise ConfigError(f"model.{key}: {model[key]!r} differs from the checkpoint's {_HF_NAMES[key]} = "
+                              f"{spec.model[key]!r}; the dense weights fix it (leave model.{key} out or set it to "
+                              f"{spec.model[key]!r})")
+        model[key] = spec.model[key]
+    moe = model.setdefault("moe", {})
+    if moe.get("d_ff") not in (None, spec.model["d_ff"]):
+        raise ConfigError(f"model.moe.d_ff: {moe['d_ff']} differs from the dense FFN's intermediate_size="
+                          f"{spec.model['d_ff']}; upcycled experts are copies of it (allowed: null or {spec.model['d_ff']})")
+    if moe.get("activation", "swiglu") != "swiglu":
+        raise ConfigError(f"model.moe.activation: {moe['activation']!r}; upcycled experts copy a SwiGLU FFN "
+                          "(allowed: 'swiglu')")
+    return config_from_dict(raw)
+
+
+def _check_options(noise_std: float, seed: int) -> None:
+    if not (noise_std >= 0 and noise_std == noise_std):
+        raise ValueError(f"--noise-std: {noise_std!r}; allowed: a number >= 0")
+    if seed < 0:
+        raise ValueError(f"--seed: {seed}; allowed: an integer >= 0")
+
+
+def _block_seed(seed: int, i: int) -> int:
+    return seed * 1_000_003 + i
+
+
+@torch.no_grad()
+def upcycled_tensors(ckpt: DenseCheckpoint, cfg: Config, noise_std: float = 0.0,
+                     seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of the upcycled model's state dict, one block at a time (fp32;
+    the tied output projection, if any, is not repeated)."""
+    _check_options(noise_std, seed)
+    m = cfg.model
+    moe_blocks = set(m.moe.layer_indices(m.n_layers))
+    yield "embed.weight", ckpt.embedding().float()
+    for i in range(m.n_layers):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_block_seed(seed, i))  # the router's own init, reproducible per block
+            block = Block(m, i, i in moe_blocks)
+        state = ckpt.attention(i)
+        gate, up, down = ckpt.ffn(i)
+        if block.is_moe:
+            block.ffn.experts.load_dense(gate.float(), down.float(), up.float(), noise_std=noise_std,
+                                         seed=_block_seed(seed, i))
+        else:
+            state.update({"ffn.w1.weight": gate, "ffn.w3.weight": up, "ffn.w2.weight": down})
+        result = block.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+        owned = ("ffn.router.", "ffn.experts.")
+        missing = [k for k in result.missing_keys if not k.startswith(owned)]
+        if missing or result.unexpected_keys:  # a mapping bug, not a user error
+            raise RuntimeError(f"block {i}: weights not mapped {missing}, unexpected {result.unexpected_keys}")
+        for name, t in block.state_dict().items():
+            yield f"blocks.{i}.{name}", t
+    yield "norm.weight", ckpt.final_norm().float()
+    head = ckpt.lm_head()
+    if head is not None:
+        yield "lm_head.weight", head.float()
+
+
+def upcycle_model(ckpt: DenseCheckpoint, cfg: Config, noise_std: float = 0.0, seed: int = 0) -> TransformerLM:
+    """The upcycled model in memory (small models, tests); use :func:`upcycle` for big ones."""
+    model = build_model(cfg.model, cfg.model.vocab_size, seed=seed)
+    state = dict(upcycled_tensors(ckpt, cfg, noise_std, seed))
+    if cfg.model.tie_embeddings:
+        state["lm_head.weight"] = state["embed.weight"]
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+@torch.no_grad()
+def preserves_function(cfg: Config, tokens: int = 24, tol: float = 1e-4) -> Optional[bool]:
+    """Whether MoE layers with this router setup, all experts equal to one dense FFN, compute
+    that FFN (checked numerically on a tiny model in eval mode; None if the check cannot run).
+    False means the upcycled model starts from a different function than the dense one
+    (e.g. un-normalised gates, a zero-initialised graph, an eval capacity that drops tokens)."""
+    small = copy.deepcopy(cfg.model)
+    small.d_model, small.n_heads, small.n_kv_heads, small.d_ff, small.n_layers = 16, 2, 1, 24, 2
+    small.vocab_size, small.moe.d_ff, small.moe.layers = 64, None, "every"
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = build_model(small, small.vocab_size, seed=0).eval()
+            captured = []
+            for layer in model.moe_layers():
+                gate, up, down = torch.randn(24, 16) * 0.3, torch.randn(24, 16) * 0.3, torch.randn(16, 24) * 0.3
+                layer.experts.load_dense(gate, down, up)
+                ref = SwiGLU(16, 24, 0.02, 0.02)
+                ref.w1.weight.copy_(gate), ref.w3.weight.copy_(up), ref.w2.weight.copy_(down)
+                layer.register_forward_hook(lambda mod, inp, out, ref=ref: captured.append((ref(inp[0]), out)))
+            model(torch.randint(0, small.vocab_size, (2, tokens // 2)))
+    except Exception:  # a router that needs more context than a bare forward gives
+        return None
+    return all(float((a - b).abs().max()) <= tol * max(float(a.abs().max()), 1e-6) for a, b in captured)
+
+
+def upcycle(dense_dir: str, out_dir: str, overrides: Iterable[str] = (), *, base: Optional[dict] = None,
+            noise_std: float = 0.0, seed: int = 0, dtype: str = "auto", max_shard_bytes: int = 4 << 30,
+            log: Callable[[str], None] = print) -> dict:
+    """Read ``dense_dir`` (a Hugging Face checkpoint), write the upcycled model to ``out_dir``:
+    ``config.yaml`` (our config; train with ``moe-dist train --config out/config.yaml``),
+    ``model.safetensors`` (or shards + index), the tokenizer files, ``upcycle.json``."""
+    from ..plan.params import count_params  # the planner's counts, so presets and runs agree
+
+    t0 = time.perf_counter()
+    _check_options(noise_std, seed)
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"--dtype: {dtype!r}; allowed: auto, {', '.join(DTYPES)}")
+    ckpt = DenseCheckpoint(dense_dir)
+    for note in ckpt.spec.notes:
+        log(f"note: {note}")
+    cfg = upcycle_config(ckpt.spec, overrides, base)
+    src = source_dtype(ckpt.spec.raw)
+    out_dtype = DTYPES[dtype] if dtype != "auto" else {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+        src, torch.float32)
+    if os.path.abspath(out_dir) == os.path.abspath(dense_dir):
+        raise ValueError(f"--out {out_dir!r} is the dense checkpoint's directory; choose another")
+    os.makedirs(out_dir, exist_ok=True)
+    n_tok = check_tokenizer_fits(dense_dir, cfg.model.vocab_size)
+    copied = copy_tokenizer(dense_dir, out_dir)
+    sp = sentencepiece_model(out_dir)
+    if sp is not None and cfg.data.tokenizer is None:
+        cfg.data.tokenizer = os.path.abspath(sp)
+    cfg.ckpt.init_from = os.path.abspath(out_dir)  # `moe-dist train` starts from these weights
+    preserved = preserves_function(cfg)
+    if preserved is False:
+        log(f"warning: router {cfg.model.moe.router!r} with options {cfg.model.moe.router_options} does not give "
+            "back the dense FFN when all experts are equal, so the upcycled model starts from a different function "
+            "(renormalise the gates over the top-k: router_options normalize=true; symphony also init=identity; "
+            "and keep model.moe.eval_capacity_factor null)")
+    writer = ShardedWriter(out_dir, max_shard_bytes, metadata={"format_of": "moe_dist", "source": "upcycle"})
+    for name, t in upcycled_tensors(ckpt, cfg, noise_std, seed):
+        writer.add(name, t.to(out_dtype))
+    files = writer.close()
+    save_config(cfg, os.path.join(out_dir, "config.yaml"))
+    counts = count_params(cfg.model)
+    info = {
+        "source": os.path.abspath(dense_dir), "family": ckpt.family, "notes": ckpt.spec.notes,
+        "moe_layers": cfg.model.moe.layer_indices(cfg.model.n_layers), "num_experts": cfg.model.moe.num_experts,
+        "top_k": cfg.model.moe.top_k, "router": cfg.model.moe.router, "noise_std": noise_std, "seed": seed,
+        "dtype": str(out_dtype).replace("torch.", ""), "weights": files, "tokenizer_files": copied,
+        "tokenizer_entries": n_tok, "preserves_function": preserved,
+        "total_params": counts["total"], "active_params": counts["active"],
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+    with open(os.path.join(out_dir, "upcycle.json"), "w", encoding="utf-8") as f:
+        json.dump(info, f, indent=2)
+    log(f"upcycled {ckpt.family} ({dense_dir}) -> {out_dir}: {len(info['moe_layers'])} MoE layers x "
+        f"{info['num_experts']} experts (top-{info['top_k']}, router {info['router']}), "
+        f"{counts['total'] / 1e9:.3f}B parameters ({counts['active'] / 1e9:.3f}B active), {info['dtype']}, "
+        f"{info['seconds']:.1f}s")
+    return info

@@ -1,0 +1,111 @@
+"""Our model's weights as safetensors: ``model.state_dict()`` names, experts as whole
+``[num_experts, ...]`` tensors indexed by *global* expert.
+
+Because experts are stored by global index, a model that already keeps only its
+expert-parallel slice (``GroupedExperts.offset``) reads just its rows, and one file serves
+every expert-parallel size. Tied output projections are stored once (``embed.weight``).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from ..hf.config import HFFormatError
+from ..hf.safetensors_io import ShardedWriter, SafetensorsCheckpoint
+from ..moe.experts import GroupedExperts
+from ..moe.layer import MoELayer
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _expert_tensors(model: nn.Module) -> dict[str, GroupedExperts]:
+    """state-dict name of every expert weight -> its GroupedExperts module."""
+    found = {}
+    for name, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            for pname in ("w1", "w3", "w2"):
+                if getattr(module, pname) is not None:
+                    found[f"{name}.{pname}" if name else pname] = module
+    return found
+
+
+def _global_experts(model: nn.Module) -> dict[int, int]:
+    """id(GroupedExperts) -> number of experts of its layer over all ranks."""
+    return {id(m.experts): m.num_experts for m in model.modules() if isinstance(m, MoELayer)}
+
+
+def _aliases(model: nn.Module) -> dict[str, str]:
+    """state-dict names that share storage with an earlier name (tied weights) -> that name."""
+    first: dict[int, str] = {}
+    alias = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        key = id(t)
+        if key in first:
+            alias[name] = first[key]
+        else:
+            first[key] = name
+    return alias
+
+
+@torch.no_grad()
+def save_model_weights(model: nn.Module, directory: str, dtype: Optional[torch.dtype] = None,
+                       max_shard_bytes: int = 4 << 30, metadata: Optional[dict] = None) -> list[str]:
+    """Write the whole model (all experts must be present: call before expert parallelism)."""
+    totals = _global_experts(model)
+    for name, experts in _expert_tensors(model).items():
+        if experts.num_experts != totals.get(id(experts), experts.num_experts):
+            raise ValueError(f"{name}: this model holds {experts.num_experts} of {totals[id(experts)]} experts "
+                             "(expert parallelism applied); save the full model")
+    aliases = _aliases(model)
+    writer = ShardedWriter(directory, max_shard_bytes, metadata={"format_of": "moe_dist", **(metadata or {})})
+    for name, t in model.state_dict().items():
+        if name in aliases:
+            continue
+        writer.add(name, t.to(dtype) if dtype is not None and t.is_floating_point() else t)
+    return writer.close()
+
+
+@torch.no_grad()
+def load_model_weights(model: nn.Module, directory: str) -> dict:
+    """Load weights written by :func:`save_model_weights` (or ``moe-dist upcycle``) into ``model``
+    in place, converting dtypes. Works before or after expert parallelism (each rank reads its
+    experts' rows), not after FSDP sharding. Returns ``{"loaded": n_tensors}``."""
+    ckpt = SafetensorsCheckpoint(directory)
+    state = model.state_dict(keep_vars=True)
+    if any(type(t).__name__ == "DTensor" for t in state.values()):
+        raise ValueError("load_model_weights: load the weights before FSDP sharding (the model holds DTensors)")
+    aliases = _aliases(model)
+    experts = _expert_tensors(model)
+    totals = _global_experts(model)
+    wanted = [k for k in state if k not in aliases]
+    missing = [k for k in wanted if k not in ckpt]
+    unexpected = [k for k in ckpt.keys() if k not in state]
+    if missing or unexpected:
+        raise HFFormatError(f"{directory}: the weights do not match the model built from the config: "
+                            f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''} ({len(missing)}), "
+                            f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)}); "
+                            "was the config changed after the weights were written?")
+    for name in wanted:
+        target = state[name]
+        if name in experts:
+            module = experts[name]
+            full = (totals.get(id(module), module.num_experts),) + tuple(target.shape[1:])
+            if ckpt.shape(name) != full:
+                raise HFFormatError(f"{directory}: {name!r} has shape {list(ckpt.shape(name))}, the model expects "
+                                    f"{list(full)} (all experts of the layer)")
+            value = ckpt.get_rows(name, module.offset, module.offset + module.num_experts)
+        else:
+            if ckpt.shape(name) != tuple(target.shape):
+                raise HFFormatError(f"{directory}: {name!r} has shape {list(ckpt.shape(name))}, the model expects "
+                                    f"{list(target.shape)}")
+            value = ckpt.get(name)
+        target.data.copy_(value.to(device=target.device, dtype=target.dtype))
+    ckpt.close()
+    return {"loaded": len(wanted)}
+
+
+def has_model_weights(directory: str) -> bool:
+    return any(os.path.exists(os.path.join(directory, f)) for f in ("model.safetensors", "model.safetensors.index.json"))
