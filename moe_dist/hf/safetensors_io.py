@@ -129,6 +129,7 @@ class ShardedWriter:
         os.makedirs(directory, exist_ok=True)
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
+        self._storages: set[int] = set()
         self._written: list[tuple[str, list[str]]] = []  # (temporary file, names)
         self.total_bytes = 0
 
@@ -139,6 +140,11 @@ class ShardedWriter:
         size = t.numel() * t.element_size()
         if self._pending and self._pending_bytes + size > self.max_bytes:
             self._flush()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self._storages:  # safetensors refuses tensors that share memory (tied or repeated weights)
+            t = t.clone()
+            ptr = t.untyped_storage().data_ptr()
+        self._storages.add(ptr)
         self._pending[name] = t
         self._pending_bytes += size
         self.total_bytes += size
@@ -151,7 +157,7 @@ class ShardedWriter:
         tmp = os.path.join(self.directory, f".shard-{len(self._written):05d}.safetensors")
         save_file(self._pending, tmp, metadata={"format": "pt", **self.metadata})
         self._written.append((tmp, list(self._pending)))
-        self._pending, self._pending_bytes = {}, 0
+        self._pending, self._pending_bytes, self._storages = {}, 0, set()
 
     def close(self) -> list[str]:
         """Finish the files; returns their names."""

@@ -197,6 +197,6 @@ def upcycle(dense_dir: str, out_dir: str, overrides: Iterable[str] = (), *, base
         json.dump(info, f, indent=2)
     log(f"upcycled {ckpt.family} ({dense_dir}) -> {out_dir}: {len(info['moe_layers'])} MoE layers x "
         f"{info['num_experts']} experts (top-{info['top_k']}, router {info['router']}), "
-        f"{counts['total'] / 1e9:.3f}B parameters ({counts['active'] / 1e9:.3f}B active), {info['dtype']}, "
+        f"{counts['total']:,} parameters ({counts['active']:,} active), {info['dtype']}, "
         f"{info['seconds']:.1f}s")
     return info

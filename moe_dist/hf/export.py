@@ -1,0 +1,103 @@
+"""``moe-dist export``: load one of our models from disk and write it in a Hugging Face format.
+
+``--checkpoint`` accepts
+  * a ``moe-dist upcycle`` output directory (``config.yaml`` + ``model.safetensors``),
+  * a run directory written by ``moe-dist train`` (its latest complete checkpoint), or
+  * one checkpoint directory ``<run>/checkpoints/step_NNNNNN``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from ..config import load_config
+from .config import HFFormatError
+
+FORMATS = ("mixtral",)
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _is_step_dir(path: str) -> bool:
+    return os.path.exists(os.path.join(path, "meta.json")) and os.path.basename(os.path.dirname(path)) == "checkpoints"
+
+
+def locate(path: str) -> tuple[str, str, str]:
+    """``(config.yaml, kind, weights path)`` with kind ``safetensors`` or ``dcp``."""
+    from ..train.checkpoint import latest_checkpoint
+    from ..upcycle.weights import has_model_weights
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"--checkpoint {path!r}: no such directory")
+    if _is_step_dir(path):
+        run_dir = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+        return os.path.join(run_dir, "config.yaml"), "dcp", path
+    config = os.path.join(path, "config.yaml")
+    if not os.path.exists(config):
+        raise FileNotFoundError(f"--checkpoint {path!r} has no config.yaml: expected a `moe-dist upcycle` output, a run "
+                                "directory or a <run>/checkpoints/step_NNNNNN directory")
+    step = latest_checkpoint(path)
+    if step is not None:
+        return config, "dcp", step
+    if has_model_weights(path):
+        return config, "safetensors", path
+    raise FileNotFoundError(f"--checkpoint {path!r} holds neither model.safetensors nor a complete checkpoint under "
+                            f"{os.path.join(path, 'checkpoints')}")
+
+
+def load_our_model(path: str, overrides: Iterable[str] = ()):
+    """``(model, cfg, weights path)``: the full model on one process, weights loaded."""
+    from ..model import build_model
+    from ..train.checkpoint import load_checkpoint
+    from ..upcycle.weights import load_model_weights
+
+    config, kind, weights = locate(path)
+    cfg = load_config(config, overrides)
+    if cfg.model.vocab_size is None:
+        meta = os.path.join(weights, "meta.json")
+        vocab = json.load(open(meta, encoding="utf-8")).get("vocab_size") if os.path.exists(meta) else None
+        if vocab is None:
+            raise HFFormatError(f"{config}: model.vocab_size is null and the checkpoint does not record it")
+        cfg.model.vocab_size = int(vocab)
+    cfg.ckpt.init_from = None  # the weights below replace any initialisation
+    model = build_model(cfg.model, cfg.model.vocab_size, seed=cfg.train.seed)
+    if kind == "dcp":
+        load_checkpoint(model, weights)
+    else:
+        load_model_weights(model, weights)
+    return model.eval(), cfg, weights
+
+
+def tokenizer_source(path: str, cfg) -> Optional[str]:
+    """Where the model's tokenizer files are: the upcycle directory, the data.tokenizer's
+    directory, or the run's prepared data directory (run.json)."""
+    for directory in (path, os.path.dirname(os.path.abspath(cfg.data.tokenizer)) if cfg.data.tokenizer else None):
+        if directory and any(os.path.exists(os.path.join(directory, f)) for f in ("tokenizer.model", "tokenizer.json")):
+            return directory
+    run_json = os.path.join(path, "run.json")
+    if os.path.exists(run_json):
+        data_dir = json.load(open(run_json, encoding="utf-8")).get("data", {}).get("directory")
+        if data_dir and os.path.exists(os.path.join(data_dir, "tokenizer.model")):
+            return data_dir
+    return None
+
+
+def export(checkpoint: str, fmt: str, out_dir: str, dtype: str = "auto", overrides: Iterable[str] = (),
+           log: Callable[[str], None] = print) -> dict:
+    if fmt not in FORMATS:
+        raise ValueError(f"--format {fmt!r}; allowed: {list(FORMATS)}")
+    if dtype != "auto" and dtype not in EXPORT_DTYPES:
+        raise ValueError(f"--dtype {dtype!r}; allowed: auto, {', '.join(EXPORT_DTYPES)}")
+    model, cfg, weights = load_our_model(checkpoint, overrides)
+    torch_dtype = EXPORT_DTYPES[dtype] if dtype != "auto" else (torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32)
+    from .mixtral import export_mixtral
+
+    src = os.path.dirname(os.path.dirname(os.path.abspath(weights))) if _is_step_dir(weights) else checkpoint
+    result = export_mixtral(model, cfg, out_dir, dtype=torch_dtype, tokenizer_dir=tokenizer_source(src, cfg),
+                            max_position_embeddings=max(cfg.train.seq_len, 4096), log=log)
+    log(f"exported {weights} -> {out_dir} (Mixtral, {str(torch_dtype).replace('torch.', '')}, "
+        f"{result['bytes'] / 2**20:.1f} MiB in {len(result['files'])} file(s); tokenizer files: "
+        f"{result['tokenizer_files'] or 'none'})")
+    return result
