@@ -11,9 +11,11 @@ eval` needs; optimizer state and crash-safe resume build on it.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import warnings
 from typing import Optional
 
 import torch
@@ -25,6 +27,14 @@ from ..moe import MoELayer
 
 COMPLETE = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns that it 'assumes a single process' when torch.distributed is not started: we mean it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process")
+        yield
 
 
 def expert_keyed_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -58,7 +68,8 @@ def save_checkpoint(model: nn.Module, run_dir: str, step: int, meta: dict, is_ma
         os.makedirs(path, exist_ok=True)
     if dist.is_initialized():
         dist.barrier()
-    dcp.save(expert_keyed_state_dict(model), checkpoint_id=path, no_dist=not dist.is_initialized())
+    with _quiet_single_process():
+        dcp.save(expert_keyed_state_dict(model), checkpoint_id=path, no_dist=not dist.is_initialized())
     if dist.is_initialized():
         dist.barrier()
     if is_main:
@@ -88,6 +99,7 @@ def load_checkpoint(model: nn.Module, path: str) -> dict:
     """Load model weights in place (collective under torch.distributed); returns meta.json."""
     if not os.path.exists(os.path.join(path, COMPLETE)):
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
-    dcp.load(expert_keyed_state_dict(model), checkpoint_id=path, no_dist=not dist.is_initialized())
+    with _quiet_single_process():
+        dcp.load(expert_keyed_state_dict(model), checkpoint_id=path, no_dist=not dist.is_initialized())
     with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
         return json.load(f)
