@@ -249,7 +249,8 @@ def init_distributed(ep: int = 1, num_experts: Optional[int] = None, *, backend:
     if dist.is_available() and dist.is_initialized():  # started by someone else (tests, a notebook)
         world, rank = dist.get_world_size(), dist.get_rank()
         env = os.environ if environ is None else environ
-        launch = LaunchInfo(rank=rank, world_size=world, local_rank=_int(env, "LOCAL_RANK") or 0,
+        local_rank = _int(env, "LOCAL_RANK")
+        launch = LaunchInfo(rank=rank, world_size=world, local_rank=rank if local_rank is None else local_rank,
                             local_world_size=_int(env, "LOCAL_WORLD_SIZE") or world, launcher="external")
         dev = pick_device(device, launch.local_rank)
         be, owns = dist.get_backend(), False
