@@ -177,6 +177,42 @@ def recommend(layouts: list[dict], usable_gib: float) -> tuple[Optional[dict], s
                   f"{mem['fsdp_gather']:.1f}) but {usable_gib:.1f} GiB are usable")
 
 
+def _alternatives(inp: PlanInput, counts: dict, layouts: list[dict], nodes: int, gpus_per_node: int, usable: float,
+                  micro_batch: Optional[int], max_nodes: int = 1024) -> str:
+    """What would fit instead: more nodes (same GPUs), or ZeRO sharding of the experts too."""
+    text = ""
+
+    def fits(n: int) -> bool:
+        world = n * gpus_per_node
+        mb, _ = _micro_batch(inp, world, micro_batch)
+        E = inp.model.moe.num_experts if inp.moe_blocks else 1
+        cand = [evaluate_layout(inp, counts, world, gpus_per_node, ep, mb) for ep in _divisors(E) if world % ep == 0]
+        return bool(cand) and recommend(cand, usable)[0] is not None
+
+    # memory per GPU only falls as nodes are added (more sharding, fewer sequences each): double, then bisect
+    lo, hi = nodes, nodes * 2
+    while hi <= max_nodes and not fits(hi):
+        lo, hi = hi, hi * 2
+    if hi <= max_nodes:
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+        text += f"; {hi} nodes of {gpus_per_node} GPUs would fit"
+    else:
+        experts_floor = len(inp.moe_blocks) * counts["per_expert"] * 16 / GIB  # one expert per MoE layer (ep = E)
+        text += (f"; more nodes do not help: even {max_nodes} nodes leave more than {usable:.1f} GiB per GPU"
+                 + (f" (expert parallelism stops at ep = model.moe.num_experts={inp.model.moe.num_experts}, so a GPU "
+                    f"keeps at least one expert per MoE layer: {experts_floor:.1f} GiB of weights, grads and AdamW "
+                    "state)" if inp.moe_blocks else ""))
+    zero = sorted(((v["total_with_activation_checkpointing"], l["ep"], k) for l in layouts
+                   for k, v in l["zero_stages_gib"].items() if v["total_with_activation_checkpointing"] <= usable))
+    if zero:
+        need, ep, stage = zero[0]
+        text += (f"; sharding the experts over their replicas too ({stage} with ep={ep}, activation checkpointing, "
+                 f"e.g. the DeepSpeed engine) would need {need:.1f} GiB")
+    return text
+
+
 def plan(path: str, nodes: int, gpus_per_node: int, gpu_mem_gib: float, overrides: Iterable[str] = (),
          seq_len: Optional[int] = None, micro_batch: Optional[int] = None) -> dict:
     """The whole plan as a JSON-serialisable dict (``total_params``, ``active_params``, ...)."""
@@ -197,6 +233,8 @@ def plan(path: str, nodes: int, gpus_per_node: int, gpu_mem_gib: float, override
     layouts = [evaluate_layout(inp, counts, world, gpus_per_node, ep, mb) for ep in eps]
     usable = gpu_mem_gib * USABLE_FRACTION
     best, reason = recommend(layouts, usable)
+    if best is None:
+        reason += _alternatives(inp, counts, layouts, nodes, gpus_per_node, usable, micro_batch)
     m = inp.model
     return {
         "source": inp.source, "kind": inp.kind,
