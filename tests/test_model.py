@@ -1,0 +1,214 @@
+"""Decoder LM: shapes, causality, attention paths, padding, router context plumbing,
+activation checkpointing, initialisation."""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_dist.config import load_config
+from moe_dist.model import Attention, apply_rotary, build_model, count_parameters, rotary_tables
+from moe_dist.model.layers import SwiGLU
+from moe_dist.moe import MoELayer
+from moe_dist.moe.routers import register_router
+from moe_dist.moe.routers.topk import TopKRouter
+from moe_dist.moe.routing import is_recomputing
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 512
+
+
+@register_router("_test_probe")
+class ProbeRouter(TopKRouter):
+    """Top-k routing that asks for attention probabilities and records what it was given."""
+
+    needs_attention = True
+
+    def __init__(self, d_model, num_experts, top_k, *, normalize=None, noisy=False, init_std=0.02):
+        super().__init__(d_model, num_experts, top_k, normalize=normalize, noisy=noisy, init_std=init_std)
+        self.seen, self.invocations, self.optimizer_steps = [], 0, []
+
+    def route(self, x, ctx):
+        self.invocations += 1
+        if not is_recomputing():  # a stateful router's side effects happen once per forward
+            self.seen.append({"batch_shape": ctx.batch_shape, "causal": ctx.causal, "step": ctx.step,
+                              "micro_step": ctx.micro_step, "seed": ctx.seed,
+                              "prev_top1": None if ctx.prev_top1 is None else ctx.prev_top1.clone(),
+                              "attn_probs": None if ctx.attn_probs is None else ctx.attn_probs.detach().clone(),
+                              "padding_mask": ctx.padding_mask, "tokens": x.shape[0]})
+        return super().route(x, ctx)
+
+    def after_optimizer_step(self, ctx):
+        self.optimizer_steps.append(ctx.step)
+
+
+def model_cfg(*overrides):
+    return load_config(os.path.join(ROOT, "configs/test.yaml"), list(overrides)).model
+
+
+def tokens(B=3, S=16, seed=0):
+    return torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(seed))
+
+
+def test_shapes_parameters_and_tying():
+    model = build_model(model_cfg(), VOCAB, seed=0)
+    assert model(tokens()).shape == (3, 16, VOCAB)
+    assert model.lm_head.weight is model.embed.weight
+    unique = {id(p): p.numel() for p in model.parameters()}
+    counts = count_parameters(model)
+    assert counts["total"] == sum(unique.values())
+    per_expert = 3 * 64 * 64
+    assert counts["total"] - counts["active"] == 2 * per_expert * (4 - 2)  # 2 MoE layers, 2 of 4 experts idle
+    untied = build_model(model_cfg("model.tie_embeddings=false"), VOCAB, seed=0)
+    assert count_parameters(untied)["total"] == counts["total"] + VOCAB * 64
+
+
+@pytest.mark.parametrize("layers,expected", [("every", [0, 1, 2, 3]), ("every_other", [1, 3]), ([0, 2], [0, 2])])
+def test_moe_layer_placement(layers, expected):
+    model = build_model(model_cfg("model.n_layers=4", f"model.moe.layers={layers}"), VOCAB)
+    assert [i for i, b in enumerate(model.blocks) if isinstance(b.ffn, MoELayer)] == expected
+    assert all(isinstance(b.ffn, SwiGLU) for i, b in enumerate(model.blocks) if i not in expected)
+    assert [m.context.layer_idx for m in model.moe_layers()] == expected
+
+
+@pytest.mark.parametrize("router", ["topk", "_test_probe"])
+def test_causal(router):
+    model = build_model(model_cfg(f"model.moe.router={router}"), VOCAB, seed=1)
+    x = tokens(2, 20)
+    y = x.clone()
+    y[:, 12:] = (y[:, 12:] + 7) % VOCAB
+    with torch.no_grad():
+        a, b = model(x), model(y)
+    torch.testing.assert_close(a[:, :12], b[:, :12], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(a[:, 12:], b[:, 12:])
+
+
+def test_explicit_attention_matches_sdpa_with_gqa():
+    torch.manual_seed(0)
+    attn = Attention(64, n_heads=8, n_kv_heads=2, init_std=0.1, out_init_std=0.1)
+    x = torch.randn(2, 10, 64)
+    cos, sin = rotary_tables(10, 8, 10000.0, x.device, x.dtype)
+    fused, none = attn(x, cos, sin)
+    explicit, probs = attn(x, cos, sin, need_probs=True)
+    assert none is None and probs.shape == (2, 8, 10, 10) and probs.dtype == torch.float32
+    torch.testing.assert_close(explicit, fused, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, 8, 10))
+    assert torch.all(probs.triu(1) == 0)
+
+
+def test_left_padding_mask():
+    """Real tokens after left padding see only real tokens: their logits equal the unpadded run."""
+    model = build_model(model_cfg(), VOCAB, seed=2)
+    real = tokens(1, 12, seed=3)
+    padded = torch.cat([torch.zeros(1, 4, dtype=torch.long), real], dim=1)
+    mask = torch.cat([torch.zeros(1, 4, dtype=torch.bool), torch.ones(1, 12, dtype=torch.bool)], dim=1)
+    with torch.no_grad():
+        ref = model(real)
+        out = model(padded, padding_mask=mask)
+        assert all(m.context.padding_mask is mask for m in model.moe_layers())
+        unmasked = model(padded)
+    torch.testing.assert_close(out[:, 4:], ref, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(unmasked[:, 4:], ref, atol=1e-3)
+
+
+def test_router_context_plumbing():
+    probe = build_model(model_cfg("model.n_layers=3", "model.moe.router=_test_probe"), VOCAB, seed=4)
+    plain = build_model(model_cfg("model.n_layers=3"), VOCAB, seed=4)
+    plain.load_state_dict(probe.state_dict())
+    x = tokens(2, 8)
+    with torch.no_grad():
+        out_probe, out_plain = probe(x), plain(x)
+    torch.testing.assert_close(out_probe, out_plain, rtol=1e-5, atol=1e-5)  # explicit path == fused path
+    layers = probe.moe_layers()
+    for i, layer in enumerate(layers):
+        seen = layer.router.seen[-1]
+        assert seen["batch_shape"] == (2, 8) and seen["causal"] is True and seen["tokens"] == 16
+        if i == 0:
+            assert seen["prev_top1"] is None
+        else:
+            assert torch.equal(seen["prev_top1"], layers[i - 1].last_routing.expert_ids[:, 0])
+        probs = seen["attn_probs"]
+        assert probs.shape == (2, 4, 8, 8)  # [B, H, S, S], causal rows summing to one
+        assert torch.all(probs.triu(1) == 0)
+        torch.testing.assert_close(probs.sum(-1), torch.ones(2, 4, 8))
+        assert probe.blocks[i].needs_attention
+    # blocks whose router does not ask keep the fused kernel and get no probabilities
+    assert all(m.context.attn_probs is None for m in plain.moe_layers())
+    assert not any(b.needs_attention for b in plain.blocks)
+
+
+def test_attention_probs_are_the_blocks_own():
+    model = build_model(model_cfg("model.n_layers=1", "model.moe.router=_test_probe"), VOCAB, seed=5)
+    x = tokens(1, 6)
+    with torch.no_grad():
+        model(x)
+        h = model.embed(x)
+        cos, sin = rotary_tables(6, model.head_dim, 10000.0, h.device, h.dtype)
+        _, expected = model.blocks[0].attn(model.blocks[0].attn_norm(h), cos, sin, need_probs=True)
+    torch.testing.assert_close(model.moe_layers()[0].router.seen[-1]["attn_probs"], expected)
+
+
+def _grads(model, x):
+    model.zero_grad(set_to_none=True)
+    for layer in model.moe_layers():
+        layer.context.step, layer.context.micro_step, layer.context.seed = 3, 1, 11
+    logits = model(x[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+    from moe_dist.moe import collect_aux_loss
+
+    (loss + collect_aux_loss(model)).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("router,options", [("noisy_topk", ["model.moe.router_options={init_std: 0.5}"]),
+                                            ("_test_probe", ["model.moe.capacity_factor=1.0"])])
+def test_activation_checkpointing_gives_the_same_gradients(router, options):
+    cfg = model_cfg("model.n_layers=3", f"model.moe.router={router}", *options)
+    x = tokens(4, 17, seed=6)
+    ref = build_model(cfg, VOCAB, seed=7)
+    g_ref = _grads(ref, x)
+    ckpt = build_model(cfg, VOCAB, seed=7)
+    ckpt.set_activation_checkpointing(True)
+    g_ckpt = _grads(ckpt, x)
+    assert set(g_ref) == set(g_ckpt) and len(g_ref) > 10
+    for name in g_ref:
+        torch.testing.assert_close(g_ckpt[name], g_ref[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    if router == "_test_probe":
+        for layer in ckpt.moe_layers():  # routed twice (forward + recompute), side effects once
+            assert layer.router.invocations == 2 and len(layer.router.seen) == 1
+            assert layer.router.seen[0]["step"] == 3 and layer.router.seen[0]["seed"] == 11
+        for layer in ref.moe_layers():
+            assert layer.router.invocations == 1
+
+
+def test_initialisation_depends_on_seed_only():
+    state = torch.random.get_rng_state()
+    a = build_model(model_cfg(), VOCAB, seed=0).state_dict()
+    assert torch.equal(torch.random.get_rng_state(), state)  # the caller's random state is untouched
+    b = build_model(model_cfg(), VOCAB, seed=0).state_dict()
+    c = build_model(model_cfg(), VOCAB, seed=1).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["blocks.0.ffn.experts.w1"], c["blocks.0.ffn.experts.w1"])
+
+
+def test_rotary_is_relative():
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+    cos, sin = rotary_tables(40, 16, 10000.0, "cpu", torch.float32)
+
+    def score(m, n):
+        return (apply_rotary(q, cos[m], sin[m]) * apply_rotary(k, cos[n], sin[n])).sum()
+
+    torch.testing.assert_close(score(5, 2), score(33, 30), rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(score(5, 2), score(5, 4))
+
+
+def test_bf16_autocast_forward():
+    model = build_model(model_cfg(), VOCAB, seed=8)
+    x = tokens(2, 16)
+    with torch.no_grad():
+        ref = model(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = model(x)
+    assert torch.isfinite(low).all()
+    assert (low.float() - ref).abs().max() < 0.1 * ref.abs().max()
