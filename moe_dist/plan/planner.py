@@ -152,23 +152,34 @@ def _micro_batch(inp: PlanInput, world: int, override: Optional[int]) -> tuple[i
 
 
 def recommend(layouts: list[dict], usable_gib: float) -> tuple[Optional[dict], str]:
-    """The layout to use, and why. Without activation checkpointing if one fits (it is
-    faster), then the smallest ep (least all-to-all traffic), preferring EP groups inside a node."""
-    def pick(key: str) -> Optional[dict]:
+    """The layout to use, and why: without activation checkpointing if one fits (no recompute),
+    EP groups inside a node, then the fewest bytes sent per GPU per step (expert all-to-alls
+    plus weight/gradient synchronisation: a larger ep sends more all-to-all traffic but
+    replicates, and so all-reduces, fewer expert gradients)."""
+    def traffic(l: dict, ckpt: bool) -> int:
+        a2a = l["all_to_all"]["bytes_per_gpu_per_step_checkpointed" if ckpt else "bytes_per_gpu_per_step"]
+        return a2a + l["weight_and_grad_sync_bytes_per_gpu_per_step"]
+
+    def pick(key: str, ckpt: bool) -> Optional[dict]:
         fits = [l for l in layouts if l["memory_gib"][key] <= usable_gib]
-        fits.sort(key=lambda l: (not l["ep_within_node"], l["ep"]))
+        fits.sort(key=lambda l: (not l["ep_within_node"], traffic(l, ckpt), l["ep"]))
         return fits[0] if fits else None
 
-    best = pick("total")
+    def gib(n: float) -> str:
+        return f"{n / 2**30:.1f} GiB"
+
+    best = pick("total", False)
     if best is not None:
         return dict(best, activation_checkpointing=False), (
             f"ep={best['ep']} fits without activation checkpointing ({best['memory_gib']['total']:.1f} of "
-            f"{usable_gib:.1f} usable GiB); the smallest such ep keeps all-to-all traffic lowest")
-    best = pick("total_with_activation_checkpointing")
+            f"{usable_gib:.1f} usable GiB) and sends the fewest bytes per GPU per step of the layouts that fit "
+            f"({gib(traffic(best, False))}: all-to-all + weight/gradient sync)")
+    best = pick("total_with_activation_checkpointing", True)
     if best is not None:
         return dict(best, activation_checkpointing=True), (
             f"no layout fits without activation checkpointing; with it ep={best['ep']} needs "
-            f"{best['memory_gib']['total_with_activation_checkpointing']:.1f} of {usable_gib:.1f} usable GiB")
+            f"{best['memory_gib']['total_with_activation_checkpointing']:.1f} of {usable_gib:.1f} usable GiB and sends "
+            f"the fewest bytes per GPU per step ({gib(traffic(best, True))})")
     low = min(layouts, key=lambda l: l["memory_gib"]["total_with_activation_checkpointing"])
     mem = low["memory_gib"]
     return None, (f"no layout fits: the smallest need is {mem['total_with_activation_checkpointing']:.1f} GiB per GPU "

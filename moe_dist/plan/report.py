@@ -53,8 +53,8 @@ def format_plan(p: dict) -> str:
                      f"{'on' if r['activation_checkpointing'] else 'off'} "
                      f"(parallel.ep={r['ep']} train.activation_checkpointing={str(r['activation_checkpointing']).lower()})")
         a = r["all_to_all"]
-        lines.append(f"  all-to-all per step: {_bytes(a['bytes_per_gpu_per_step_checkpointed' if r['activation_checkpointing'] else 'bytes_per_gpu_per_step'])} "
-                     f"sent per GPU, {_bytes(a['bytes_per_step_all_gpus'])} over all GPUs, "
+        per_gpu = a["bytes_per_gpu_per_step_checkpointed" if r["activation_checkpointing"] else "bytes_per_gpu_per_step"]
+        lines.append(f"  all-to-all per step: {_bytes(per_gpu)} sent per GPU, {_bytes(per_gpu * r['dp'])} over all GPUs, "
                      f"{'within a node' if r['ep_within_node'] else _bytes(a['inter_node_bytes_per_gpu_per_step']) + ' per GPU across nodes'}; "
                      f"weights/grads sync {_bytes(r['weight_and_grad_sync_bytes_per_gpu_per_step'])} per GPU")
     else:
