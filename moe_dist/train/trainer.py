@@ -29,6 +29,7 @@ from .evaluate import autocast, evaluate, format_report, unigram_baseline, valid
 from .metrics import MetricsLogger, MoEStepStats
 from .optim import build_optimizer, lr_at, set_lr
 from .parallelize import parallelize
+from .preemption import PreemptionHandler, stop_if_requested
 
 
 def default_threads(rt: Runtime) -> int:
@@ -103,6 +104,7 @@ class Trainer:
         self.val_batches = validation_batches(self.data, cfg.train.seq_len, cfg.eval, groups.dp_rank, groups.dp_size)
         self.metrics = MetricsLogger(self.run_dir if self.is_main else None, cfg.run.tensorboard)
         self.step = 0
+        self.preemption = PreemptionHandler(self.rt.device)  # SIGUSR1/SIGTERM: checkpoint and exit 75
         if self.is_main:
             save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
             self._write_run_info()
@@ -223,6 +225,7 @@ class Trainer:
                              f"{row['elapsed_s']:.0f}s")
                 if (cfg.ckpt.every and self.step % cfg.ckpt.every == 0) or (last and cfg.ckpt.save_final):
                     self.save()
+                stop_if_requested(self)
         finally:
             if self._bar is not None:
                 self._bar.close()
@@ -244,6 +247,7 @@ class Trainer:
         return summary
 
     def close(self) -> None:
+        self.preemption.restore()
         self.metrics.close()
         if self._owns_runtime:
             shutdown(self.rt)

@@ -1,0 +1,102 @@
+"""Stop cleanly when the scheduler asks: checkpoint at the next step boundary, then exit.
+
+A cluster warns a job before it kills it: Slurm sends the signal named by
+``#SBATCH --signal=B:USR1@<seconds>`` before the time limit (launch/slurm/train.sbatch
+forwards it to every task), and SIGTERM when the job is preempted or reaches its limit.
+The handler installed here only sets a flag. After every optimizer step the trainer calls
+:func:`stop_if_requested`, which agrees on the flag over all ranks (a MAX all-reduce, so all
+ranks stop at the same step even if the signal reached only some of them), saves a
+checkpoint unless this step already has one, and raises :class:`Preempted`: a
+``SystemExit`` with :data:`EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``), which the launch scripts
+read as "requeue me". The requeued job continues from that checkpoint with ``resume=auto``.
+
+A second signal while the first is pending restores the default action and re-raises it,
+so a launcher that escalates (SIGTERM, then SIGTERM again) still gets its way.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+EXIT_PREEMPTED = 75
+SIGNALS = ("SIGUSR1", "SIGTERM")
+
+
+class Preempted(SystemExit):
+    """Raised on every rank after the preemption checkpoint; exits the process with code 75."""
+
+    def __init__(self, step: int, signal_name: str):
+        super().__init__(EXIT_PREEMPTED)
+        self.step, self.signal_name = step, signal_name
+
+
+class PreemptionHandler:
+    """Catches the stop signals of this process (installed only from the main thread)."""
+
+    def __init__(self, device: torch.device, group: Optional[dist.ProcessGroup] = None,
+                 signals: Iterable[str] = SIGNALS):
+        self.device, self.group = device, group
+        self.received: Optional[int] = None  # signal number of the first stop signal
+        self._previous: dict[int, object] = {}
+        if threading.current_thread() is threading.main_thread():
+            for name in signals:
+                sig = getattr(signal, name)
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        if self.received is not None:  # asked twice: stop waiting for the step boundary
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.received = signum
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.received).name if self.received else ""
+
+    def should_stop(self) -> bool:
+        """Collective when torch.distributed is up: True on every rank if any rank got a signal."""
+        flag = torch.tensor([0 if self.received is None else int(self.received)], dtype=torch.int64, device=self.device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if flag.item() and self.received is None:  # another rank's signal: name it in our logs too
+            self.received = int(flag.item())
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        """Put the previous handlers back."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
+def _has_checkpoint_at(trainer, step: int) -> bool:
+    """Rank 0 decides (from the file system) and tells the others, so all ranks agree."""
+    from .checkpoint import COMPLETE, step_dir
+
+    found = torch.tensor([0], dtype=torch.int64, device=trainer.rt.device)
+    if trainer.is_main:
+        found[0] = int(os.path.exists(os.path.join(step_dir(trainer.run_dir, step), COMPLETE)))
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast(found, src=0)
+    return bool(found.item())
+
+
+def stop_if_requested(trainer) -> None:
+    """Call on every rank after each optimizer step. Saves and raises :class:`Preempted` when a
+    stop signal is pending; does nothing after the last step (the run is finishing anyway)."""
+    handler: PreemptionHandler = trainer.preemption
+    if not handler.should_stop() or trainer.step >= trainer.cfg.train.steps:
+        return
+    path = None
+    if not _has_checkpoint_at(trainer, trainer.step):
+        path = trainer.save()
+    trainer.log(f"{handler.signal_name} received: stopped after step {trainer.step}/{trainer.cfg.train.steps}"
+                f"{', checkpoint ' + path if path else ' (checkpoint already saved)'}; exit code {EXIT_PREEMPTED} "
+                "(resume with resume=auto)")
+    raise Preempted(trainer.step, handler.signal_name)
