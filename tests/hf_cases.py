@@ -1,0 +1,62 @@
+"""Tiny dense Hugging Face checkpoints built locally from configs (no downloads), for the
+HF interop, upcycling and planner tests."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch
+
+TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2)
+FAMILY_EXTRAS = {
+    "llama": dict(rope_theta=5000.0, rms_norm_eps=1e-6),
+    "mistral": dict(rope_theta=20000.0, sliding_window=None),
+    "qwen2": dict(tie_word_embeddings=True, rope_theta=100000.0),
+    "phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5),
+}
+
+
+def hf_classes(family: str):
+    import transformers
+
+    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "phi3": "Phi3", "mixtral": "Mixtral"}[family]
+    return getattr(transformers, f"{names}Config"), getattr(transformers, f"{names}ForCausalLM")
+
+
+def build_dense(family: str, directory: str, seed: int = 0, max_shard_size=None, **overrides):
+    """A random dense checkpoint of ``family`` saved to ``directory`` (safetensors + config.json);
+    every weight, norms and biases included, is perturbed so that no mapping error can hide
+    behind a default value. Returns the transformers model (eval mode)."""
+    config_cls, model_cls = hf_classes(family)
+    cfg = config_cls(**{**TINY, **FAMILY_EXTRAS[family], **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, **kwargs)
+    return model
+
+
+def add_sentencepiece(directory: str, texts: list[str], vocab_size: int) -> str:
+    """Train a small sentencepiece tokenizer (no byte fallback, so it fits a tiny vocabulary)
+    and store it as the checkpoint's tokenizer.model."""
+    import io
+
+    import sentencepiece as spm
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_writer=buf, vocab_size=vocab_size,
+                                   model_type="bpe", hard_vocab_limit=False, minloglevel=2, eos_id=1, bos_id=-1)
+    path = os.path.join(directory, "tokenizer.model")
+    with open(path, "wb") as f:
+        f.write(buf.getvalue())
+    return path
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
