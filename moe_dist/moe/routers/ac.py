@@ -137,9 +137,9 @@ class AdaptiveClusteringRouter(Router):
     @torch.no_grad()
     def _update_running(self, counts: torch.Tensor, dispersion: torch.Tensor) -> None:
         seen = counts >= self.min_count
-        blended = torch.where(self.running_valid[:, None],
-                              torch.lerp(self.running_dispersion, dispersion, self.momentum), dispersion)
-        self.running_dispersion.copy_(torch.where(seen[:, None], blended, self.running_dispersion))
+        running = self.running_dispersion.float()  # fp32 math even if the model was cast
+        blended = torch.where(self.running_valid[:, None], torch.lerp(running, dispersion, self.momentum), dispersion)
+        self.running_dispersion.copy_(torch.where(seen[:, None], blended, running))
         self.running_valid |= seen
 
     def feature_weights(self, x: torch.Tensor, labels: torch.Tensor, ctx: RoutingContext) -> tuple[torch.Tensor, dict]:
