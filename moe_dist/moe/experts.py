@@ -25,6 +25,82 @@ def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+class _LoopFFN(torch.autograd.Function):
+    """The experts as a loop over experts, with a hand-written backward.
+
+    Autograd through ``w[i]`` slices would materialise every expert's weight gradient as a
+    full ``[E, ...]`` zero tensor plus one add per expert, and every input-gradient slice as
+    a full ``[rows, d]`` one (O(E^2) memory traffic). Here each expert's matmuls write
+    straight into their slices of whole-batch buffers, and each expert's activation (and its
+    backward) runs right after the matmul that produced its input, while that is in cache.
+    ``w3 is None`` means a GELU MLP, else SwiGLU.
+    """
+
+    @staticmethod
+    def forward(ctx, x, counts, w1, w3, w2):
+        x = x.contiguous()
+        spans, start = [], 0
+        for e, c in enumerate(counts):
+            if c:
+                spans.append((e, start, start + c))
+            start += c
+        h1 = x.new_empty((x.shape[0], w1.shape[2]))
+        h3 = torch.empty_like(h1) if w3 is not None else None
+        a = torch.empty_like(h1)
+        y = x.new_empty((x.shape[0], w2.shape[2]))
+        for e, s, t in spans:
+            torch.mm(x[s:t], w1[e], out=h1[s:t])
+            if w3 is not None:
+                torch.mm(x[s:t], w3[e], out=h3[s:t])
+                torch.mul(F.silu(h1[s:t]), h3[s:t], out=a[s:t])
+            else:
+                torch.ops.aten.gelu.out(h1[s:t], out=a[s:t])
+            torch.mm(a[s:t], w2[e], out=y[s:t])
+        ctx.save_for_backward(x, h1, h3, a, w1, w3, w2)
+        ctx.spans = spans
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, h1, h3, a, w1, w3, w2 = ctx.saved_tensors
+        spans = ctx.spans
+        need_x, _, need_w1, need_w3, need_w2 = ctx.needs_input_grad
+        need_w3 = need_w3 and w3 is not None
+        gy = gy.contiguous()
+        busy = {e for e, _, _ in spans}
+
+        def weight_grad(w):  # experts without rows get zeros; the others are overwritten
+            g = torch.empty_like(w)
+            for e in range(w.shape[0]):
+                if e not in busy:
+                    g[e].zero_()
+            return g
+
+        gw1 = weight_grad(w1) if need_w1 else None
+        gw3 = weight_grad(w3) if need_w3 else None
+        gw2 = weight_grad(w2) if need_w2 else None
+        gx = torch.zeros_like(x) if need_x and not spans else (torch.empty_like(x) if need_x else None)
+        for e, s, t in spans:
+            xe, ge = x[s:t], gy[s:t]
+            if need_w2:
+                torch.mm(a[s:t].t(), ge, out=gw2[e])
+            ga = ge @ w2[e].t()
+            if w3 is not None:
+                gh3 = F.silu(h1[s:t]).mul_(ga)
+                gh1 = torch.ops.aten.silu_backward.grad_input(ga.mul_(h3[s:t]), h1[s:t], grad_input=ga)
+            else:
+                gh3, gh1 = None, torch.ops.aten.gelu_backward.grad_input(ga, h1[s:t], grad_input=ga)
+            if need_w1:
+                torch.mm(xe.t(), gh1, out=gw1[e])
+            if need_w3:
+                torch.mm(xe.t(), gh3, out=gw3[e])
+            if need_x:
+                torch.mm(gh1, w1[e].t(), out=gx[s:t])
+                if w3 is not None:
+                    gx[s:t].addmm_(gh3, w3[e].t())
+        return gx, None, gw1, gw3, gw2
+
+
 class GroupedExperts(nn.Module):
     """``num_experts`` local experts of a layer whose experts ``offset .. offset+num_experts-1``
     (global indices) live on this rank.
@@ -84,15 +160,13 @@ class GroupedExperts(nn.Module):
         return F.silu(h1) * h3 if self.activation == "swiglu" else F.gelu(h1)
 
     def _loop(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-        outs, start = [], 0
-        for i, c in enumerate(counts):
-            if c == 0:
-                continue
-            xe = x[start : start + c]
-            h = self._act(xe @ self.w1[i], xe @ self.w3[i] if self.w3 is not None else None)
-            outs.append(h @ self.w2[i])
-            start += c
-        return torch.cat(outs) if outs else x.new_zeros((0, self.d_model))
+        weights = (self.w1, self.w3, self.w2)
+        if torch.is_autocast_enabled(x.device.type):  # cast once here, run the kernel without autocast
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weights = x.to(dtype), tuple(None if w is None else w.to(dtype) for w in weights)
+            with torch.autocast(x.device.type, enabled=False):
+                return _LoopFFN.apply(x, counts, *weights)
+        return _LoopFFN.apply(x, counts, *weights)
 
     def _bmm(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         cap = max(counts) if counts else 0
