@@ -10,8 +10,8 @@ checkpoint unless this step already has one, and raises :class:`Preempted`: a
 ``SystemExit`` with :data:`EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``), which the launch scripts
 read as "requeue me". The requeued job continues from that checkpoint with ``resume=auto``.
 
-A second signal while the first is pending restores the default action and re-raises it,
-so a launcher that escalates (SIGTERM, then SIGTERM again) still gets its way.
+Repeated signals are harmless (one process may get the same signal from Slurm and from a
+launcher that forwards it); a scheduler that will not wait sends SIGKILL anyway.
 """
 from __future__ import annotations
 
@@ -49,11 +49,8 @@ class PreemptionHandler:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, frame) -> None:
-        if self.received is not None:  # asked twice: stop waiting for the step boundary
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        self.received = signum
+        if self.received is None:
+            self.received = signum
 
     @property
     def signal_name(self) -> str:

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Train with torchrun: one process per GPU (or NPROC_PER_NODE processes) on this node, alone or as
+# one node of a multi-node job that meets on the first node (c10d rendezvous).
+#
+#   launch/torchrun.sh CONFIG [KEY=VALUE ...]
+#   NPROC_PER_NODE=2 launch/torchrun.sh configs/test.yaml train.steps=20          # 2 CPU processes
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node1 launch/torchrun.sh configs/tiny.yaml   # on node1, and
+#   NNODES=2 NODE_RANK=1 MASTER_ADDR=node1 launch/torchrun.sh configs/tiny.yaml   # on node2
+#
+# Environment (all optional):
+#   NPROC_PER_NODE  processes on this node (default: visible GPUs, or 1 without CUDA)
+#   NNODES          nodes in the job (default: SLURM_NNODES or 1)
+#   NODE_RANK       this node's index (default: SLURM_NODEID or 0)
+#   MASTER_ADDR     host of the rendezvous, the first node (default 127.0.0.1); MASTER_PORT (default 29500)
+#   RDZV_ID         rendezvous id shared by the nodes (default: SLURM_JOB_ID.SLURM_RESTART_COUNT or moe-dist)
+#   PYTHON          interpreter with moe_dist installed (default: .venv/bin/python of this checkout, or python3)
+#   MOE_DIST_COMMAND  train (default) or eval;  TORCHRUN_ARGS  extra torchrun flags
+# SIGUSR1 / SIGTERM sent to this script reach the training processes as SIGUSR1: they save a
+# checkpoint at the next step boundary and stop; the script then exits with 75 ("requeue me").
+set -uo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO=$(dirname "$HERE")
+# shellcheck source=launch/lib.sh
+. "$HERE/lib.sh"
+
+if [ $# -lt 1 ] || [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then
+  sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
+  exit 2
+fi
+CONFIG=$1
+shift
+PY=$(moe_dist_python "$REPO") || exit 2
+
+if [ -z "${NPROC_PER_NODE:-}" ]; then
+  NPROC_PER_NODE=$("$PY" -c 'import torch; print(max(1, torch.cuda.device_count()))') || exit 2
+fi
+NNODES=${NNODES:-${SLURM_NNODES:-1}}
+NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}
+if [ "$NNODES" -gt 1 ]; then
+  : "${MASTER_ADDR:?set MASTER_ADDR to the first node of the job}"
+  RDZV=(--nnodes="$NNODES" --node-rank="$NODE_RANK" --rdzv-backend=c10d
+        --rdzv-endpoint="$MASTER_ADDR:${MASTER_PORT:-29500}"
+        --rdzv-id="${RDZV_ID:-${SLURM_JOB_ID:-moe-dist}.${SLURM_RESTART_COUNT:-0}}")
+else
+  RDZV=(--standalone --nnodes=1)
+fi
+# torchrun must not turn SIGTERM into "kill the workers in 30 s": they handle it themselves
+export TORCHELASTIC_SIGNALS_TO_HANDLE=${TORCHELASTIC_SIGNALS_TO_HANDLE:-SIGINT,SIGHUP,SIGQUIT}
+
+# shellcheck disable=SC2086
+run_forwarding_signals children "$PY" -m torch.distributed.run "${RDZV[@]}" --nproc-per-node="$NPROC_PER_NODE" \
+  ${TORCHRUN_ARGS:-} --module moe_dist.cli "${MOE_DIST_COMMAND:-train}" --config "$CONFIG" "$@"
+exit "$(preemption_status "$RUN_RC" "$RUN_SIGNALLED")"
