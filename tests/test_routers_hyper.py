@@ -151,7 +151,11 @@ def test_inference_cache_matches_training_router():
     torch.testing.assert_close(eval_routing.gates, train_routing.gates.detach())
     with torch.no_grad():  # a changed embedding (optimizer step, checkpoint load) invalidates the cache
         router.embedding.add_(1.0)
-    assert not torch.equal(router.router_weights()[0], w_eval)
+    w_new = router.router_weights()[0]
+    assert not torch.equal(w_new, w_eval)
+    with torch.no_grad():  # so does an in-place change of the frozen part
+        router.hyper_w2.mul_(2.0)
+    torch.testing.assert_close(router.router_weights()[0], 2.0 * w_new)
     # a loaded state reproduces the router exactly
     other = build_router("hyper", 16, E, 2, embed_dim=8, hyper_dim=16).eval()
     other.load_state_dict(router.state_dict())

@@ -195,19 +195,27 @@ class HyperRouter(FrozenRouter):
             out = (self.hyper_w2.float() @ hidden).view(self.num_experts, self.d_model + 1)
         return out[:, : self.d_model], out[:, self.d_model]
 
-    def _cache_key(self) -> tuple:
-        return tuple((t.data_ptr(), t._version) for t in (self.embedding, *self.frozen_tensors()))
+    def _cache_valid(self) -> bool:
+        # the embedding is compared by value (256 numbers): a sharded-parameter wrapper may refill
+        # the same storage without a version bump; frozen tensors change only through in-place
+        # copies (state dict loads, which bump versions) or synchronize_frozen (which clears)
+        if self._cache is None:
+            return False
+        frozen_key, embedding = self._cache[0], self._cache[1]
+        return frozen_key == self._frozen_key() and torch.equal(embedding, self.embedding.detach())
+
+    def _frozen_key(self) -> tuple:
+        return tuple((t.data_ptr(), t._version) for t in self.frozen_tensors())
 
     def router_weights(self):
         if self.training:
             self._cache = None
             return self.generate()
-        key = self._cache_key()
-        if self._cache is None or self._cache[0] != key:
+        if not self._cache_valid():
             with torch.no_grad():
                 weight, bias = self.generate()
-            self._cache = (key, weight, bias)
-        return self._cache[1], self._cache[2]
+            self._cache = (self._frozen_key(), self.embedding.detach().clone(), weight, bias)
+        return self._cache[2], self._cache[3]
 
     def frozen_changed(self) -> None:
         self._cache = None
