@@ -50,7 +50,8 @@ def add_sentencepiece(directory: str, texts: list[str], vocab_size: int) -> str:
     import sentencepiece as spm
 
     buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_writer=buf, vocab_size=vocab_size,
+    lines = [line for text in texts for line in text.splitlines() if line.strip()]
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buf, vocab_size=vocab_size,
                                    model_type="bpe", hard_vocab_limit=False, minloglevel=2, eos_id=1, bos_id=-1)
     path = os.path.join(directory, "tokenizer.model")
     with open(path, "wb") as f:
