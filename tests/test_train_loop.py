@@ -1,0 +1,126 @@
+"""The training loop on one process: the loss falls on real text, the run directory holds
+everything, and the optimizer, schedule, clipping and checkpoint pieces do what they say."""
+import json
+import math
+import os
+
+import pytest
+import torch
+import yaml
+
+from moe_dist.config import load_config
+from moe_dist.data import load_prepared, prepare_data
+from moe_dist.dist.bootstrap import init_distributed
+from moe_dist.model import build_model
+from moe_dist.train.checkpoint import expert_keyed_state_dict, latest_checkpoint, load_checkpoint, save_checkpoint
+from moe_dist.train.optim import build_optimizer, lr_at
+from moe_dist.train.parallelize import parallelize
+from moe_dist.train.trainer import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def config(tmp, *extra):
+    return load_config(os.path.join(ROOT, "configs/test.yaml"), [
+        f"run.dir={tmp}/run", f"data.cache_dir={tmp}/cache", f"data.corpus={ROOT}/tests/data/python-docs",
+        "parallel.ep=1", *extra])
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("loop")
+    cfg = config(tmp, "train.steps=60", "train.warmup_steps=5", "eval.every=30", "ckpt.every=30", "run.log_every=2")
+    return cfg, train(cfg)
+
+
+@pytest.mark.slow
+def test_loss_falls_on_real_text(run):
+    cfg, summary = run
+    rows = [json.loads(line) for line in open(os.path.join(cfg.run.dir, "metrics.jsonl"))]
+    first, last = rows[0]["loss"], sum(r["loss"] for r in rows[-5:]) / 5
+    assert first == pytest.approx(math.log(512), abs=0.1)  # starts at chance
+    assert last < first - 1.0
+    # and it learned more than token frequencies: validation beats the unigram baseline
+    assert summary["val_loss"] < summary["unigram_loss"]
+    assert summary["val_ppl"] == pytest.approx(math.exp(summary["val_loss"]))
+
+
+@pytest.mark.slow
+def test_run_directory_has_everything(run):
+    cfg, summary = run
+    d = cfg.run.dir
+    saved = yaml.safe_load(open(os.path.join(d, "config.yaml")))
+    assert saved["model"]["vocab_size"] == 512 and saved["train"]["steps"] == 60  # resolved config
+    rows = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
+    assert [r["step"] for r in rows] == [1] + list(range(2, 61, 2))
+    for r in rows:
+        for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "aux_loss"):
+            assert isinstance(r[key], (int, float)) and math.isfinite(r[key]), key
+        assert set(r["moe"]) == {"0", "1"}
+        for layer in r["moe"].values():
+            assert len(layer["expert_counts"]) == 4 and sum(layer["expert_counts"]) == 8 * 64 * 2  # tokens x top-2
+            assert layer["dropped_fraction"] == 0.0  # dropless
+            assert layer["aux_loss"] > 0 and 0 < layer["entropy"] <= math.log(4) + 1e-6
+    assert [r["step"] for r in rows if "val_loss" in r] == [30, 60]
+    assert rows[0]["lr"] == pytest.approx(lr_at(0, cfg.train))
+    for name in ("loss.png", "expert_load.png"):
+        with open(os.path.join(d, "plots", name), "rb") as f:
+            assert f.read(8) == PNG
+        assert os.path.getsize(os.path.join(d, "plots", name)) > 10_000
+    assert any(n.startswith("events.out.tfevents") for n in os.listdir(os.path.join(d, "tb")))
+    assert sorted(os.listdir(os.path.join(d, "checkpoints"))) == ["step_000030", "step_000060"]
+    assert latest_checkpoint(d).endswith("step_000060")
+    info = json.load(open(os.path.join(d, "run.json")))
+    assert info["world_size"] == 1 and info["parameters"]["total"] == summary["parameters"]["total"]
+    assert json.load(open(os.path.join(d, "summary.json")))["val_ppl"] == pytest.approx(summary["val_ppl"])
+
+
+def test_schedule_and_optimizer_groups(tmp_path):
+    cfg = config(tmp_path, "train.steps=100", "train.warmup_steps=10", "train.lr=0.01", "train.min_lr_ratio=0.1")
+    lrs = [lr_at(s, cfg.train) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.001) and lrs[9] == pytest.approx(0.01)
+    assert lrs[-1] == pytest.approx(0.001) and all(a >= b - 1e-12 for a, b in zip(lrs[9:], lrs[10:]))
+    assert lr_at(0, config(tmp_path, "train.steps=3", "train.warmup_steps=10").train) > 0  # warm-up capped at steps
+    model = build_model(cfg.model, 512)
+    opt = build_optimizer(model, cfg.train)
+    groups = {g["name"]: g for g in opt.param_groups}
+    assert groups["dense_no_decay"]["weight_decay"] == 0 and all(p.dim() == 1 for p in groups["dense_no_decay"]["params"])
+    assert {id(p) for p in groups["experts"]["params"]} == {id(p) for m in model.moe_layers()
+                                                           for p in m.experts.expert_parameters()}
+    n_unique = len({id(p) for p in model.parameters()})
+    assert sum(len(g["params"]) for g in opt.param_groups) == n_unique  # tied weights once
+
+
+def test_grad_norm_and_clipping_single_process(tmp_path):
+    cfg = config(tmp_path)
+    rt = init_distributed(1, 4, environ={})
+    model = build_model(cfg.model, 512, seed=0)
+    par = parallelize(model, rt, cfg.parallel)
+    x = torch.randint(0, 512, (4, 33), generator=torch.Generator().manual_seed(0))
+    torch.nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    assert float(par.grad_norm()) == pytest.approx(float(expected), rel=1e-6)
+    before = par.clip_gradients(expected.item() / 4)
+    assert before == pytest.approx(float(expected), rel=1e-6)
+    assert float(par.grad_norm()) == pytest.approx(expected.item() / 4, rel=1e-4)
+
+
+def test_checkpoint_keys_are_global_experts_and_round_trip(tmp_path):
+    cfg = config(tmp_path)
+    data = load_prepared(prepare_data(cfg.data, log=lambda _: None))
+    model = build_model(cfg.model, data.vocab_size, seed=0)
+    keys = expert_keyed_state_dict(model)
+    assert "blocks.0.ffn.experts.w1" not in keys
+    assert {f"blocks.1.ffn.experts.w2.expert_{e}" for e in range(4)} <= set(keys)
+    assert keys["blocks.0.ffn.experts.w1.expert_3"].shape == (64, 64)
+    path = save_checkpoint(model, str(tmp_path / "run"), 7, {"note": "x"}, is_main=True)
+    other = build_model(cfg.model, data.vocab_size, seed=1)
+    assert not torch.equal(other.blocks[0].ffn.experts.w1, model.blocks[0].ffn.experts.w1)
+    meta = load_checkpoint(other, path)
+    assert meta == {"step": 7, "note": "x"}
+    for (name, a), b in zip(model.state_dict().items(), other.state_dict().values()):
+        assert torch.equal(a, b), name
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        load_checkpoint(other, str(tmp_path))
