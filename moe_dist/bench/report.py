@@ -1,0 +1,68 @@
+"""The table and the target check printed by the layer benchmark."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+COLUMNS = [  # (header, key, format)
+    ("impl", "impl", "{}"), ("router", "router", "{}"), ("ep", "ep", "{}"), ("procs", "procs", "{}"),
+    ("dtype", "dtype", "{}"), ("tokens", "tokens", "{}"), ("kernel", "kernel", "{}"),
+    ("ms/step", "step_ms", "{:.1f}"), ("cpu ms", "cpu_ms", "{:.1f}"), ("tok/s", "tokens_per_s", "{:.0f}"), ("us/tok", "time_per_token_us", "{:.1f}"),
+    ("peak MiB", "peak_mem_mib", "{:.0f}"), ("x floor", "time_vs_floor", "{:.3f}"),
+    ("x deepspeed", "time_vs_deepspeed", "{:.3f}"), ("x no-EP", "time_vs_control", "{:.3f}"),
+    ("x topk", "time_vs_topk", "{:.3f}"), ("imbalance", "imbalance", "{:.2f}"), ("load", "load_avg", "{:.1f}"),
+]
+
+TARGETS = {"floor": 1.15, "deepspeed": 1.0, "control": 1.2, "per_token_spread": 1.2}
+
+
+def _cell(rec: dict, key: str, fmt: str) -> str:
+    v = rec.get(key)
+    if v is None:
+        return "-"
+    if key == "impl" and rec.get("fastest_floor"):
+        return f"{v}*"
+    return fmt.format(v)
+
+
+def table(records: list[dict]) -> str:
+    rows = [[h for h, _, _ in COLUMNS]] + [[_cell(r, k, f) for _, k, f in COLUMNS] for r in records]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(c.rjust(w) if i >= 7 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    lines.append("x = time ratio (this / other), median of per-round ratios; < 1 is faster. floor* = fastest floor kernel. "
+                 "tok/s summed over processes; load = 1-min load average during the case.")
+    return "\n".join(lines)
+
+
+def target_check(records: list[dict]) -> list[str]:
+    """One line per target and case group: the figure, the limit and whether it is met."""
+    out = []
+    ours = [r for r in records if r["impl"] == "moe_dist" and r["router"] == "topk"]
+
+    def line(ok: bool, what: str) -> None:
+        out.append(f"{'met ' if ok else 'MISS'}  {what}")
+
+    for r in ours:
+        where = f"ep={r['ep']} procs={r['procs']} {r['dtype']} {r['tokens']} tokens"
+        if "time_vs_floor" in r:
+            v = r["time_vs_floor"]
+            line(v <= TARGETS["floor"], f"time / floor = {v:.3f} (<= {TARGETS['floor']}) at {where}")
+        if "time_vs_deepspeed" in r:
+            v = r["time_vs_deepspeed"]
+            line(v <= TARGETS["deepspeed"], f"time / deepspeed = {v:.3f} (<= {TARGETS['deepspeed']}) at {where}")
+        if "time_vs_control" in r:
+            v = r["time_vs_control"]
+            line(v <= TARGETS["control"], f"time / no-EP control = {v:.3f} (<= {TARGETS['control']}) at {where}")
+    by_group = defaultdict(list)
+    for r in ours:
+        by_group[(r["ep"], r["procs"], r["dtype"])].append(r)
+    for (ep, procs, dtype), rs in by_group.items():
+        if len(rs) < 2:
+            continue
+        rs = sorted(rs, key=lambda r: r["tokens"])
+        tpt = [r["time_per_token_us"] for r in rs]
+        spread = max(tpt) / min(tpt)
+        line(spread <= TARGETS["per_token_spread"],
+             f"time per token max/min = {spread:.3f} (<= {TARGETS['per_token_spread']}) over tokens "
+             f"{rs[0]['tokens']}..{rs[-1]['tokens']} at ep={ep} procs={procs} {dtype}")
+    return out

@@ -1,0 +1,69 @@
+"""Timing and peak-memory measurement that works on CPU and accelerators alike."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from typing import Callable, Sequence
+
+import torch
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued work on ``device`` (no-op on CPU)."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def timed(fn: Callable[[], None], device: torch.device) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of one call of ``fn``, queued device work included.
+
+    The CPU time is a second view on a loaded machine: other processes stretch the wall
+    time but not (much) the CPU time this process used.
+    """
+    synchronize(device)
+    c0, t0 = time.process_time(), time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def peak_step_memory(fn: Callable[[], None], device: torch.device) -> int:
+    """Bytes allocated at the peak of one call of ``fn`` beyond what was live before it.
+
+    Accelerators report it through their allocator statistics. The CPU allocator keeps no
+    statistics, so there the call runs once under the profiler with memory tracking and the
+    peak of its running allocation total is read from the trace.
+    """
+    if device.type != "cpu":
+        synchronize(device)
+        torch.accelerator.reset_peak_memory_stats(device)
+        before = torch.accelerator.memory_allocated(device)
+        fn()
+        synchronize(device)
+        return int(torch.accelerator.max_memory_allocated(device) - before)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path, encoding="utf-8") as f:
+            events = json.load(f)["traceEvents"]
+    finally:
+        os.remove(path)
+    mem = [e["args"] for e in events if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == 0]
+    if not mem:
+        return 0
+    # "Total Allocated" is the running total after each event; before the first one it was
+    # the first total minus that event's (signed) size
+    base = mem[0]["Total Allocated"] - mem[0]["Bytes"]
+    return int(max(m["Total Allocated"] for m in mem) - base)

@@ -1,0 +1,95 @@
+"""Smoke tests of the layer benchmark: it runs tiny cases end to end and prints valid JSON
+with the documented keys (no timing assertions: the figures depend on the machine)."""
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from moe_dist.bench.runner import add_ratios
+from moe_dist.bench.timing import peak_step_memory
+from moe_dist.bench.workload import Sizes, Workload, imbalance
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REQUIRED = {"impl", "router", "ep", "procs", "tokens", "dtype", "tokens_per_s", "time_per_token_us", "step_ms",
+            "cpu_ms", "step_ms_all", "peak_mem_mib", "kernel", "imbalance", "load_avg"}
+
+
+def _run(*args):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "moe_dist.bench.layer", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()], proc.stderr
+
+
+def test_layer_benchmark_json_one_and_two_processes():
+    records, err = _run("--json", "--tokens", "128", "--dtypes", "fp32,bf16", "--ep", "1,2", "--d-model", "32",
+                        "--d-ff", "64", "--experts", "4", "--repeats", "2", "--warmup", "1", "--skew", "1.0",
+                        "--seq-len", "32", "--threads", "1", "--impls", "moe_dist,floor", "--routers", "topk,xmoe")
+    assert records, err
+    for r in records:
+        missing = REQUIRED - set(r)
+        assert not missing, f"missing keys {missing} in {r}"
+        assert r["tokens_per_s"] > 0 and r["step_ms"] > 0 and len(r["step_ms_all"]) == 2 and r["peak_mem_mib"] > 0
+    impls = {(r["impl"], r["router"], r["ep"], r["procs"], r["dtype"]) for r in records}
+    for dtype in ("fp32", "bf16"):
+        assert ("moe_dist", "topk", 1, 1, dtype) in impls and ("floor", "-", 1, 1, dtype) in impls
+        for router in ("topk", "xmoe"):  # expert parallel and its control on the same two processes
+            assert ("moe_dist", router, 2, 2, dtype) in impls and ("moe_dist", router, 1, 2, dtype) in impls
+    ours = [r for r in records if r["impl"] == "moe_dist"]
+    assert all("time_vs_floor" in r for r in ours if r["procs"] == 1)
+    assert all("time_vs_control" in r for r in ours if r["ep"] == 2)
+    assert all("time_vs_topk" in r for r in ours if r["router"] == "xmoe")
+    assert sum(r.get("fastest_floor", False) for r in records if r["impl"] == "floor") == 2  # one per dtype
+    assert "Targets:" in err  # with --json the table and the target check go to stderr
+
+
+def test_deepspeed_case_or_clear_skip():
+    records, err = _run("--json", "--tokens", "64", "--dtypes", "fp32", "--ep", "1", "--d-model", "32", "--d-ff", "64",
+                        "--experts", "4", "--repeats", "1", "--warmup", "0", "--impls", "moe_dist,deepspeed",
+                        "--no-memory")
+    ds = [r for r in records if r["impl"] == "deepspeed"]
+    if ds:
+        assert "time_vs_deepspeed" in next(r for r in records if r["impl"] == "moe_dist")
+    else:
+        assert "skipping impl=deepspeed" in err and "pip install" in err
+
+
+def test_unknown_router_is_refused():
+    proc = subprocess.run([sys.executable, "-m", "moe_dist.bench.layer", "--routers", "nope", "--quick"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "nope" in proc.stderr and "topk" in proc.stderr
+
+
+def test_skew_makes_routing_unbalanced():
+    sizes = Sizes(d_model=64, d_ff=32, num_experts=8, top_k=2)
+    dev = torch.device("cpu")
+    flat = Workload(sizes, 2048, torch.float32, dev, None, 0.0, 0).routed()[1]
+    skewed = Workload(sizes, 2048, torch.float32, dev, None, 1.5, 0).routed()[1]
+    assert sum(flat) == sum(skewed) == 4096
+    assert imbalance(skewed) > imbalance(flat) + 0.5
+    assert skewed[0] == max(skewed)  # expert 0 is the most preferred
+
+
+def test_peak_memory_counts_the_step_allocations():
+    def step():
+        a = torch.ones(1 << 20)  # 4 MiB
+        b = a * 2  # another 4 MiB live at once
+        del a, b
+
+    assert 8 << 20 <= peak_step_memory(step, torch.device("cpu")) < 9 << 20
+
+
+def test_ratios_are_paired_medians():
+    recs = [
+        dict(impl="floor", router="-", ep=1, procs=1, kernel="bmm", step_ms=2.0, _times=[2.0, 2.0, 4.0]),
+        dict(impl="floor", router="-", ep=1, procs=1, kernel="loop", step_ms=3.0, _times=[3.0, 3.0, 3.0]),
+        dict(impl="moe_dist", router="topk", ep=1, procs=1, kernel="loop", step_ms=2.2, _times=[2.2, 2.2, 4.4]),
+        dict(impl="deepspeed", router="topk", ep=1, procs=1, kernel="loop", step_ms=4.4, _times=[4.4, 4.4, 8.8]),
+    ]
+    add_ratios(recs)
+    assert recs[0]["fastest_floor"] and not recs[1]["fastest_floor"]
+    assert abs(recs[2]["time_vs_floor"] - 1.1) < 1e-9 and recs[2]["floor_kernel"] == "bmm"
+    assert abs(recs[2]["time_vs_deepspeed"] - 0.5) < 1e-9
