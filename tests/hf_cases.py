@@ -61,3 +61,19 @@ def add_sentencepiece(directory: str, texts: list[str], vocab_size: int) -> str:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
+
+
+def add_tokenizer_json(directory: str, texts: list[str], vocab_size: int) -> str:
+    """Train a small byte-level BPE ``tokenizer.json`` (the kind Qwen2 and Llama-3 ship) with an
+    ``<|endoftext|>`` document separator."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    path = os.path.join(directory, "tokenizer.json")
+    tok.save(path)
+    return path

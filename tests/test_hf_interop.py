@@ -191,3 +191,24 @@ def test_upcycle_warns_when_the_function_is_not_preserved(tmp_path):
     info = upcycle(d, str(tmp_path / "up"), MOE + ["model.moe.router=symphony"], log=logs.append)  # zero graph init
     assert info["preserves_function"] is False
     assert any("does not give back the dense FFN" in line and "init=identity" in line for line in logs)
+
+
+def test_tokenizer_json_checkpoint_trains_with_its_own_ids(tmp_path):
+    from hf_cases import add_tokenizer_json
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from moe_dist.data import Tokenizer
+
+    d, up = str(tmp_path / "qwen2"), str(tmp_path / "up")
+    build_dense("qwen2", d, vocab_size=320)
+    texts = ["def f(x):\n    return x + 1\n", "The quick brown fox jumps over the lazy dog.\n"] * 10
+    path = add_tokenizer_json(d, texts, vocab_size=300)
+    upcycle(d, up, MOE, log=lambda _: None)
+    cfg = load_config(os.path.join(up, "config.yaml"))
+    assert cfg.data.tokenizer == os.path.join(os.path.abspath(up), "tokenizer.json")
+    ours, theirs = Tokenizer.load(cfg.data.tokenizer), HFTokenizer.from_file(path)
+    text = "def g(y):\n    return y * 2  # the fox\n"
+    assert ours.encode(text) == theirs.encode(text, add_special_tokens=False).ids
+    assert ours.decode(ours.encode(text)) == text
+    assert ours.eos_id == theirs.token_to_id("<|endoftext|>") and ours.vocab_size == theirs.get_vocab_size()
+    Tokenizer(ours.proto)  # the data cache stores these bytes and reads them back

@@ -1,14 +1,15 @@
 """End to end: a tiny dense Llama checkpoint (with its own sentencepiece tokenizer) is upcycled
-once per registered router, each MoE is fine-tuned for 20 steps on 2 gloo ranks with
-expert parallelism 2 and saved; the saved checkpoint evaluates to the run's final validation
-loss, and a trained run exports to Mixtral format with transformers reproducing its logits."""
+once per registered router, and a tiny Qwen2 with a tokenizer.json once; each MoE is
+fine-tuned for 20 steps on 2 gloo ranks with expert parallelism 2 and saved; the saved
+checkpoint evaluates to the run's final validation loss, and a trained run exports to
+Mixtral format with transformers reproducing its logits."""
 import os
 
 import pytest
 import torch
 
 from dist_harness import run_ranks
-from hf_cases import add_sentencepiece, build_dense, rel_err
+from hf_cases import add_sentencepiece, add_tokenizer_json, build_dense, rel_err
 
 pytest.importorskip("transformers")
 
@@ -32,7 +33,7 @@ def _train_each(rank, world, root):
     from moe_dist.train.trainer import evaluate_run, train
 
     out = {}
-    for router in ROUTERS:
+    for router in [*ROUTERS, "qwen2"]:
         run_dir = os.path.join(root, "runs", router)
         cfg = load_config(os.path.join(root, f"up_{router}", "config.yaml"), [
             f"run.dir={run_dir}", "run.plots=false", "run.tensorboard=false", "run.progress='off'", "run.print_every=100",
@@ -62,9 +63,16 @@ def test_upcycle_then_train_each_router_expert_parallel(tmp_path):
                         f"model.moe.router={router}", *options], log=lambda _: None)
         assert info["preserves_function"] in (True, None), router
         assert info["tokenizer_files"][0] == "tokenizer.model"
+    # a Qwen2 checkpoint whose tokenizer is a tokenizer.json (no sentencepiece model)
+    qwen = os.path.join(root, "dense_qwen2")
+    os.makedirs(qwen)
+    add_tokenizer_json(qwen, texts, vocab_size=300)
+    build_dense("qwen2", qwen, vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    upcycle(qwen, os.path.join(root, "up_qwen2"), ["model.moe.num_experts=4", "model.moe.layers=every_other"],
+            log=lambda _: None)
 
     results = run_ranks(_train_each, 2, args=(root,), timeout=600)
-    for router in ROUTERS:
+    for router in [*ROUTERS, "qwen2"]:
         s0, s1 = results[0][router]["summary"], results[1][router]["summary"]
         assert s0["steps"] == STEPS and s0["train_loss"] == s1["train_loss"], router
         assert torch.isfinite(torch.tensor(s0["train_loss"])), router

@@ -152,7 +152,8 @@ class DataConfig:
     pattern: Optional[str] = knob(None, "glob inside a corpus directory (null = *.txt, *.rst, *.md, *.jsonl)")
     jsonl_field: str = knob("text", "field holding the text in JSON-lines records")
     cache_dir: str = knob("data_cache", "tokenizer and token files, keyed by corpus + tokenizer settings")
-    tokenizer: Optional[str] = knob(None, "an existing sentencepiece tokenizer.model (null = train one)")
+    tokenizer: Optional[str] = knob(None, "an existing sentencepiece tokenizer.model or Hugging Face tokenizer.json "
+                                    "(null = train one)")
     vocab_size: int = knob(4096, "vocabulary size of a trained tokenizer (byte fallback needs > 256)", min=300)
     tokenizer_type: Literal["bpe", "unigram"] = knob("bpe", "sentencepiece model type")
     tokenizer_max_chars: int = knob(4_000_000, "at most this many characters train the tokenizer", min=1000)

@@ -18,7 +18,12 @@ class Tokenizer:
 
     def __init__(self, model_proto: bytes):
         self.proto = model_proto
-        self.sp = spm.SentencePieceProcessor(model_proto=model_proto)
+        if model_proto.lstrip()[:1] == b"{":  # a Hugging Face tokenizer.json (Qwen2, Llama-3 checkpoints)
+            from ..hf.tokenizer import JsonTokenizerBackend
+
+            self.sp = JsonTokenizerBackend(model_proto)
+        else:
+            self.sp = spm.SentencePieceProcessor(model_proto=model_proto)
         self.eos_id = self.sp.eos_id()
         if self.eos_id < 0:  # a foreign model without EOS: documents are separated by unk
             self.eos_id = max(self.sp.unk_id(), 0)

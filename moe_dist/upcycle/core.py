@@ -26,7 +26,7 @@ from ..config import Config, ConfigError, apply_overrides, config_from_dict, sav
 from ..hf.config import HFModelSpec, source_dtype
 from ..hf.dense import DenseCheckpoint
 from ..hf.safetensors_io import ShardedWriter
-from ..hf.tokenizer import check_tokenizer_fits, copy_tokenizer, sentencepiece_model
+from ..hf.tokenizer import check_tokenizer_fits, copy_tokenizer, tokenizer_file
 from ..model import Block, SwiGLU, TransformerLM, build_model
 from .weights import DTYPES
 
@@ -168,9 +168,12 @@ def upcycle(dense_dir: str, out_dir: str, overrides: Iterable[str] = (), *, base
     os.makedirs(out_dir, exist_ok=True)
     n_tok = check_tokenizer_fits(dense_dir, cfg.model.vocab_size)
     copied = copy_tokenizer(dense_dir, out_dir)
-    sp = sentencepiece_model(out_dir)
-    if sp is not None and cfg.data.tokenizer is None:
-        cfg.data.tokenizer = os.path.abspath(sp)
+    tok = tokenizer_file(out_dir)
+    if tok is not None and cfg.data.tokenizer is None:
+        cfg.data.tokenizer = os.path.abspath(tok)
+    elif tok is None and cfg.data.tokenizer is None:
+        log(f"warning: {dense_dir} has no tokenizer.model or tokenizer.json; set data.tokenizer to the checkpoint's "
+            "tokenizer before training (otherwise a new tokenizer is trained whose ids mean nothing to the embedding)")
     cfg.ckpt.init_from = os.path.abspath(out_dir)  # `moe-dist train` starts from these weights
     preserved = preserves_function(cfg)
     if preserved is False:
