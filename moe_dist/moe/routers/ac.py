@@ -38,18 +38,20 @@ def cluster_dispersion(x: torch.Tensor, labels: torch.Tensor, num_clusters: int,
     """Per-cluster size ``[K]`` and per-feature dispersion ``[K, d]`` of ``x [T, d]`` grouped by
     ``labels [T]``, from fp32 sums over ``group`` (two all-reduces). Empty clusters get 0."""
     x = x.detach().float()
-    ones = x.new_ones(x.shape[0]) if row_weight is None else row_weight.float()
+    weight = None if row_weight is None else row_weight.float()[:, None]
     d = x.shape[1]
     first = x.new_zeros(num_clusters, d + 1)
-    first[:, 0].index_add_(0, labels, ones)
-    first[:, 1:].index_add_(0, labels, x * ones[:, None])
+    first[:, 0].index_add_(0, labels, x.new_ones(x.shape[0]) if weight is None else weight[:, 0])
+    first[:, 1:].index_add_(0, labels, x if weight is None else x * weight)
     first = all_reduce_sum(first, group)  # round 1: counts and sums
     counts = first[:, 0]
     inv = 1.0 / counts.clamp_min(1.0)
     mean = first[:, 1:] * inv[:, None]
-    dev = x - mean.index_select(0, labels)
-    dev = dev.abs() if dispersion == "mad" else dev.square()
-    spread = x.new_zeros(num_clusters, d).index_add_(0, labels, dev * ones[:, None])
+    dev = torch.sub(x, mean.index_select(0, labels))
+    dev = dev.abs_() if dispersion == "mad" else dev.square_()
+    if weight is not None:
+        dev.mul_(weight)
+    spread = x.new_zeros(num_clusters, d).index_add_(0, labels, dev)
     spread = all_reduce_sum(spread, group)  # round 2: deviations around the global means
     return counts, spread * inv[:, None]
 
