@@ -13,7 +13,7 @@ from test_moe_invariance import check_against_reference
 from moe_dist.dist import build_parallel_groups
 from moe_dist.moe import MoELayer
 from moe_dist.moe.routers import build_router
-from moe_dist.moe.routers.token_graph import ATTN_OUT_WEIGHT, ATTN_OUTPUT, ATTN_VALUES
+from moe_dist.moe.routers.token_graph import ATTN_OUT_WEIGHT, ATTN_OUTPUT, ATTN_VALUES, mix_over_sequence
 from moe_dist.moe.routing import RoutingContext
 from moe_dist.parallel import apply_expert_parallel, sync_gradients
 
@@ -212,6 +212,62 @@ def test_attention_matches_digest_formulas(sigma, likelihood, Hkv, pad):
     if likelihood:
         plain = attention_reference(base_probs(router, x).view(B, S, -1), attn, sigma, 1.0 / H, True, pm, False)
         assert (plain - P).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("causal,pad,with_q,with_prior", [(True, True, True, True), (False, True, True, False),
+                                                         (True, False, False, True), (False, False, True, True)])
+def test_blockwise_mixing_matches_dense(causal, pad, with_q, with_prior):
+    """The blockwise mixing step (blocks of 3 query rows over sequences of 10) against a dense
+    float64 autograd computation, values and gradients of every input."""
+    g = torch.Generator().manual_seed(7)
+    B, S, Dq, Ex = 2, 10, 5, 4
+    probs = torch.softmax(torch.randn(B, S, Ex, generator=g), -1).requires_grad_()
+    q = torch.randn(B, S, Dq, generator=g).requires_grad_() if with_q else None
+    k = torch.randn(B, S, Dq, generator=g).requires_grad_() if with_q else None
+    bias = torch.randn(B, S, generator=g).requires_grad_() if with_q else None
+    prior = None
+    if with_prior:
+        prior = torch.rand(B, S, S, generator=g)
+        prior[0, 4, :] = 0.0  # a row with no prior mass keeps the token itself
+        prior[1, :, 2] = 0.0  # a key the prior excludes
+        prior.requires_grad_()
+    pm = None
+    if pad:
+        pm = torch.ones(B, S, dtype=torch.bool)
+        pm[0, 6:] = False
+        pm[1, :2] = False
+    leaves = [t for t in (probs, q, k, bias, prior) if t is not None]
+    out = mix_over_sequence(probs, q, k, scale=0.7, prior=prior, key_bias=bias, padding_mask=pm, causal=causal, block=3)
+    c = torch.randn(B, S, Ex, generator=g)
+    grads = torch.autograd.grad((out * c).sum(), leaves)
+
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    it = iter(ref_leaves)
+    r_probs = next(it)
+    r_q, r_k, r_bias = (next(it), next(it), next(it)) if with_q else (None, None, None)
+    r_prior = next(it) if with_prior else None
+    allowed = torch.ones(B, S, S, dtype=torch.bool)
+    if with_prior:
+        allowed = allowed & (r_prior.detach() > 0)
+    if causal:
+        allowed = allowed & torch.ones(S, S, dtype=torch.bool).tril()
+    if pad:
+        allowed = allowed & (pm[:, None, :] | torch.eye(S, dtype=torch.bool))
+    eye = torch.eye(S, dtype=torch.bool).expand(B, S, S)
+    fallback = eye & ~allowed.any(-1, keepdim=True)  # empty rows: the token alone, logit 0
+    L = torch.zeros(B, S, S, dtype=torch.float64)
+    if with_q:
+        L = L + 0.7 * r_q @ r_k.transpose(1, 2) + r_bias[:, None, :]
+    if with_prior:
+        L = L + torch.log(torch.where(allowed, r_prior, torch.ones_like(r_prior)))
+    L = torch.where(allowed, L, torch.where(fallback, torch.zeros_like(L), torch.full_like(L, float("-inf"))))
+    ref = torch.softmax(L, -1) @ r_probs
+    ref_grads = torch.autograd.grad((ref * c.double()).sum(), ref_leaves)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+    for t, gr, gd in zip(leaves, grads, ref_grads):
+        if t is prior:  # only where the prior has mass (elsewhere the key is simply excluded)
+            gr, gd = gr[prior.detach() > 0], gd[prior.detach() > 0]
+        torch.testing.assert_close(gr.double(), gd, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["similarity", "attention"])

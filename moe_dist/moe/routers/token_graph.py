@@ -4,7 +4,7 @@ Similarity-aware and Attention-aware routers.
 Both take the base router's expert probabilities ``R`` ``[B, S, E]`` and mix them over the
 tokens of the same sequence with a row-stochastic token graph before choosing the top-k:
 ``P = softmax_j(graph logits) @ R``. The mixing step is attention with ``v = R`` and lives
-once, in :func:`mix_over_sequence` (SDPA: fused kernels where the backend has them).
+once, in :func:`mix_over_sequence` (blockwise; causal blocks skip the keys after them).
 
 Coupling is within one sequence only, so the routers need no collective beyond the
 layer's own (sequences are never split across data-parallel ranks). In decoders
@@ -45,52 +45,97 @@ def sequence_shape(x: torch.Tensor, ctx: RoutingContext, router: str) -> tuple[i
     return B, S
 
 
-def key_mask(B: int, S: int, padding_mask: Optional[torch.Tensor], causal: bool, device) -> Optional[torch.Tensor]:
-    """``[B or 1, S, S]`` bool, True where query i may mix with key j, or None for 'causal only' /
-    'everything'. Padding keys are masked; the diagonal stays allowed so no row is empty."""
-    if padding_mask is None:
-        return None
-    eye = torch.eye(S, dtype=torch.bool, device=device)
-    allowed = padding_mask.to(device=device, dtype=torch.bool)[:, None, :] | eye
-    if causal:
-        allowed = allowed & torch.ones(S, S, dtype=torch.bool, device=device).tril()
-    return allowed
+BLOCK = 128  # query rows per block: causal blocks skip the keys after the block (~half the work)
 
 
-def mix_over_sequence(probs: torch.Tensor, q: Optional[torch.Tensor], k: Optional[torch.Tensor], scale: float,
-                      bias: Optional[torch.Tensor], allowed: Optional[torch.Tensor], causal: bool) -> torch.Tensor:
-    """``P = softmax_j(scale * q_i . k_j + bias_ij) @ probs`` over each sequence, masked.
+def _blocks(S: int, causal: bool, block: int):
+    """(first query, end query, end key) of each query block."""
+    return [(i0, min(S, i0 + block), min(S, i0 + block) if causal else S) for i0 in range(0, S, block)]
 
-    probs ``[B, S, E]``; q, k ``[B, S, D]`` (None: no dot-product term); bias ``[B, S, S]`` or
-    ``[B, 1, S]`` (``-inf`` allowed) or None; ``allowed`` from :func:`key_mask` (None: all keys,
-    or the causal prefix when ``causal``). fp32 throughout.
+
+class _GraphMix(torch.autograd.Function):
+    """Blockwise ``softmax_j(L_ij) @ R`` with ``L = scale * q k^T + log(prior) + key_bias``, masked;
+    nothing after the diagonal is computed when causal. Saves the softmax blocks for backward."""
+
+    @staticmethod
+    def forward(ctx, probs, q, k, prior, key_bias, scale, key_mask, causal, block):
+        B, S, E = probs.shape
+        out = probs.new_empty(B, S, E)
+        neg = float("-inf")
+        weights = []
+        for i0, i1, e in _blocks(S, causal, block):
+            b = i1 - i0
+            L = None
+            if q is not None:
+                L = torch.bmm(q[:, i0:i1], k[:, :e].transpose(1, 2)).mul_(scale)
+            if prior is not None:
+                log_prior = torch.log(prior[:, i0:i1, :e])  # exact -inf where the prior is 0
+                L = log_prior if L is None else L.add_(log_prior)
+            if key_bias is not None:
+                L.add_(key_bias[:, None, :e])
+            rows = torch.arange(b, device=probs.device)
+            if causal:
+                L[:, :, i0:i1].masked_fill_(torch.ones(b, b, dtype=torch.bool, device=probs.device).triu(1), neg)
+            if key_mask is not None:  # padded keys out; the token itself always stays in
+                allowed = key_mask[:, None, :e].expand(B, b, e).clone()
+                allowed[:, rows, i0 + rows] = True
+                L.masked_fill_(~allowed, neg)
+            if prior is not None:  # a row with no finite logit (prior all zero) keeps the token itself
+                diag = L[:, rows, i0 + rows]
+                empty = torch.isneginf(L.amax(-1))
+                L[:, rows, i0 + rows] = torch.where(empty, torch.zeros_like(diag), diag)
+            W = torch.softmax(L, dim=-1)
+            out[:, i0:i1] = torch.bmm(W, probs[:, :e])
+            weights.append(W)
+        ctx.scale, ctx.causal, ctx.block = scale, causal, block
+        ctx.save_for_backward(probs, q, k, prior, *weights)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        probs, q, k, prior, *weights = ctx.saved_tensors
+        need_probs, need_q, need_k, need_prior, need_bias = ctx.needs_input_grad[:5]
+        B, S, E = probs.shape
+        grad_out = grad_out.contiguous()
+        d_probs = torch.zeros_like(probs) if need_probs else None
+        d_q = torch.zeros_like(q) if need_q else None
+        d_k = torch.zeros_like(k) if need_k else None
+        d_prior = torch.zeros_like(prior) if need_prior else None
+        d_bias = probs.new_zeros(B, S) if need_bias else None
+        for (i0, i1, e), W in zip(_blocks(S, ctx.causal, ctx.block), weights):
+            g = grad_out[:, i0:i1]
+            if need_probs:
+                d_probs[:, :e] += torch.bmm(W.transpose(1, 2), g)
+            dL = torch.bmm(g, probs[:, :e].transpose(1, 2))  # d/dW
+            dL.sub_((dL * W).sum(-1, keepdim=True)).mul_(W)  # softmax backward
+            if need_q:
+                d_q[:, i0:i1] = torch.bmm(dL, k[:, :e]).mul_(ctx.scale)
+            if need_k:
+                d_k[:, :e] += torch.bmm(dL.transpose(1, 2), q[:, i0:i1]).mul_(ctx.scale)
+            if need_prior:
+                p = prior[:, i0:i1, :e]
+                d_prior[:, i0:i1, :e] = torch.where(p > 0, dL / p, torch.zeros_like(dL))
+            if need_bias:
+                d_bias[:, :e] += dL.sum(1)
+        return d_probs, d_q, d_k, d_prior, d_bias, None, None, None, None
+
+
+def mix_over_sequence(probs: torch.Tensor, q: Optional[torch.Tensor] = None, k: Optional[torch.Tensor] = None,
+                      scale: float = 1.0, prior: Optional[torch.Tensor] = None, key_bias: Optional[torch.Tensor] = None,
+                      padding_mask: Optional[torch.Tensor] = None, causal: bool = True, block: int = BLOCK) -> torch.Tensor:
+    """The token-graph mixing step, ``P = softmax_j(L_ij) @ probs`` within each sequence, where
+    ``L_ij = scale * q_i . k_j + log prior_ij + key_bias_j``.
+
+    probs ``[B, S, E]``; q, k ``[B, S, D]`` or None; prior ``[B, S, S]`` probabilities or None
+    (a zero prior excludes the key); key_bias ``[B, S]`` or None; padding_mask ``[B, S]`` (True =
+    real; padded keys excluded, a token always sees itself); causal: keys after the query
+    excluded (and never computed). fp32; gradients flow to every tensor input that needs them.
     """
-    B, S, _ = probs.shape
-    device = probs.device
-    mask = None
-    if allowed is not None or bias is not None:
-        if allowed is None and causal:
-            allowed = torch.ones(S, S, dtype=torch.bool, device=device).tril()[None]
-        neg = torch.tensor(float("-inf"), device=device)
-        if bias is None:
-            mask = allowed
-        else:
-            mask = bias.expand(B, S, S)
-            if allowed is not None:
-                mask = torch.where(allowed, mask, neg)
-            # a row with no finite entry (e.g. a padded query whose attention row is all zero)
-            # falls back to the token itself instead of producing NaN
-            empty = ~torch.isfinite(mask).any(-1, keepdim=True)
-            eye = torch.eye(S, dtype=torch.bool, device=device)
-            mask = torch.where(empty & eye, torch.zeros((), device=device), mask)
-    with torch.autocast(device_type=device.type, enabled=False):
-        if q is None:  # graph given by the bias alone
-            return torch.softmax(mask, dim=-1) @ probs
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(1), k.unsqueeze(1), probs.unsqueeze(1),
-            attn_mask=None if mask is None else mask.unsqueeze(1),
-            is_causal=causal and mask is None, scale=scale)
-    return out.squeeze(1)
+    if q is None and prior is None:
+        raise ValueError("mix_over_sequence needs q/k or a prior")
+    km = None if padding_mask is None else padding_mask.to(device=probs.device, dtype=torch.bool)
+    return _GraphMix.apply(probs, q, k, prior, key_bias, float(scale), km, bool(causal), int(block))
 
 
 class TokenGraphRouter(WrappingRouter):
@@ -149,23 +194,29 @@ class SimilarityRouter(TokenGraphRouter):
             q = u if self.similarity_weight is None else u @ self.similarity_weight.float()
             if self.detach_graph:
                 q = q.detach()
-            allowed = key_mask(B, S, ctx.padding_mask, ctx.causal, x.device)
-            mixed = mix_over_sequence(base.probs.view(B, S, -1), q, u, 1.0 / self.temperature, None, allowed, ctx.causal)
+            mixed = mix_over_sequence(base.probs.view(B, S, -1), q, u, scale=1.0 / self.temperature,
+                                      padding_mask=ctx.padding_mask, causal=ctx.causal)
         return self.finish(base, mixed.reshape(B * S, -1), {})
 
 
-def lowest_entropy_head(attn_probs: torch.Tensor, padding_mask: Optional[torch.Tensor]) -> torch.Tensor:
+@torch.no_grad()
+def lowest_entropy_head(attn_probs: torch.Tensor, padding_mask: Optional[torch.Tensor], causal: bool,
+                        block: int = BLOCK) -> torch.Tensor:
     """``[B]`` index of the head whose attention rows have the lowest mean entropy in each
-    sequence (mean over real query tokens; ties -> lowest index). No gradient."""
+    sequence (mean over real query tokens; ties -> lowest index). No gradient. With ``causal``
+    the (zero) entries after the diagonal are skipped."""
     B, H, S, _ = attn_probs.shape
-    with torch.no_grad():
-        ent = torch.stack([torch.special.entr(attn_probs[:, h].float().nan_to_num(0.0)).sum(-1) for h in range(H)], 1)
-        if padding_mask is None:
-            mean = ent.mean(-1)
-        else:
-            w = padding_mask.to(ent.device, torch.float32)[:, None, :]
-            mean = (ent * w).sum(-1) / w.sum(-1).clamp_min(1)
-        return mean.argmin(-1)
+    tiny = torch.finfo(torch.float32).tiny  # (a normal number: denormal logs are slow)
+    ent = attn_probs.new_zeros(B, H, S, dtype=torch.float32)
+    for i0, i1, e in _blocks(S, causal, block):
+        a = attn_probs[:, :, i0:i1, :e].float()
+        ent[:, :, i0:i1] = -a.clamp_min(tiny).log_().mul_(a).sum(-1)  # -sum a log a (0 log 0 = 0)
+    if padding_mask is None:
+        mean = ent.mean(-1)
+    else:
+        w = padding_mask.to(ent.device, torch.float32)[:, None, :]
+        mean = (ent * w).sum(-1) / w.sum(-1).clamp_min(1)
+    return mean.argmin(-1)
 
 
 @register_router("attention")
@@ -195,6 +246,22 @@ class AttentionRouter(TokenGraphRouter):
             raise ValueError(f"model.moe.router_options.output_scale must be a number or null (1/heads), got {output_scale!r}")
         self.sigma, self.likelihood, self.output_scale = float(sigma), bool(likelihood), output_scale
 
+    @torch.no_grad()
+    def bench_context(self, ctx: RoutingContext, x: torch.Tensor, heads: int = 8, seed: int = 0) -> None:
+        """Fill ``ctx`` with synthetic inputs of a ``heads``-head causal attention over ``x``
+        ``[B, S, d]`` (for layer benchmarks; gradients flow into them as in a model)."""
+        B, S, D = x.shape
+        dh = max(1, D // heads)
+        g = torch.Generator(device=x.device).manual_seed(seed)
+        rnd = lambda *shape: torch.randn(shape, generator=g, device=x.device, dtype=torch.float32)  # noqa: E731
+        scores = rnd(B, heads, S, dh) @ rnd(B, heads, S, dh).transpose(-1, -2) / math.sqrt(dh)
+        causal = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
+        ctx.attn_probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1).requires_grad_()
+        ctx.extras[ATTN_VALUES] = (rnd(B, heads, S, dh) / math.sqrt(dh)).to(x.dtype).requires_grad_()
+        ctx.extras[ATTN_OUT_WEIGHT] = (rnd(D, heads * dh) / math.sqrt(heads * dh)).to(x.dtype).requires_grad_()
+        ctx.extras[ATTN_OUTPUT] = rnd(B, S, D).to(x.dtype).requires_grad_()
+        ctx.causal = True
+
     def _attention_inputs(self, ctx: RoutingContext, B: int, S: int):
         A = ctx.attn_probs
         if A is None:
@@ -216,30 +283,31 @@ class AttentionRouter(TokenGraphRouter):
         base = self.base_routing(x, ctx)
         A, value_path = self._attention_inputs(ctx, B, S)
         H = A.shape[1]
-        head = lowest_entropy_head(A, ctx.padding_mask)
+        head = lowest_entropy_head(A, ctx.padding_mask, ctx.causal)
         rows = torch.arange(B, device=A.device)
         with torch.autocast(device_type=x.device.type, enabled=False):
             a = A[rows, head].float()  # [B, S, S]
             if self.detach_graph:
                 a = a.detach()
-            log_a = torch.log(a.clamp_min(torch.finfo(torch.float32).tiny)).masked_fill(a <= 0, float("-inf"))
-            q = k = None
+            q = k = key_bias = None
             if value_path is not None:
                 values, w_out, out = value_path
                 Hkv, dh = values.shape[1], values.shape[-1]
                 if H % Hkv or w_out.shape[-1] != H * dh or values.shape[0] != B or values.shape[2] != S:
                     raise ValueError(f"router 'attention': attn_values {tuple(values.shape)} / attn_out_weight "
                                      f"{tuple(w_out.shape)} do not fit {H} heads and batch_shape ({B}, {S})")
-                v = values[rows, head // (H // Hkv)].float()  # [B, S, dh]
-                w = w_out.float().view(w_out.shape[0], H, dh).permute(1, 2, 0)[head]  # [B, dh, D]
-                k = v @ w  # v'_{h*, j}: [B, S, D]
+                # u_i . v'_j = (W_h^T u_i) . v_j with W_h the head's [D, dh] slice of W_O: the dot
+                # products run in d_head dimensions, not d_model
+                k = values[rows, head // (H // Hkv)].float()  # v_{h*, j}: [B, S, dh]
+                w = w_out.float().view(w_out.shape[0], H, dh).permute(1, 0, 2)[head]  # W_{h*}: [B, D, dh]
                 scale = (1.0 / H) if self.output_scale is None else float(self.output_scale)
-                q = out.float().view(B, S, -1) * (scale / self.sigma ** 2)
+                q = torch.bmm(out.float().view(B, S, -1), w) * (scale / self.sigma ** 2)
+                # log N(u_i | v'_j, sigma^2) = u_i.v'_j / sigma^2 - |v'_j|^2 / 2 sigma^2 + (row constant, cancels)
+                v_sq = (torch.bmm(k, w.transpose(1, 2) @ w) * k).sum(-1)  # |W_h v_j|^2 via the [dh, dh] Gram
+                key_bias = v_sq / (-2 * self.sigma ** 2)
                 if self.detach_graph:
-                    q, k = q.detach(), k.detach()
-                # -||u_i - v'_j||^2 / 2 sigma^2 up to the row constant ||u_i||^2, which the softmax drops
-                log_a = log_a - (k.square().sum(-1) / (2 * self.sigma ** 2))[:, None, :]
-            allowed = key_mask(B, S, ctx.padding_mask, ctx.causal, x.device)
-            mixed = mix_over_sequence(base.probs.view(B, S, -1), q, k, 1.0, log_a, allowed, ctx.causal)
+                    q, k, key_bias = q.detach(), k.detach(), key_bias.detach()
+            mixed = mix_over_sequence(base.probs.view(B, S, -1), q, k, prior=a, key_bias=key_bias,
+                                      padding_mask=ctx.padding_mask, causal=ctx.causal)
         extras = {"selected_heads": torch.bincount(head.detach(), minlength=H)}
         return self.finish(base, mixed.reshape(B * S, -1), extras)
