@@ -141,8 +141,11 @@ def test_bad_inputs_give_clear_errors(tmp_path):
     with_config(model_type="gpt2", architectures=["GPT2LMHeadModel"])
     with pytest.raises(HFFormatError, match=r"model_type='gpt2'.*not supported; allowed model_type: \['llama', 'mistral', 'qwen2', 'phi3', 'mixtral'\]"):
         DenseCheckpoint(d)
+    with_config(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 500000.0})
+    with pytest.raises(HFFormatError, match=r"rope_parameters.rope_type='yarn' is not supported; allowed: \['default', 'linear', 'llama3'\]"):
+        DenseCheckpoint(d)
     with_config(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0})
-    with pytest.raises(HFFormatError, match=r"rope_parameters.rope_type='llama3' is not supported"):
+    with pytest.raises(HFFormatError, match=r"rope_parameters of type 'llama3' lacks \['low_freq_factor'"):
         DenseCheckpoint(d)
     with_config(intermediate_size=64)  # the weights say 48
     with pytest.raises(HFFormatError, match=r"'model.layers.0.mlp.gate_proj.weight' has shape \[48, 32\] but config.json \(.*intermediate_size=64.*\) implies \[64, 32\]"):
@@ -212,3 +215,29 @@ def test_tokenizer_json_checkpoint_trains_with_its_own_ids(tmp_path):
     assert ours.decode(ours.encode(text)) == text
     assert ours.eos_id == theirs.token_to_id("<|endoftext|>") and ours.vocab_size == theirs.get_vocab_size()
     Tokenizer(ours.proto)  # the data cache stores these bytes and reads them back
+
+
+def test_llama3_rope_scaling_preserved_and_exported(tmp_path):
+    from transformers import MixtralForCausalLM
+
+    # head_dim 8 has wavelengths ~6, ~170, ~4400, ~1e5: kept, on the ramp, divided, divided
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 512}
+    d, up, out = str(tmp_path / "llama3"), str(tmp_path / "up"), str(tmp_path / "mixtral")
+    hf = build_dense("llama", d, rope_parameters=rope, max_position_embeddings=4096)
+    ckpt = DenseCheckpoint(d)
+    assert ckpt.spec.model["rope_scaling"] == {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                               "high_freq_factor": 4.0, "original_max_position_embeddings": 512}
+    x = _tokens(shape=(1, 300))  # long enough for the low frequencies to matter
+    with torch.no_grad():
+        want = hf(x).logits
+        plain = upcycle_model(ckpt, upcycle_config(ckpt.spec, MOE + ["model.moe.layers=every"])).eval()
+        assert rel_err(plain(x), want) < TOL
+    upcycle(d, up, MOE + ["model.moe.layers=every_other"], noise_std=0.05, dtype="fp32", log=lambda _: None)
+    export(up, "mixtral", out, log=lambda _: None)
+    ours, cfg, _ = load_our_model(up)
+    mixtral = MixtralForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert rel_err(mixtral(x).logits, ours(x)) < TOL
+        cfg.model.rope_scaling = None  # the scaling really changes the function
+        assert rel_err(upcycle_model(ckpt, cfg).eval()(x), want) > 1e-3

@@ -103,6 +103,27 @@ class MoEConfig:
         return sorted(self.layers)
 
 
+ROPE_SCALING_KEYS = {"linear": ("factor",),
+                     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def _check_rope_scaling(scaling: dict) -> None:
+    kind = scaling.get("type")
+    if kind not in ROPE_SCALING_KEYS:
+        _fail("model.rope_scaling.type", f"{kind!r} is not allowed; allowed: {list(ROPE_SCALING_KEYS)}")
+    keys = ROPE_SCALING_KEYS[kind]
+    unknown = sorted(set(scaling) - set(keys) - {"type"})
+    if unknown:
+        _fail("model.rope_scaling", f"unknown key(s) {unknown} for type {kind!r}; allowed: {['type', *keys]}")
+    for key in keys:
+        value = scaling.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            _fail(f"model.rope_scaling.{key}", f"got {value!r}; allowed: a number > 0 (required for type {kind!r})")
+    if kind == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
+        _fail("model.rope_scaling.high_freq_factor", f"{scaling['high_freq_factor']} must exceed "
+              f"low_freq_factor={scaling['low_freq_factor']}")
+
+
 @dataclass
 class ModelConfig:
     """Decoder-only language model."""
@@ -114,6 +135,9 @@ class ModelConfig:
     n_kv_heads: Optional[int] = knob(None, "key/value heads for grouped-query attention (null = n_heads)", min=1)
     d_ff: int = knob(768, "hidden size of a dense SwiGLU feed-forward layer", min=1)
     rope_theta: float = knob(10000.0, "rotary embedding base", gt=0)
+    rope_scaling: Optional[dict] = knob(None, "RoPE frequency scaling of long-context checkpoints: null, {type: linear, "
+                                        "factor: F} or {type: llama3, factor, low_freq_factor, high_freq_factor, "
+                                        "original_max_position_embeddings} (Llama 3.1+)")
     norm_eps: float = knob(1e-5, "RMSNorm epsilon", gt=0)
     tie_embeddings: bool = knob(True, "share the input embedding and the output projection")
     qkv_bias: bool = knob(False, "biases on the query, key and value projections (Qwen2 checkpoints have them)")
@@ -128,6 +152,8 @@ class ModelConfig:
         kv = self.n_kv_heads or self.n_heads
         if self.n_heads % kv:
             _fail("model.n_kv_heads", f"{kv} must divide model.n_heads={self.n_heads}")
+        if self.rope_scaling:
+            _check_rope_scaling(self.rope_scaling)
         self.moe.check(self.n_layers)
 
 

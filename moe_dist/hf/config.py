@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from ..config.schema import ROPE_SCALING_KEYS
+
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "phi3")
 MOE_FAMILIES = ("mixtral",)
 FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
@@ -94,9 +96,10 @@ def _family(raw: dict, where: str) -> str:
     return family
 
 
-def _rope(raw: dict, family: str, where: str) -> float:
-    """rope_theta from either the transformers 5 ``rope_parameters`` or the older
-    ``rope_theta`` + ``rope_scaling`` keys; only unscaled RoPE over the full head is supported."""
+def _rope(raw: dict, family: str, where: str) -> tuple[float, Optional[dict]]:
+    """``(rope_theta, our model.rope_scaling)`` from either the transformers 5 ``rope_parameters``
+    or the older ``rope_theta`` + ``rope_scaling`` keys. Supported: unscaled, ``linear`` and
+    ``llama3`` RoPE over the whole head."""
     params = raw.get("rope_parameters")
     if isinstance(params, dict):
         theta = params.get("rope_theta", raw.get("rope_theta"))
@@ -107,13 +110,19 @@ def _rope(raw: dict, family: str, where: str) -> float:
         scaling = raw.get("rope_scaling") or {}
         key = "rope_scaling"
     rope_type = scaling.get("rope_type", scaling.get("type")) or "default"
-    if rope_type != "default":
-        raise HFFormatError(f"{where}: {key}.rope_type={rope_type!r} is not supported; allowed: 'default' "
-                            "(unscaled RoPE, e.g. Phi-3-mini-4k, Llama-2/3.0, Mistral, Qwen2)")
+    if rope_type not in ("default", *ROPE_SCALING_KEYS):
+        raise HFFormatError(f"{where}: {key}.rope_type={rope_type!r} is not supported; allowed: "
+                            f"{['default', *ROPE_SCALING_KEYS]} (e.g. Phi-3-mini-4k, Llama-2/3.x, Mistral, Qwen2)")
     partial = scaling.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if float(partial) != 1.0:
         raise HFFormatError(f"{where}: partial_rotary_factor={partial} is not supported; allowed: 1.0 (RoPE on the whole head)")
-    return float(theta if theta is not None else _DEFAULTS[family]["rope_theta"])
+    ours = None
+    if rope_type != "default":
+        missing = [k for k in ROPE_SCALING_KEYS[rope_type] if scaling.get(k) is None]
+        if missing:
+            raise HFFormatError(f"{where}: {key} of type {rope_type!r} lacks {missing}")
+        ours = {"type": rope_type, **{k: scaling[k] for k in ROPE_SCALING_KEYS[rope_type]}}
+    return float(theta if theta is not None else _DEFAULTS[family]["rope_theta"]), ours
 
 
 def hf_model_spec(raw: dict, where: str = "config.json") -> HFModelSpec:
@@ -145,9 +154,10 @@ def hf_model_spec(raw: dict, where: str = "config.json") -> HFModelSpec:
     if uses_window:
         notes.append(f"sliding_window={window} is not modelled: attention is fully causal, which is the same as the "
                      f"checkpoint's for sequences of at most {window} tokens")
+    rope_theta, rope_scaling = _rope(raw, family, where)
     model = {
         "vocab_size": vocab, "d_model": d_model, "n_layers": n_layers, "n_heads": n_heads, "n_kv_heads": n_kv,
-        "d_ff": d_ff, "rope_theta": _rope(raw, family, where),
+        "d_ff": d_ff, "rope_theta": rope_theta, "rope_scaling": rope_scaling,
         "norm_eps": float(raw.get("rms_norm_eps", _DEFAULTS[family]["rms_norm_eps"])),
         "tie_embeddings": bool(raw.get("tie_word_embeddings", False)),
         "qkv_bias": family == "qwen2",

@@ -56,6 +56,13 @@ def check_exportable(model, cfg) -> list[str]:
     return notes
 
 
+def _rope_scaling(scaling: Optional[dict]) -> Optional[dict]:
+    """Our model.rope_scaling in the config.json form transformers reads (``rope_type`` + parameters)."""
+    if not scaling:
+        return None
+    return {"rope_type": scaling["type"], **{k: v for k, v in scaling.items() if k != "type"}}
+
+
 def mixtral_config(cfg, dtype: torch.dtype, max_position_embeddings: int) -> dict:
     m = cfg.model
     return {
@@ -64,7 +71,8 @@ def mixtral_config(cfg, dtype: torch.dtype, max_position_embeddings: int) -> dic
         "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads or m.n_heads,
         "head_dim": m.d_model // m.n_heads, "num_local_experts": m.moe.num_experts,
         "num_experts_per_tok": m.moe.top_k, "vocab_size": m.vocab_size, "rms_norm_eps": m.norm_eps,
-        "rope_theta": m.rope_theta, "max_position_embeddings": max_position_embeddings, "sliding_window": None,
+        "rope_theta": m.rope_theta, "rope_scaling": _rope_scaling(m.rope_scaling),
+        "max_position_embeddings": max_position_embeddings, "sliding_window": None,
         "tie_word_embeddings": m.tie_embeddings, "router_aux_loss_coef": m.moe.aux_loss_coef,
         "router_jitter_noise": 0.0, "output_router_logits": False, "attention_dropout": 0.0,
         "initializer_range": m.init_std, "use_cache": True, "torch_dtype": _DTYPE_NAMES[dtype],

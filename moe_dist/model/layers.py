@@ -19,9 +19,26 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def rotary_tables(seq_len: int, head_dim: int, theta: float, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def scale_rope_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """RoPE frequency scaling of long-context checkpoints: ``linear`` (all frequencies / factor)
+    or ``llama3`` (Llama 3.1+: low frequencies / factor, high ones kept, a smooth ramp between,
+    set by the wavelength relative to the original context)."""
+    kind, factor = scaling["type"], float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    context = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    ramp = ((context / wavelen - low) / (high - low)).clamp(0.0, 1.0)  # 0: long wavelengths, 1: short ones
+    return (1 - ramp) * inv_freq / factor + ramp * inv_freq
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float, device, dtype,
+                  scaling: Optional[dict] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin ``[seq_len, head_dim]`` for the rotate-half formulation (computed in fp32)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling:
+        inv_freq = scale_rope_frequencies(inv_freq, scaling)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)

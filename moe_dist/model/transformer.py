@@ -88,7 +88,7 @@ class TransformerLM(nn.Module):
             raise ValueError(f"expected token ids [batch, seq], got shape {tuple(tokens.shape)}")
         B, S = tokens.shape
         x = self.embed(tokens)
-        cos, sin = rotary_tables(S, self.head_dim, self.cfg.rope_theta, tokens.device, x.dtype)
+        cos, sin = rotary_tables(S, self.head_dim, self.cfg.rope_theta, tokens.device, x.dtype, self.cfg.rope_scaling)
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         prev_top1 = None
         for block in self.blocks:

@@ -31,11 +31,11 @@ from ..model import Block, SwiGLU, TransformerLM, build_model
 from .weights import DTYPES
 
 # our model keys that the checkpoint's config.json fixes
-ARCHITECTURE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "rope_theta", "norm_eps",
-                     "tie_embeddings", "qkv_bias")
+ARCHITECTURE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "rope_theta", "rope_scaling",
+                     "norm_eps", "tie_embeddings", "qkv_bias")
 _HF_NAMES = {"vocab_size": "vocab_size", "d_model": "hidden_size", "n_layers": "num_hidden_layers",
              "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "d_ff": "intermediate_size",
-             "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings",
+             "rope_theta": "rope_theta", "rope_scaling": "rope_scaling", "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings",
              "qkv_bias": "model_type (qwen2 has q/k/v biases)"}
 
 
