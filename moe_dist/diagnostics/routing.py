@@ -19,6 +19,7 @@ from ..dist.collectives import all_reduce_sum
 from .fluctuation import fluctuation_counts, layer_keys, probe_assignments
 from .load import load_summary
 
+PICTURES = ("load", "fluctuation", "graph")
 SCALAR_KEYS = ("max_load_ratio", "load_cv", "dead_experts", "dropped_fraction", "entropy", "fluct_top1", "fluct_topk")
 
 
@@ -105,17 +106,21 @@ class RoutingDiagnostics:
         for tag, value in self.tensorboard_scalars(moe_rows).items():
             writer.add_scalar(tag, value, step)
 
-    def write_pngs(self, plots_dir: str) -> list[str]:
-        """routing_load.png, routing_fluctuation.png, symphony_graph.png (those with data)."""
+    def write_pngs(self, plots_dir: str, include=PICTURES) -> list[str]:
+        """routing_load.png, routing_fluctuation.png, symphony_graph.png: those in ``include``
+        (``load``, ``fluctuation``, ``graph``) that have data. Returns the paths written."""
         from .plots import plot_expert_graphs, plot_expert_load, plot_fluctuation
 
+        bad = sorted(set(include) - set(PICTURES))
+        if bad:
+            raise ValueError(f"write_pngs: unknown picture(s) {bad}; allowed: {list(PICTURES)}")
         os.makedirs(plots_dir, exist_ok=True)
         paths = []
-        if self.load_history:
+        if "load" in include and self.load_history:
             paths.append(plot_expert_load(self.load_history, os.path.join(plots_dir, "routing_load.png")))
-        if self.fluct_history:
+        if "fluctuation" in include and self.fluct_history:
             paths.append(plot_fluctuation(self.fluct_history, os.path.join(plots_dir, "routing_fluctuation.png")))
-        if self.graphs:
+        if "graph" in include and self.graphs:
             paths.append(plot_expert_graphs(self.graphs, os.path.join(plots_dir, "symphony_graph.png")))
         return paths
 
