@@ -7,7 +7,8 @@ Each subcommand lives in its own module, named in :data:`COMMANDS`; the module d
 ``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``, and sets
 ``LAUNCHABLE = True`` if it runs as one rank of a distributed job. For those, this module
 adds ``--nproc N``: start N local processes with torch.distributed.run (torchrun) running
-the same command without ``--nproc``. Without it the command is one rank of whatever
+the same command without ``--nproc``; an optional ``preflight(args, world_size) -> int``
+checks the arguments first (non-zero = do not launch). Without it the command is one rank of whatever
 launched it (torchrun, srun, mpirun) or a single process. Adding a subcommand = one line
 in COMMANDS plus its module.
 """
@@ -88,6 +89,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if nproc is not None:
         if nproc < 1:
             parser.error(f"--nproc must be >= 1, got {nproc}")
+        preflight = getattr(args._module, "preflight", None)
+        code = preflight(args, nproc) if preflight else 0
+        if code:
+            return code
         return launch_local(nproc, _strip_nproc(argv))
     return int(args._module.run(args) or 0)
 

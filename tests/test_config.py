@@ -90,7 +90,7 @@ ERRORS = [
     (["run.dir="], ["run.dir", "non-empty"]),
     (["run.dir=[a]"], ["run.dir", "a string"]),
     (["run.tensorboard=1"], ["run.tensorboard", "true or false"]),
-    (["run.progress=maybe"], ["run.progress", "'auto', 'on', 'off'"]),
+    (["run.progress=maybe"], ["run.progress", "'maybe'", "allowed: one of 'auto' or true or false"]),
     (["model.n_heads=7"], ["model.n_heads", "model.d_model=256"]),
     (["model.d_model=24", "model.n_heads=8"], ["model.n_heads", "must be even"]),
     (["model.n_kv_heads=3"], ["model.n_kv_heads", "model.n_heads=8"]),

@@ -15,16 +15,25 @@ def add_arguments(parser) -> None:
     add_overrides_argument(parser)
 
 
+def _config(args):
+    from ..config import load_config
+
+    config_path = os.path.join(args.run_dir, "config.yaml")
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(f"--run-dir {args.run_dir!r} has no config.yaml (is it a moe-dist run directory?)")
+    return load_config(config_path, [f"run.dir={args.run_dir}", *args.overrides])
+
+
+def preflight(args, world_size: int) -> int:
+    """Check the run directory and config before starting ``world_size`` processes."""
+    return user_errors("eval", lambda: _config(args).check_world(world_size) or 0)
+
+
 def run(args) -> int:
     def go() -> int:
-        from ..config import load_config
         from .trainer import evaluate_run
 
-        config_path = os.path.join(args.run_dir, "config.yaml")
-        if not os.path.exists(config_path):
-            raise FileNotFoundError(f"--run-dir {args.run_dir!r} has no config.yaml (is it a moe-dist run directory?)")
-        cfg = load_config(config_path, [f"run.dir={args.run_dir}", *args.overrides])
-        evaluate_run(cfg, args.checkpoint)
+        evaluate_run(_config(args), args.checkpoint)
         return 0
 
     return user_errors("eval", go)

@@ -22,6 +22,20 @@ def _list_keys() -> int:
     return 0
 
 
+def preflight(args, world_size: int) -> int:
+    """Check the config before starting ``world_size`` processes (errors once, not per rank)."""
+    if args.list_keys or args.print_config:
+        return 0
+
+    def check() -> int:
+        from ..config import load_config
+
+        load_config(args.config, args.overrides).check_world(world_size)
+        return 0
+
+    return user_errors("train", check)
+
+
 def run(args) -> int:
     if args.list_keys:
         return _list_keys()

@@ -101,7 +101,8 @@ class MetricsLogger:
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tb.add_scalar(f"train/{key}" if not key.startswith("val_") else f"val/{key[4:]}", value, step)
             for layer, stats in row.get("moe", {}).items():
-                for key in ("aux_loss", "z_loss", "entropy", "dropped_fraction"):
+                for key in ("aux_loss", "z_loss", "entropy", "dropped_fraction", "load_cv", "dead_experts",
+                            "fluct_top1", "fluct_topk"):
                     if key in stats:
                         self._tb.add_scalar(f"moe_layer{layer}/{key}", stats[key], step)
                 counts = stats.get("expert_counts")

@@ -41,16 +41,8 @@ class Parallelized:
 
     def grad_norm(self) -> torch.Tensor:
         """The true global gradient norm: every dense weight and every expert counted once."""
-        dev = self.rt.device
-        dense_sq = torch.zeros((), dtype=torch.float64, device=dev)
-        for p in dense_parameters(self.model):
-            if p.grad is not None:
-                g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                dense_sq += g.double().square().sum()
-        expert_sq = torch.zeros((), dtype=torch.float64, device=dev)
-        for p in expert_parameters(self.model):
-            if p.grad is not None:
-                expert_sq += p.grad.double().square().sum()
+        dense_sq = _sum_of_squares(dense_parameters(self.model), self.rt.device)
+        expert_sq = _sum_of_squares(expert_parameters(self.model), self.rt.device)
         if self.fsdp:  # each rank holds a different shard of the dense gradients
             dist.all_reduce(dense_sq, group=self.rt.groups.dp)
         if self.rt.groups.ep_size > 1:  # an expert-parallel group holds every expert exactly once
@@ -62,10 +54,20 @@ class Parallelized:
         norm = float(self.grad_norm())
         if max_norm is not None and norm > max_norm:
             scale = max_norm / (norm + 1e-6)
-            grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                     for p in self.model.parameters() if p.grad is not None]
-            torch._foreach_mul_(grads, scale)
+            torch._foreach_mul_(_local_grads(self.model.parameters()), scale)
         return norm
+
+
+def _local_grads(params) -> list[torch.Tensor]:
+    return [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
+
+
+def _sum_of_squares(params, device: torch.device) -> torch.Tensor:
+    """Sum of squared gradient entries (per-tensor norms in the gradient dtype, summed in fp64)."""
+    grads = [g for g in _local_grads(params) if g.numel()]
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack(torch._foreach_norm(grads)).double().square().sum()
 
 
 def _fully_shard(model: nn.Module, rt: Runtime, reshard_after_forward: bool) -> None:

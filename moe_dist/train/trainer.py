@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from ..config import Config, ConfigError, save_config
 from ..data import PreparedData, TrainSampler, load_prepared, prepare_data
+from ..diagnostics import RoutingDiagnostics
 from ..dist.bootstrap import Runtime, init_distributed, shutdown
 from ..model import build_model, count_parameters
 from ..moe import collect_aux_loss, moe_layers
@@ -97,6 +98,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.moe = moe_layers(self.model)
         self.moe_stats = MoEStepStats(self.model)
+        self.diagnostics = RoutingDiagnostics()  # load balance, probe-set fluctuation, Symphony graphs
 
         groups = self.rt.groups
         self.sampler = TrainSampler(self.data.train.array(), cfg.train.seq_len, cfg.train.global_batch,
@@ -133,7 +135,7 @@ class Trainer:
 
     def _progress(self):
         mode = self.cfg.run.progress
-        show = self.is_main and (mode == "on" or (mode == "auto" and sys.stderr.isatty()))
+        show = self.is_main and (mode is True or (mode == "auto" and sys.stderr.isatty()))
         if not show:
             return None
         from tqdm import tqdm
@@ -176,6 +178,15 @@ class Trainer:
         self.step += 1
         return {"loss": float(sums[0]) / step_tokens, "aux_loss": float(sums[1]), "lr": lr, "grad_norm": grad_norm}
 
+    def probe_fluctuation(self) -> dict:
+        """Routing fluctuation of a fixed probe set (each rank's first validation batch) since the
+        previous evaluation, per MoE layer (collective)."""
+        if not self.val_batches:
+            return {}
+        probe = torch.from_numpy(self.val_batches[0][:, :-1]).to(self.rt.device)
+        with autocast(self.rt.device, self.cfg.train.dtype):
+            return self.diagnostics.evaluate_probe(self.model, probe, self.step, group=self.rt.groups.dp)
+
     def validate(self) -> dict:
         return evaluate(self.model, self.val_batches, self.rt.device, self.cfg.train.dtype, self.rt.groups.dp)
 
@@ -202,7 +213,7 @@ class Trainer:
         try:
             while self.step < steps:
                 t0 = time.perf_counter()
-                row = self.train_step()
+                row, fluct = self.train_step(), {}
                 dt = time.perf_counter() - t0
                 step_tokens = cfg.train.global_batch * cfg.train.seq_len
                 tokens_seen += step_tokens
@@ -211,10 +222,13 @@ class Trainer:
                 last = self.step == steps
                 if (cfg.eval.every and self.step % cfg.eval.every == 0) or last:
                     last_val = self.validate()
+                    fluct = self.probe_fluctuation()
                     row.update(val_loss=last_val["loss"], val_ppl=last_val["ppl"])
                     self.log(f"step {self.step}/{steps}: val loss {last_val['loss']:.4f}, perplexity {last_val['ppl']:.2f}")
                 if self.step % cfg.run.log_every == 0 or last or "val_loss" in row or self.step == 1:
                     row["moe"] = self.moe_stats.summary()
+                    for layer, figs in self.diagnostics.update(self.step, row["moe"]).items():
+                        row["moe"][layer].update({k: v for k, v in figs.items() if k != "load"}, **fluct.get(layer, {}))
                     self.metrics.log(row)
                 if self._bar is not None:
                     self._bar.update(1)
@@ -242,6 +256,8 @@ class Trainer:
                 from .plots import make_plots
 
                 make_plots(self.run_dir, baseline_loss=baseline["loss"])
+                self.diagnostics.record_graphs(self.model)  # expert_load.png above covers the load heatmap
+                self.diagnostics.write_pngs(os.path.join(self.run_dir, "plots"), include=("fluctuation", "graph"))
             self.log(f"done: {self.step} steps in {wall:.0f}s; run directory {self.run_dir}")
             self.log(format_report(last_val, baseline))
         return summary
