@@ -82,11 +82,16 @@ class TrainSampler:
 
 
 def eval_batches(tokens: np.ndarray, seq_len: int, max_sequences: int, batch: int, dp_rank: int, dp_size: int) -> list[np.ndarray]:
-    """The first ``max_sequences`` windows of a split, in order, as global batches of ``batch``
-    sequences; this rank's slice of each (every rank gets the same number of batches)."""
+    """The first windows of a split, in order, as global batches of ``batch`` sequences (at most
+    ``max_sequences`` in all, full batches only); this rank's slice of each. Every rank gets the
+    same number of batches and at least one sequence in each."""
     n = min(num_windows(len(tokens), seq_len), max_sequences)
-    if n < 1:
-        raise ValueError(f"the validation split has {len(tokens)} tokens, fewer than train.seq_len + 1 = {seq_len + 1}")
+    if n >= batch:
+        n -= n % batch
+    if n < max(1, dp_size):
+        raise ValueError(f"the validation split has {len(tokens)} tokens: {n} windows of train.seq_len + 1 = {seq_len + 1}"
+                         f" tokens, fewer than the {dp_size} data-parallel ranks need; lower train.seq_len or raise "
+                         "data.val_fraction")
     out = []
     for first in range(0, n, batch):
         ids = np.arange(first, min(first + batch, n))
