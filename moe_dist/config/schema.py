@@ -229,7 +229,13 @@ class CkptConfig:
     """Checkpoints (torch.distributed.checkpoint, experts keyed by global index)."""
 
     every: int = knob(0, "steps between checkpoints (0 = only at the end)", min=0)
+    keep: int = knob(0, "complete checkpoints kept in run.dir/checkpoints, newest first (0 = all); older ones are "
+                     "deleted only after a newer one is complete", min=0)
     save_final: bool = knob(True, "save a checkpoint after the last step")
+    async_save: bool = knob(False, "copy the state to CPU memory and write it in a background thread while training "
+                            "continues (one save in flight at a time)")
+    verify: bool = knob(True, "check every checkpoint file's SHA-256 against the manifest before loading "
+                        "(sizes are always checked)")
     init_from: Optional[str] = knob(None, "start from these model weights: a `moe-dist upcycle` output directory "
                                     "(model.safetensors, experts by global index); null = random initialisation")
 
@@ -245,9 +251,14 @@ class Config:
     train: TrainConfig = section(TrainConfig)
     eval: EvalConfig = section(EvalConfig)
     ckpt: CkptConfig = section(CkptConfig)
+    resume: str = knob("none", "continue training from a checkpoint: auto (the latest complete one in "
+                       "run.dir/checkpoints; step 0 if there is none), a checkpoint directory, a run directory "
+                       "(its latest), or none")
 
     def check(self) -> None:
         """Cross-field rules that do not depend on the number of processes."""
+        if not self.resume:
+            _fail("resume", "empty; allowed: auto, none, a checkpoint directory or a run directory")
         self.run.check()
         self.model.check()
         self.data.check()

@@ -559,7 +559,15 @@ class TrainingCheckpoints:
                 "vocab_size": cfg.model.vocab_size, "tokenizer_sha256": t.data.tokenizer.sha256,
                 "lr": lr_at(max(t.step - 1, 0), cfg.train),
                 "schedule": {k: getattr(cfg.train, k) for k in ("lr", "min_lr_ratio", "warmup_steps", "steps")},
-                "config": self.config}
+                "config": self.config, "diagnostics": self._diagnostics_state()}
+
+    def _diagnostics_state(self) -> Optional[dict]:
+        """The routing diagnostics' histories (JSON); the probe assignments are per rank and layout
+        dependent, so the first probe evaluation after a resume starts a new comparison."""
+        diag = getattr(self.t, "diagnostics", None)
+        if diag is None or not hasattr(diag, "state_dict"):
+            return None
+        return {**diag.state_dict(), "probe_prev": None}
 
     def save(self) -> str:
         t = self.t
@@ -628,6 +636,9 @@ class TrainingCheckpoints:
             meta, manifest = self.checkpointer.load(path, t.model, t.optimizer, rng_device=t.rt.device,
                                                     before_load=lambda m, man: self._check_compatible(path, m, man))
             t.step = int(meta["step"])
+            diag = getattr(t, "diagnostics", None)
+            if meta.get("diagnostics") and diag is not None and hasattr(diag, "load_state_dict"):
+                diag.load_state_dict(meta["diagnostics"])
             self.resumed_from = os.path.abspath(path)
             self._report(path, meta, manifest)
         if t.is_main:

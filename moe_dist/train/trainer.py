@@ -25,7 +25,7 @@ from ..diagnostics import RoutingDiagnostics
 from ..dist.bootstrap import Runtime, init_distributed, shutdown
 from ..model import build_model, count_parameters
 from ..moe import collect_aux_loss, moe_layers
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import TrainingCheckpoints, latest_checkpoint, load_checkpoint
 from .evaluate import autocast, evaluate, format_report, unigram_baseline, validation_batches
 from .metrics import MetricsLogger, MoEStepStats
 from .optim import build_optimizer, lr_at, set_lr
@@ -82,8 +82,6 @@ class Trainer:
         if self.is_main:
             os.makedirs(os.path.join(self.run_dir, "checkpoints"), exist_ok=True)
             os.makedirs(os.path.join(self.run_dir, "plots"), exist_ok=True)
-            if os.path.exists(os.path.join(self.run_dir, "metrics.jsonl")):
-                os.remove(os.path.join(self.run_dir, "metrics.jsonl"))
         self.data = load_data(cfg, self.rt, self.log)
         vocab = resolve_vocab(cfg, self.data)
 
@@ -104,8 +102,10 @@ class Trainer:
         self.sampler = TrainSampler(self.data.train.array(), cfg.train.seq_len, cfg.train.global_batch,
                                     cfg.train.grad_accum, groups.dp_rank, groups.dp_size, cfg.train.seed)
         self.val_batches = validation_batches(self.data, cfg.train.seq_len, cfg.eval, groups.dp_rank, groups.dp_size)
-        self.metrics = MetricsLogger(self.run_dir if self.is_main else None, cfg.run.tensorboard)
         self.step = 0
+        self.checkpoints = TrainingCheckpoints(self)  # ckpt.* keys
+        self.checkpoints.resume()  # resume=auto|<path>: model, optimizer, step, sampler, RNG; tidies metrics.jsonl
+        self.metrics = MetricsLogger(self.run_dir if self.is_main else None, cfg.run.tensorboard)
         self.preemption = PreemptionHandler(self.rt.device)  # SIGUSR1/SIGTERM: checkpoint and exit 75
         if self.is_main:
             save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
@@ -191,9 +191,7 @@ class Trainer:
         return evaluate(self.model, self.val_batches, self.rt.device, self.cfg.train.dtype, self.rt.groups.dp)
 
     def save(self) -> str:
-        meta = {"sampler": self.sampler.state_dict(), "world_size": self.rt.world_size, "ep": self.rt.groups.ep_size,
-                "vocab_size": self.cfg.model.vocab_size, "tokenizer_sha256": self.data.tokenizer.sha256}
-        return save_checkpoint(self.model, self.run_dir, self.step, meta, self.is_main)
+        return self.checkpoints.save()
 
     # ---- the loop -------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -209,7 +207,7 @@ class Trainer:
                  f"{self.data.train.count:,} train tokens, {cfg.train.global_batch}x{cfg.train.seq_len} tokens per step")
         baseline = unigram_baseline(self.data, cfg.train.seq_len, cfg.eval)
         self._bar = self._progress()
-        tokens_seen, last_val = 0, None
+        tokens_seen, last_val, row = self.step * cfg.train.global_batch * cfg.train.seq_len, None, {"loss": None}
         try:
             while self.step < steps:
                 t0 = time.perf_counter()
@@ -244,6 +242,8 @@ class Trainer:
             if self._bar is not None:
                 self._bar.close()
                 self._bar = None
+        if last_val is None:  # resumed from the last step's checkpoint: nothing left to train
+            last_val = self.validate()
         wall = time.perf_counter() - t_start
         summary = {"steps": self.step, "train_loss": row["loss"], "val_loss": last_val["loss"], "val_ppl": last_val["ppl"],
                    "unigram_loss": baseline["loss"], "unigram_ppl": baseline["ppl"], "val_tokens": last_val["tokens"],
@@ -263,6 +263,7 @@ class Trainer:
         return summary
 
     def close(self) -> None:
+        self.checkpoints.wait()  # an async save in flight
         self.preemption.restore()
         self.metrics.close()
         if self._owns_runtime:
