@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 COMMANDS: dict[str, str] = {
     "train": "moe_dist.train.cmd_train",
     "eval": "moe_dist.train.cmd_eval",
+    "convert": "moe_dist.train.cmd_convert",
     "upcycle": "moe_dist.upcycle.cmd_upcycle",
     "export": "moe_dist.hf.cmd_export",
     "plan": "moe_dist.plan.cmd_plan",
