@@ -175,3 +175,63 @@ def test_fluctuation_over_ranks_equals_one_process():
     want = diag.evaluate_probe(model, probe(B=4), step=1)
     assert want["1"]["fluct_top1"] > 0
     assert got[0] == want and got[1] == want
+
+
+# ---------------------------------------------------------------- trainer integration, 2 ranks
+TRAIN_RUNS = {
+    "similarity": ["model.moe.router=similarity", "model.moe.router_options={temperature: 4.0}"],
+    # the model hands attn_probs only (no value path yet): A_{h*} without the likelihood term
+    "attention": ["model.moe.router=attention", "model.moe.router_options={likelihood: false}"],
+    "symphony": ["model.moe.router=symphony", "train.activation_checkpointing=true"],
+}
+
+
+def _train_graph_routers(rank, world, root):
+    import os
+
+    from moe_dist.config import load_config
+    from moe_dist.train.metrics import read_metrics
+    from moe_dist.train.trainer import Trainer
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = {}
+    for name, overrides in TRAIN_RUNS.items():
+        run_dir = os.path.join(root, name)
+        cfg = load_config(os.path.join(repo, "configs", "test.yaml"), overrides + [
+            f"run.dir={run_dir}", f"data.cache_dir={root}/cache", f"data.corpus={repo}/tests/data/python-docs",
+            "run.tensorboard=false", "run.progress=false", "train.steps=8", "eval.every=3",
+            f"run.plots={'true' if name == 'symphony' else 'false'}"])
+        trainer = Trainer(cfg)
+        try:
+            summary = trainer.fit()
+            graphs = [(m.router.A.clone(), int(m.router.n_updates)) for m in trainer.moe if hasattr(m.router, "A")]
+        finally:
+            trainer.close()
+        rows = read_metrics(os.path.join(run_dir, "metrics.jsonl")) if rank == 0 else []
+        plots = sorted(os.listdir(os.path.join(run_dir, "plots"))) if rank == 0 else []
+        out[name] = {"summary": summary, "rows": rows, "graphs": graphs, "plots": plots}
+    return out
+
+
+def test_trainer_logs_routing_diagnostics_for_graph_routers(tmp_path):
+    results = run_ranks(_train_graph_routers, 2, args=(str(tmp_path),), timeout=300)
+    for name in TRAIN_RUNS:
+        rows = results[0][name]["rows"]
+        losses = [r["loss"] for r in rows]
+        assert rows[-1]["step"] == 8 and losses[-1] < losses[0] - 0.3, f"{name}: {losses}"
+        assert results[0][name]["summary"]["train_loss"] == results[1][name]["summary"]["train_loss"]
+        for r in rows:
+            for layer in r["moe"].values():
+                assert {"max_load_ratio", "load_cv", "dead_experts", "entropy", "dropped_fraction"} <= set(layer)
+                assert layer["max_load_ratio"] == pytest.approx(max(layer["expert_counts"]) * len(layer["expert_counts"])
+                                                                / sum(layer["expert_counts"]))
+        evals = [r for r in rows if "val_loss" in r]
+        assert [r["step"] for r in evals] == [3, 6, 8]
+        assert all("fluct_top1" not in layer for layer in evals[0]["moe"].values())  # nothing to compare yet
+        for r in evals[1:]:
+            for layer in r["moe"].values():
+                assert 0 <= layer["fluct_top1"] <= 1 and 0 <= layer["fluct_topk"] <= 1
+    sym = results[0]["symphony"]
+    assert "routing_fluctuation.png" in sym["plots"] and "symphony_graph.png" in sym["plots"]
+    for (a0, n0), (a1, n1) in zip(sym["graphs"], results[1]["symphony"]["graphs"]):
+        assert n0 == n1 == 8 and torch.equal(a0, a1) and a0.abs().sum() > 0  # one graph, bit-identical on both ranks
