@@ -31,7 +31,7 @@ def _train_all(rank, world, root):
     for name, overrides in RUNS.items():
         run_dir = os.path.join(root, name)
         cfg = load_config(CONFIG, overrides + [f"run.dir={run_dir}", "run.plots=false", "run.tensorboard=false",
-                                               "run.progress='off'", "train.steps=8"])
+                                               "run.progress=false", "train.steps=8"])
         summary = train(cfg)
         rows = read_metrics(os.path.join(run_dir, "metrics.jsonl")) if rank == 0 else []
         out[name] = {"summary": summary, "rows": rows}
