@@ -36,7 +36,7 @@ def _train_each(rank, world, root):
     for router in [*ROUTERS, "qwen2"]:
         run_dir = os.path.join(root, "runs", router)
         cfg = load_config(os.path.join(root, f"up_{router}", "config.yaml"), [
-            f"run.dir={run_dir}", "run.plots=false", "run.tensorboard=false", "run.progress='off'", "run.print_every=100",
+            f"run.dir={run_dir}", "run.plots=false", "run.tensorboard=false", "run.print_every=100",
             "parallel.ep=2", f"train.steps={STEPS}", "train.global_batch=4", "train.seq_len=32", "train.lr=0.003",
             "train.warmup_steps=2", f"data.corpus={CORPUS}", f"data.cache_dir={os.path.join(root, 'cache')}",
             "data.val_fraction=0.2", "eval.max_sequences=8", "eval.batch=4", "model.moe.expert_kernel=loop"])
