@@ -1,8 +1,8 @@
 """Hugging Face interop: dense checkpoints read and upcycled with the dense function kept,
 export to Mixtral format loaded back by transformers, and clear errors on bad input."""
 import json
+import math
 import os
-import shutil
 
 import pytest
 import torch
@@ -241,3 +241,26 @@ def test_llama3_rope_scaling_preserved_and_exported(tmp_path):
         assert rel_err(mixtral(x).logits, ours(x)) < TOL
         cfg.model.rope_scaling = None  # the scaling really changes the function
         assert rel_err(upcycle_model(ckpt, cfg).eval()(x), want) > 1e-3
+
+
+def test_phi3_longrope_preserved_and_exported(tmp_path):
+    from transformers import MixtralForCausalLM
+
+    # Phi-3-128k / Phi-3.5 style: per-frequency divisors, short set up to the original context, long set beyond it
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.3, 2.1, 3.0],
+            "long_factor": [1.1, 2.5, 6.0, 11.0], "original_max_position_embeddings": 64}
+    d, up, out = str(tmp_path / "phi3"), str(tmp_path / "up"), str(tmp_path / "mixtral")
+    hf = build_dense("phi3", d, rope_parameters=rope, max_position_embeddings=256, original_max_position_embeddings=64)
+    ckpt = DenseCheckpoint(d)
+    scaling = ckpt.spec.model["rope_scaling"]
+    assert scaling["type"] == "longrope" and abs(scaling["attention_factor"] - (1 + math.log(4) / math.log(64)) ** 0.5) < 1e-12
+    model = upcycle_model(ckpt, upcycle_config(ckpt.spec, MOE + ["model.moe.layers=every"])).eval()
+    upcycle(d, up, MOE + ["model.moe.layers=every_other"], noise_std=0.05, dtype="fp32", log=lambda _: None)
+    export(up, "mixtral", out, log=lambda _: None)
+    ours, _, _ = load_our_model(up)
+    mixtral = MixtralForCausalLM.from_pretrained(out).eval()
+    for length in (40, 100):  # within the original context, and beyond it
+        x = _tokens(shape=(1, length))
+        with torch.no_grad():
+            assert rel_err(model(x), hf(x).logits) < TOL, length
+            assert rel_err(mixtral(x).logits, ours(x)) < TOL, length

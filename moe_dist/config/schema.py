@@ -105,10 +105,15 @@ class MoEConfig:
 
 
 ROPE_SCALING_KEYS = {"linear": ("factor",),
-                     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+                     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                     "longrope": ("short_factor", "long_factor", "original_max_position_embeddings", "attention_factor")}
 
 
-def _check_rope_scaling(scaling: dict) -> None:
+def _positive(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and value > 0
+
+
+def _check_rope_scaling(scaling: dict, head_dim: int) -> None:
     kind = scaling.get("type")
     if kind not in ROPE_SCALING_KEYS:
         _fail("model.rope_scaling.type", f"{kind!r} is not allowed; allowed: {list(ROPE_SCALING_KEYS)}")
@@ -118,7 +123,10 @@ def _check_rope_scaling(scaling: dict) -> None:
         _fail("model.rope_scaling", f"unknown key(s) {unknown} for type {kind!r}; allowed: {['type', *keys]}")
     for key in keys:
         value = scaling.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        if key.endswith("_factor") and kind == "longrope" and key != "attention_factor":
+            if not (isinstance(value, list) and len(value) == head_dim // 2 and all(map(_positive, value))):
+                _fail(f"model.rope_scaling.{key}", f"allowed: a list of {head_dim // 2} numbers > 0 (head size / 2)")
+        elif not _positive(value):
             _fail(f"model.rope_scaling.{key}", f"got {value!r}; allowed: a number > 0 (required for type {kind!r})")
     if kind == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
         _fail("model.rope_scaling.high_freq_factor", f"{scaling['high_freq_factor']} must exceed "
@@ -138,7 +146,8 @@ class ModelConfig:
     rope_theta: float = knob(10000.0, "rotary embedding base", gt=0)
     rope_scaling: Optional[dict] = knob(None, "RoPE frequency scaling of long-context checkpoints: null, {type: linear, "
                                         "factor: F} or {type: llama3, factor, low_freq_factor, high_freq_factor, "
-                                        "original_max_position_embeddings} (Llama 3.1+)")
+                                        "original_max_position_embeddings} (Llama 3.1+) or {type: longrope, short_factor, "
+                                        "long_factor, original_max_position_embeddings, attention_factor} (Phi-3.5)")
     norm_eps: float = knob(1e-5, "RMSNorm epsilon", gt=0)
     tie_embeddings: bool = knob(True, "share the input embedding and the output projection")
     qkv_bias: bool = knob(False, "biases on the query, key and value projections (Qwen2 checkpoints have them)")
@@ -154,7 +163,7 @@ class ModelConfig:
         if self.n_heads % kv:
             _fail("model.n_kv_heads", f"{kv} must divide model.n_heads={self.n_heads}")
         if self.rope_scaling:
-            _check_rope_scaling(self.rope_scaling)
+            _check_rope_scaling(self.rope_scaling, self.d_model // self.n_heads)
         self.moe.check(self.n_layers)
 
 

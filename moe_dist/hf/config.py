@@ -9,6 +9,7 @@ reported as notes instead.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -110,6 +111,8 @@ def _rope(raw: dict, family: str, where: str) -> tuple[float, Optional[dict]]:
         scaling = raw.get("rope_scaling") or {}
         key = "rope_scaling"
     rope_type = scaling.get("rope_type", scaling.get("type")) or "default"
+    if rope_type == "su" or (rope_type == "yarn" and family == "phi3"):  # older names of Phi-3's LongRoPE
+        rope_type = "longrope"
     if rope_type not in ("default", *ROPE_SCALING_KEYS):
         raise HFFormatError(f"{where}: {key}.rope_type={rope_type!r} is not supported; allowed: "
                             f"{['default', *ROPE_SCALING_KEYS]} (e.g. Phi-3-mini-4k, Llama-2/3.x, Mistral, Qwen2)")
@@ -117,12 +120,28 @@ def _rope(raw: dict, family: str, where: str) -> tuple[float, Optional[dict]]:
     if float(partial) != 1.0:
         raise HFFormatError(f"{where}: partial_rotary_factor={partial} is not supported; allowed: 1.0 (RoPE on the whole head)")
     ours = None
+    if rope_type == "longrope":
+        scaling = _longrope(raw, scaling)
     if rope_type != "default":
         missing = [k for k in ROPE_SCALING_KEYS[rope_type] if scaling.get(k) is None]
         if missing:
             raise HFFormatError(f"{where}: {key} of type {rope_type!r} lacks {missing}")
         ours = {"type": rope_type, **{k: scaling[k] for k in ROPE_SCALING_KEYS[rope_type]}}
     return float(theta if theta is not None else _DEFAULTS[family]["rope_theta"]), ours
+
+
+def _longrope(raw: dict, scaling: dict) -> dict:
+    """LongRoPE's parameters with the original context and the cos/sin scale made explicit
+    (transformers derives them from max_position_embeddings when the config omits them)."""
+    scaling = dict(scaling)
+    original = scaling.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+    if original is None:
+        return scaling
+    scaling["original_max_position_embeddings"] = original
+    if scaling.get("attention_factor") is None:
+        factor = scaling.get("factor") or raw.get("max_position_embeddings", original) / original
+        scaling["attention_factor"] = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return scaling
 
 
 def hf_model_spec(raw: dict, where: str = "config.json") -> HFModelSpec:

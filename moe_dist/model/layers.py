@@ -19,11 +19,17 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def scale_rope_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    """RoPE frequency scaling of long-context checkpoints: ``linear`` (all frequencies / factor)
-    or ``llama3`` (Llama 3.1+: low frequencies / factor, high ones kept, a smooth ramp between,
-    set by the wavelength relative to the original context)."""
-    kind, factor = scaling["type"], float(scaling["factor"])
+def scale_rope_frequencies(inv_freq: torch.Tensor, scaling: dict, seq_len: int) -> torch.Tensor:
+    """RoPE frequency scaling of long-context checkpoints: ``linear`` (all frequencies / factor),
+    ``llama3`` (Llama 3.1+: low frequencies / factor, high ones kept, a smooth ramp between,
+    set by the wavelength relative to the original context) or ``longrope`` (Phi-3-128k /
+    Phi-3.5: per-frequency divisors, the long set beyond the original context)."""
+    kind = scaling["type"]
+    if kind == "longrope":
+        long = seq_len > scaling["original_max_position_embeddings"]
+        ext = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=inv_freq.dtype, device=inv_freq.device)
+        return inv_freq / ext
+    factor = float(scaling["factor"])
     if kind == "linear":
         return inv_freq / factor
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
@@ -38,10 +44,11 @@ def rotary_tables(seq_len: int, head_dim: int, theta: float, device, dtype,
     """cos, sin ``[seq_len, head_dim]`` for the rotate-half formulation (computed in fp32)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     if scaling:
-        inv_freq = scale_rope_frequencies(inv_freq, scaling)
+        inv_freq = scale_rope_frequencies(inv_freq, scaling, seq_len)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    mscale = float(scaling.get("attention_factor", 1.0)) if scaling else 1.0  # longrope scales cos and sin
+    return (angles.cos() * mscale).to(dtype), (angles.sin() * mscale).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
