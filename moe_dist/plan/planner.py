@@ -58,9 +58,9 @@ def _vocab_of(cfg) -> int:
     if cfg.model.vocab_size:
         return cfg.model.vocab_size
     if cfg.data.tokenizer and os.path.isfile(cfg.data.tokenizer):
-        import sentencepiece as spm
+        from ..data import Tokenizer  # sentencepiece or tokenizer.json
 
-        return spm.SentencePieceProcessor(model_file=cfg.data.tokenizer).get_piece_size()
+        return Tokenizer.load(cfg.data.tokenizer).vocab_size
     return cfg.data.vocab_size  # the tokenizer the trainer would train
 
 
