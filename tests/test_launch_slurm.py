@@ -1,0 +1,306 @@
+"""launch/slurm/train.sbatch on a real one-node Slurm cluster that this module starts.
+
+Needs root (munged, slurmctld and slurmd run as root; Debian's slurm-wlm and munge are
+installed with apt-get when missing). The cluster lives in a temporary directory with its own
+munge socket and ports, and its daemons are stopped at the end, also after a failure.
+
+* a 2-task job of configs/test.yaml trains, logs metrics and saves its checkpoint;
+* a 2-task job is preempted (SIGUSR1 to the batch shell, as ``#SBATCH --signal=B:USR1@...``
+  does): the ranks checkpoint at the next step boundary and exit 75, the script requeues the
+  job, and the requeued job continues from that checkpoint (resume=auto) to the last step;
+* the same job shape with one torchrun per node (MOE_DIST_LAUNCH=torchrun).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SBATCH = os.path.join(REPO, "launch", "slurm", "train.sbatch")
+QUIET = ["run.progress=false", "run.plots=false", "run.tensorboard=false", "run.print_every=1"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _install_slurm() -> str:
+    """'' when slurmctld, slurmd, sbatch and munged are there (installing them if needed), else why not."""
+    need = ("slurmctld", "slurmd", "sbatch", "munged")
+    if all(shutil.which(t) for t in need):
+        return ""
+    if shutil.which("apt-get") is None:
+        return f"Slurm is not installed ({', '.join(t for t in need if not shutil.which(t))} missing) and there is no apt-get"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    steps = (["apt-get", "update", "-qq"],
+             ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "slurm-wlm", "munge"])
+    for cmd in steps:
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if r.returncode:
+            return f"`{' '.join(cmd)}` failed ({r.returncode}): {(r.stderr or r.stdout)[-400:]}"
+    missing = [t for t in need if not shutil.which(t)]
+    return f"still missing after apt-get install: {missing}" if missing else ""
+
+
+class SlurmCluster:
+    """munged + slurmctld + slurmd for this machine, configured under ``root``."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.conf = os.path.join(root, "slurm.conf")
+        self.env = {**os.environ, "SLURM_CONF": self.conf}
+        self.munge_dir = os.path.join(root, "munge")
+        self.pid_files = [os.path.join(root, "slurmd.pid"), os.path.join(root, "slurmctld.pid"),
+                          os.path.join(self.munge_dir, "munged.pid")]  # stop order
+
+    def _write_conf(self) -> None:
+        node = subprocess.run(["slurmd", "-C"], capture_output=True, text=True, check=True).stdout.splitlines()[0]
+        host = re.search(r"NodeName=(\S+)", node).group(1)
+        cpus = re.search(r"CPUs=(\d+)", node).group(1)
+        mem = int(re.search(r"RealMemory=(\d+)", node).group(1)) * 8 // 10
+        r = self.root
+        with open(self.conf, "w") as f:
+            f.write(f"""ClusterName=moetest
+SlurmctldHost={host}(127.0.0.1)
+SlurmctldPort={_free_port()}
+SlurmdPort={_free_port()}
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={self.munge_dir}/munge.socket
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={r}/state
+SlurmdSpoolDir={r}/spool
+SlurmctldPidFile={r}/slurmctld.pid
+SlurmdPidFile={r}/slurmd.pid
+SlurmctldLogFile={r}/log/slurmctld.log
+SlurmdLogFile={r}/log/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+MpiDefault=none
+ReturnToService=2
+SchedulerParameters=sched_interval=2
+NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={mem} State=UNKNOWN
+PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
+""")
+
+    def start(self) -> None:
+        for d in ("state", "spool", "log"):
+            os.makedirs(os.path.join(self.root, d))
+        os.makedirs(self.munge_dir)
+        shutil.chown(self.munge_dir, "munge", "munge")
+        os.chmod(self.munge_dir, 0o755)  # munged wants a socket directory everyone may enter
+        self._write_conf()
+        m = self.munge_dir
+        subprocess.run(["runuser", "-u", "munge", "--", "munged", f"--socket={m}/munge.socket",
+                        f"--pid-file={m}/munged.pid", f"--log-file={m}/munged.log", f"--seed-file={m}/munged.seed"],
+                       check=True)
+        subprocess.run(["slurmctld", "-f", self.conf], env=self.env, check=True)
+        subprocess.run(["slurmd", "-f", self.conf], env=self.env, check=True)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            out = self.run("sinfo", "-h", "-o", "%T", check=False).stdout
+            if "idle" in out:
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"the Slurm node did not become idle: {out!r}\n{self.logs()}")
+
+    def stop(self) -> None:
+        """Cancel our jobs, wait for them to end, then stop the daemons we started (by pid)."""
+        if os.path.exists(os.path.join(self.root, "slurmctld.pid")):
+            self.run("scancel", "--user", "root", check=False)
+            deadline = time.time() + 60
+            while time.time() < deadline and self.run("squeue", "-h", check=False).stdout.strip():
+                time.sleep(1)
+        for path in self.pid_files:
+            try:
+                with open(path) as f:
+                    pid = int(f.read().strip())
+                os.kill(pid, signal.SIGTERM)
+            except (OSError, ValueError):
+                continue
+            for _ in range(50):  # up to 5 s for a clean exit
+                try:
+                    os.kill(pid, 0)
+                except OSError:
+                    break
+                time.sleep(0.1)
+
+    def run(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run(list(cmd), env=self.env, capture_output=True, text=True, check=check, timeout=60)
+
+    def logs(self) -> str:
+        out = []
+        for name in ("slurmctld.log", "slurmd.log"):
+            path = os.path.join(self.root, "log", name)
+            if os.path.exists(path):
+                with open(path, errors="replace") as f:
+                    out.append(f"--- {name}\n" + "".join(f.readlines()[-30:]))
+        return "\n".join(out)
+
+    def submit(self, sbatch_args: list[str], script_args: list[str], env: dict) -> str:
+        r = subprocess.run(["sbatch", "--parsable", *sbatch_args, SBATCH, *script_args], env={**self.env, **env},
+                           capture_output=True, text=True, cwd=REPO, timeout=60)
+        assert r.returncode == 0, f"sbatch failed: {r.stderr}"
+        return r.stdout.strip().split(";")[0]
+
+    def job(self, job_id: str) -> dict:
+        out = self.run("scontrol", "-o", "show", "job", job_id).stdout
+        return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+    def wait(self, job_id: str, done, timeout: float, what: str, out_file: str = "") -> dict:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            info = self.job(job_id)
+            if done(info):
+                return info
+            if info.get("JobState") in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+                break
+            time.sleep(0.5)
+        out_file = out_file.replace("%j", job_id)
+        output = _read(out_file)[-4000:] if out_file and os.path.exists(out_file) else ""
+        raise AssertionError(f"job {job_id}: waiting for {what}; last state {info.get('JobState')} "
+                             f"(reason {info.get('Reason')}, exit {info.get('ExitCode')})\n--- job output\n{output}\n"
+                             f"{self.logs()}")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the test starts munged, slurmctld and slurmd itself")
+    reason = _install_slurm()
+    if reason:
+        pytest.skip(f"cannot set up Slurm: {reason}")
+    root = tempfile.mkdtemp(prefix="moe-slurm-")
+    os.chmod(root, 0o755)
+    c = SlurmCluster(root)
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _job_env(**extra: str) -> dict:
+    return {"PYTHON": sys.executable, **extra}
+
+
+def _read(path: str) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()
+
+
+def _metrics(run_dir: str) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _complete_checkpoints(run_dir: str) -> list[int]:
+    root = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(n.split("_")[1]) for n in os.listdir(root)
+                  if n.startswith("step_") and os.path.exists(os.path.join(root, n, "COMPLETE")))
+
+
+def _check_finished_run(run_dir: str, steps: int, out: str, launcher: str) -> None:
+    assert f"done: {steps} steps" in out or f"step {steps}/{steps}" in out, out[-3000:]
+    rows = _metrics(run_dir)
+    assert rows and rows[-1]["step"] == steps, rows[-1:]
+    assert all(r["loss"] == r["loss"] and 0 < r["loss"] < 20 for r in rows)
+    assert steps in _complete_checkpoints(run_dir)
+    with open(os.path.join(run_dir, "run.json")) as f:
+        info = json.load(f)
+    assert info["world_size"] == 2 and info["launcher"] == launcher, info
+
+
+def test_sbatch_two_tasks_trains_and_checkpoints(cluster):
+    run_dir = os.path.join(cluster.root, "run-basic")
+    out_file = os.path.join(cluster.root, "basic-%j.out")
+    t0 = time.time()
+    job = cluster.submit(["-n", "2", "-o", out_file], ["configs/test.yaml", f"run.dir={run_dir}", "train.steps=4", *QUIET],
+                         _job_env())
+    info = cluster.wait(job, lambda i: i["JobState"] == "COMPLETED", 300, "COMPLETED", out_file)
+    out = _read(out_file.replace("%j", job))
+    assert info["ExitCode"] == "0:0", out[-3000:]
+    _check_finished_run(run_dir, 4, out, launcher="slurm")
+    assert "[launch] training exited with 0" in out
+    print(f"\nslurm 2-task job: {time.time() - t0:.1f}s")
+
+
+def test_sbatch_preempt_requeue_resume(cluster):
+    steps = 40
+    run_dir = os.path.join(cluster.root, "run-preempt")
+    out_file = os.path.join(cluster.root, "preempt-%j.out")
+    t0 = time.time()
+    job = cluster.submit(["-n", "2", "-o", out_file], ["configs/test.yaml", f"run.dir={run_dir}", f"train.steps={steps}",
+                                                       *QUIET], _job_env())
+    deadline = time.time() + 240
+    while len(_metrics(run_dir)) < 2:  # training is under way
+        assert time.time() < deadline and cluster.job(job)["JobState"] in ("PENDING", "RUNNING"), \
+            _read(out_file.replace("%j", job))[-3000:] if os.path.exists(out_file.replace("%j", job)) else cluster.logs()
+        time.sleep(0.3)
+    # what `#SBATCH --signal=B:USR1@300` does before the time limit: signal the batch shell only
+    cluster.run("scancel", "--batch", "--signal=USR1", job)
+    t_signal = time.time()
+    # the script requeues the job; Slurm holds a requeued job back for a while (Reason=BeginTime): start it now
+    info = cluster.wait(job, lambda i: i["Restarts"] == "1" or i["JobState"] == "COMPLETED", 240, "the requeue", out_file)
+    assert info["Restarts"] == "1", f"not requeued: {info.get('JobState')}\n{_read(out_file.replace('%j', job))[-3000:]}"
+    t_requeue = time.time()
+    if info["JobState"] == "PENDING":
+        cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
+    info = cluster.wait(job, lambda i: i["JobState"] == "COMPLETED", 300, "COMPLETED after the requeue", out_file)
+    out = _read(out_file.replace("%j", job))
+    assert info["ExitCode"] == "0:0", out[-3000:]
+
+    m = re.search(r"SIGUSR1 received: stopped after step (\d+)/%d, checkpoint (\S+);" % steps, out)
+    assert m, out[-3000:]
+    stopped = int(m.group(1))
+    assert 2 <= stopped < steps
+    assert "exited with 75 after SIGUSR1" in out and f"requeueing job {job}" in out
+    assert "(restart 1)" in out
+    first_run, second_run = out.split("(restart 1)", 1)
+    assert f"step {stopped}/{steps}" in first_run and f"step {stopped + 1}/{steps}" not in first_run
+    # the requeued job resumed from the preemption checkpoint: its first step is the next one
+    steps_run = [int(s) for s in re.findall(r"^step (\d+)/%d  loss" % steps, second_run, flags=re.M)]
+    assert steps_run and steps_run[0] == stopped + 1, (stopped, steps_run[:3], second_run[:2000])
+    assert steps_run[-1] == steps
+    assert re.search(r"resumed from \S+step_%06d at step %d" % (stopped, stopped), second_run), second_run[:2000]
+    assert {stopped, steps} <= set(_complete_checkpoints(run_dir))
+    assert [r["step"] for r in _metrics(run_dir)] == list(range(1, steps + 1))  # one row per step, none twice
+    print(f"\nslurm preemption: signal after {t_signal - t0:.1f}s, stopped at step {stopped}/{steps}, requeued "
+          f"{t_requeue - t_signal:.1f}s later, finished {time.time() - t0:.1f}s after submission")
+
+
+def test_sbatch_one_torchrun_per_node(cluster):
+    run_dir = os.path.join(cluster.root, "run-torchrun")
+    out_file = os.path.join(cluster.root, "torchrun-%j.out")
+    job = cluster.submit(["-N", "1", "--ntasks-per-node=1", "-c", "2", "-o", out_file],
+                         ["configs/test.yaml", f"run.dir={run_dir}", "train.steps=3", *QUIET],
+                         _job_env(MOE_DIST_LAUNCH="torchrun", NPROC_PER_NODE="2"))
+    info = cluster.wait(job, lambda i: i["JobState"] == "COMPLETED", 300, "COMPLETED", out_file)
+    out = _read(out_file.replace("%j", job))
+    assert info["ExitCode"] == "0:0", out[-3000:]
+    _check_finished_run(run_dir, 3, out, launcher="torchrun")
