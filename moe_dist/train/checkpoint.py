@@ -694,7 +694,7 @@ class TrainingCheckpoints:
             if step > limit and p.endswith(".partial"):
                 shutil.rmtree(p, ignore_errors=True)
         if stale:
-            stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+            stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
             aside = os.path.join(t.run_dir, f"checkpoints.superseded-{stamp}")
             os.makedirs(aside, exist_ok=True)
             for p in stale:
