@@ -8,6 +8,7 @@ gradients, summed router/expert gradients, statistics, extras and the router's s
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from moe_cases import D_MODEL, collect, make_batch, make_layer, split_sizes, step
 from moe_dist.dist import build_parallel_groups
@@ -117,16 +118,63 @@ def differs(ref: list, per_rank: list) -> bool:
     return False
 
 
-def layouts(world: int) -> list:
-    """(ep, uneven) layouts one spawn of ``world`` ranks runs: ep = world, plus ep 2 on 4 ranks."""
-    eps = [world] + ([2] if world == 4 else [])
-    return [(ep, uneven) for ep in eps for uneven in (False, True)]
+SPAWN = 4  # one spawn of 4 processes runs every layout
+LAYOUTS = [(4, 4), (4, 2), (2, 2)]  # (ranks in the job, expert-parallel size)
 
 
-def groups_by_ep(world: int, num_experts: int = 8) -> dict:
-    """Build every layout's groups once (collective, same order on all ranks)."""
-    return {ep: build_parallel_groups(ep, num_experts) for ep in sorted({ep for ep, _ in layouts(world)})}
+class Job:
+    """One layout inside a spawn: ``ranks`` processes holding distinct tokens, expert-parallel
+    ``ep``. A 2-rank job runs twice, on processes {0, 1} and {2, 3}, with its own groups (not
+    the default group), which also checks that routers reduce over the context's group."""
+
+    def __init__(self, ranks: int, ep: int, groups: ParallelGroups, rank: int):
+        self.ranks, self.ep, self.groups, self.rank = ranks, ep, groups, rank
+
+    @property
+    def group(self):
+        return self.groups.dp
 
 
-__all__ = ["D_MODEL", "TOKENS", "reference_calls", "distributed_calls", "check_calls", "differs", "layouts",
-           "groups_by_ep", "call_labels", "close"]
+def build_jobs(num_experts: int = 8) -> dict:
+    """Every layout's groups for this process (collective: same order on every process)."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    assert world == SPAWN, world
+    jobs = {}
+    for ranks, ep in LAYOUTS:
+        if ranks == world:
+            jobs[(ranks, ep)] = Job(ranks, ep, build_parallel_groups(ep, num_experts), me)
+            continue
+        mine = None
+        for start in range(0, world, ranks):  # every process creates every group
+            g = dist.new_group(list(range(start, start + ranks)))
+            if start <= me < start + ranks:
+                mine = g
+        groups = ParallelGroups(dp=mine, ep=mine, edp=None, ep_size=ep, ep_rank=me % ranks, dp_size=ranks,
+                                dp_rank=me % ranks, edp_size=1)
+        assert ep == ranks, "sub-world layouts are pure expert parallelism"
+        jobs[(ranks, ep)] = Job(ranks, ep, groups, me % ranks)
+    return jobs
+
+
+def run_layouts(jobs: dict, cases: dict, **kw) -> dict:
+    """Every case on every layout, even and uneven splits: ``{(name, ranks, ep, uneven): calls}``."""
+    out = {}
+    for name, (cfg, calls) in cases.items():
+        for (ranks, ep), job in jobs.items():
+            for uneven in (False, True):
+                out[(name, ranks, ep, uneven)] = distributed_calls(job.rank, ranks, cfg, calls, job.groups, uneven, **kw)
+    return out
+
+
+def per_job(results: list, key_fn):
+    """``(label, [record of each rank of one job])`` for every job instance in a spawn's results;
+    ``key_fn(ranks, ep, uneven)`` gives the key in each process's result dict."""
+    for ranks, ep in LAYOUTS:
+        for uneven in (False, True):
+            for start in range(0, SPAWN, ranks):
+                label = f"ranks={ranks} ep={ep} uneven={uneven} processes {start}..{start + ranks - 1}"
+                yield (ranks, ep, uneven), label, [r[key_fn(ranks, ep, uneven)] for r in results[start : start + ranks]]
+
+
+__all__ = ["D_MODEL", "TOKENS", "SPAWN", "LAYOUTS", "reference_calls", "distributed_calls", "check_calls", "differs",
+           "build_jobs", "run_layouts", "per_job", "call_labels", "close"]

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from dist_harness import run_ranks
-from router_cases import call_labels, check_calls, differs, distributed_calls, groups_by_ep, layouts, reference_calls
+from router_cases import SPAWN, build_jobs, call_labels, check_calls, differs, per_job, reference_calls, run_layouts
 from moe_dist.moe import MoELayer
 from moe_dist.moe.routers import build_router
 from moe_dist.moe.routers.ac import cluster_dispersion, dispersion_weights
@@ -25,21 +25,15 @@ LOCAL_CASE = ("ac-local", (dict(router="ac", router_options=dict(scope="local"))
 
 
 def _rank_main(rank, world):
-    groups = groups_by_ep(world)
-    results = {}
-    for name, (cfg, calls) in {**CASES, LOCAL_CASE[0]: LOCAL_CASE[1]}.items():
-        for ep, uneven in layouts(world):
-            results[(name, ep, uneven)] = distributed_calls(rank, world, cfg, calls, groups[ep], uneven)
-    return results
+    return run_layouts(build_jobs(), {**CASES, LOCAL_CASE[0]: LOCAL_CASE[1]})
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_ac_distributed(world):
-    results = run_ranks(_rank_main, world, args=(), timeout=60)
+def test_ac_distributed():
+    results = run_ranks(_rank_main, SPAWN, args=(), timeout=60)
     for name, (cfg, calls) in CASES.items():
         ref = reference_calls(cfg, calls)
-        for ep, uneven in layouts(world):
-            check_calls(ref, [r[(name, ep, uneven)] for r in results], f"{name} world={world} ep={ep} uneven={uneven}")
+        for _, label, per_rank in per_job(results, lambda r, e, u: (name, r, e, u)):
+            check_calls(ref, per_rank, f"{name} {label}")
     ref = reference_calls(*CASES["ac-mad-batch"])
     assert float(ref[0]["extras"]["ac_active"]) == 1 and float(ref[0]["extras"]["ac_small_clusters"]) == 1
     assert ref[0]["extras"]["ac_cluster_sizes"].sum() == 96
@@ -48,8 +42,8 @@ def test_ac_distributed(world):
     assert all(float(c["extras"]["ac_active"]) == 0 for c in plain)
     name, (cfg, calls) = LOCAL_CASE
     ref = reference_calls(cfg, calls)
-    for ep, uneven in layouts(world):
-        assert differs(ref, [r[(name, ep, uneven)] for r in results]), f"{name} ep={ep}: local statistics equal global"
+    for _, label, per_rank in per_job(results, lambda r, e, u: (name, r, e, u)):
+        assert differs(ref, per_rank), f"{name} {label}: local statistics equal global"
 
 
 # ---- single process ---------------------------------------------------------------------------

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dist_harness import run_ranks
-from router_cases import check_calls, differs, distributed_calls, groups_by_ep, layouts, reference_calls
+from router_cases import SPAWN, build_jobs, check_calls, differs, distributed_calls, per_job, reference_calls, run_layouts
 from moe_dist.moe import MoELayer
 from moe_dist.moe.routers import build_router
 from moe_dist.moe.routers.hyper import (FrozenRouter, HyperRouter, scheduled_k, set_inference_k,
@@ -30,55 +30,61 @@ def _perturb_unless_rank0(layer, rank):
             t.add_(0.01 * rank)
 
 
-def _perturb_then_sync(layer, rank):
-    _perturb_unless_rank0(layer, rank)
-    assert synchronize_frozen_routers(layer) == 1
-
-
-def _rank_main(rank, world):
-    groups = groups_by_ep(world)
-    results = {}
-    for name, (cfg, calls) in CASES.items():
-        for ep, uneven in layouts(world):
-            results[(name, ep, uneven)] = distributed_calls(rank, world, cfg, calls, groups[ep], uneven)
+def _frozen_checks(job):
+    """Broadcast, hash check and its negative control on one job's group."""
     cfg, calls = FROZEN_CASE
-    ep = world
-    results["synced"] = distributed_calls(rank, world, cfg, calls, groups[ep], True, prepare=_perturb_then_sync)
-    results["unsynced"] = distributed_calls(rank, world, cfg, calls, groups[ep], True, prepare=_perturb_unless_rank0)
+
+    def perturb_then_sync(layer, rank):
+        _perturb_unless_rank0(layer, rank)
+        assert synchronize_frozen_routers(layer, job.group) == 1
+
+    out = {"synced": distributed_calls(job.rank, job.ranks, cfg, calls, job.groups, True, prepare=perturb_then_sync),
+           "unsynced": distributed_calls(job.rank, job.ranks, cfg, calls, job.groups, True, prepare=_perturb_unless_rank0)}
     # after init every rank holds the same frozen tensors; a divergent rank is caught on every rank
     torch.manual_seed(5)
     router = build_router("hyper", 16, E, 2, embed_dim=16, hyper_dim=32)
-    router.verify_frozen()
-    results["digest"] = router.frozen_digest()
-    if rank == world - 1:
+    router.verify_frozen(job.group)
+    out["digest"] = router.frozen_digest()
+    if job.rank == job.ranks - 1:
         router.hyper_w2[0, 0] += 1.0
     try:
-        router.verify_frozen(name="layers.0.moe.router")
-        results["verify_error"] = None
+        router.verify_frozen(job.group, name="layers.0.moe.router")
+        out["verify_error"] = None
     except RuntimeError as err:
-        results["verify_error"] = str(err)
-    router.synchronize_frozen()
-    results["digest_after_sync"] = router.frozen_digest()
+        out["verify_error"] = str(err)
+    router.synchronize_frozen(job.group)
+    out["digest_after_sync"] = router.frozen_digest()
+    return out
+
+
+def _rank_main(rank, world):
+    jobs = build_jobs()
+    results = run_layouts(jobs, CASES)
+    for (ranks, ep), job in jobs.items():
+        if ranks == ep:
+            results[("frozen", ranks)] = _frozen_checks(job)
     return results
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_hyper_distributed(world):
-    results = run_ranks(_rank_main, world, args=(), timeout=60)
+def test_hyper_distributed():
+    results = run_ranks(_rank_main, SPAWN, args=(), timeout=60)
     for name, (cfg, calls) in CASES.items():
         ref = reference_calls(cfg, calls)
-        for ep, uneven in layouts(world):
-            check_calls(ref, [r[(name, ep, uneven)] for r in results], f"{name} world={world} ep={ep} uneven={uneven}")
+        for _, label, per_rank in per_job(results, lambda r, e, u: (name, r, e, u)):
+            check_calls(ref, per_rank, f"{name} {label}")
     assert [c["k"] for c in reference_calls(*CASES["hyper-schedule"])] == [2, 4, 6, 6, 6, 3]
     assert [c["k"] for c in reference_calls(*CASES["smoe-dropout"])] == [1, 2, 4, 2]
     ref = reference_calls(*FROZEN_CASE)
-    check_calls(ref, [r["synced"] for r in results], "frozen tensors broadcast from rank 0")
-    assert differs(ref, [r["unsynced"] for r in results]), "perturbed frozen tensors should change the outputs"
-    assert len({r["digest"] for r in results}) == 1
-    for r in results:  # every rank raises, so no rank is left waiting in a collective
-        assert r["verify_error"] is not None and "differ between ranks" in r["verify_error"]
-        assert f"[{world - 1}]" in r["verify_error"] and "layers.0.moe.router" in r["verify_error"]
-        assert r["digest_after_sync"] == results[0]["digest"]
+    for ranks in (4, 2):
+        for start in range(0, SPAWN, ranks):
+            job = [r[("frozen", ranks)] for r in results[start : start + ranks]]
+            check_calls(ref, [r["synced"] for r in job], f"frozen tensors broadcast from the first rank ({ranks} ranks)")
+            assert differs(ref, [r["unsynced"] for r in job]), "perturbed frozen tensors should change the outputs"
+            assert len({r["digest"] for r in job}) == 1
+            for r in job:  # every rank raises, so no rank is left waiting in a collective
+                assert r["verify_error"] is not None and "differ between ranks" in r["verify_error"]
+                assert f"[{ranks - 1}]" in r["verify_error"] and "layers.0.moe.router" in r["verify_error"]
+                assert r["digest_after_sync"] == job[0]["digest"]
 
 
 # ---- single process ---------------------------------------------------------------------------

@@ -3,10 +3,9 @@ distributed exactness (1 process vs 2 and 4 gloo ranks), global marginals, a sha
 iteration on very different per-rank data, the kernel's sign, coins and gradients."""
 import pytest
 import torch
-import torch.distributed as dist
 
 from dist_harness import run_ranks
-from router_cases import (TOKENS, check_calls, differs, distributed_calls, groups_by_ep, layouts, reference_calls)
+from router_cases import SPAWN, TOKENS, build_jobs, check_calls, differs, per_job, reference_calls, run_layouts
 from moe_dist.dist.collectives import all_reduce_sum
 from moe_dist.moe import MoELayer
 from moe_dist.moe.routers import build_router
@@ -52,61 +51,37 @@ def strongly_skewed_scores(tokens: int = TOKENS) -> torch.Tensor:
     return torch.cat(blocks)
 
 
-def _solver_checks(rank, world):
+def _solver_checks(rank, world, group):
     scores = strongly_skewed_scores()
     n = scores.shape[0] // world
     mine = scores[rank * n : (rank + 1) * n]
     out = {}
-    res = sinkhorn_dual(mine, group=dist.group.WORLD, max_iters=500, tol=1e-4)
+    res = sinkhorn_dual(mine, group=group, max_iters=500, tol=1e-4)
     plan = transport_plan(mine, res.dual)
     out["global"] = dict(iters=int(res.iterations), error=float(res.error), dual=res.dual,
-                         cols=all_reduce_sum(plan.sum(0), dist.group.WORLD), rows=plan.sum(1))
+                         cols=all_reduce_sum(plan.sum(0), group), rows=plan.sum(1))
     local = sinkhorn_dual(mine, group=None, max_iters=500, tol=1e-4)
     out["local_iters"] = int(local.iterations)
-    capped = sinkhorn_dual(mine, group=dist.group.WORLD, max_iters=3, tol=1e-4)
+    capped = sinkhorn_dual(mine, group=group, max_iters=3, tol=1e-4)
     out["capped"] = dict(iters=int(capped.iterations), error=float(capped.error))
     weights = torch.ones(mine.shape[0])
     weights[::3] = 0.0  # padding rows
-    padded = sinkhorn_dual(mine, group=dist.group.WORLD, max_iters=500, tol=1e-4, row_weight=weights)
+    padded = sinkhorn_dual(mine, group=group, max_iters=500, tol=1e-4, row_weight=weights)
     pplan = transport_plan(mine, padded.dual) * weights[:, None]
-    out["padded"] = dict(cols=all_reduce_sum(pplan.sum(0), dist.group.WORLD), tokens=float(padded.tokens))
+    out["padded"] = dict(cols=all_reduce_sum(pplan.sum(0), group), tokens=float(padded.tokens))
     return out
 
 
 def _rank_main(rank, world):
-    groups = groups_by_ep(world)
-    results = {}
-    for name, (cfg, calls) in {**CASES, **LOCAL_CASES, EP_CASE[0]: EP_CASE[1]}.items():
-        for ep, uneven in layouts(world):
-            results[(name, ep, uneven)] = distributed_calls(rank, world, cfg, calls, groups[ep], uneven)
-    results["solver"] = _solver_checks(rank, world)
+    jobs = build_jobs()
+    results = run_layouts(jobs, {**CASES, **LOCAL_CASES, EP_CASE[0]: EP_CASE[1]})
+    for (ranks, ep), job in jobs.items():
+        if ranks == ep:
+            results[("solver", ranks)] = _solver_checks(job.rank, ranks, job.group)
     return results
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_ssr_distributed(world):
-    # one spawn per world size runs every check; a short collective timeout turns a hang into a failure
-    results = run_ranks(_rank_main, world, args=(), timeout=60)
-    for name, (cfg, calls) in CASES.items():
-        ref = reference_calls(cfg, calls)
-        for ep, uneven in layouts(world):
-            check_calls(ref, [r[(name, ep, uneven)] for r in results], f"{name} world={world} ep={ep} uneven={uneven}")
-    ref = reference_calls(*CASES["ssr-S-noise-coin"])
-    assert [float(c["extras"]["sinkhorn_calls"]) for c in ref[:4]] == [1.0, 1.0, 0.0, 0.0]
-    for name, (cfg, calls) in LOCAL_CASES.items():
-        ref = reference_calls(cfg, calls)
-        for ep, uneven in layouts(world):
-            assert differs(ref, [r[(name, ep, uneven)] for r in results]), f"{name} ep={ep}: local plan equals global"
-    name, (cfg, calls) = EP_CASE
-    ref = reference_calls(cfg, calls)
-    for ep, uneven in layouts(world):
-        per_rank = [r[(name, ep, uneven)] for r in results]
-        if ep == world:  # the ep group is every rank: same as global
-            check_calls(ref, per_rank, f"{name} ep={ep}")
-        else:
-            assert differs(ref, per_rank), f"{name} ep={ep} < world={world} should differ from one process"
-
-    solver = [r["solver"] for r in results]
+def _check_solver(solver: list, world: int) -> None:
     scores = strongly_skewed_scores()
     one = sinkhorn_dual(scores, max_iters=500, tol=1e-4)
     target = scores.shape[0] / E
@@ -125,6 +100,32 @@ def test_ssr_distributed(world):
         real = sum(1 for i in range(scores.shape[0] // world) if i % 3) * world
         assert s["padded"]["tokens"] == real
         torch.testing.assert_close(s["padded"]["cols"], torch.full((E,), real / E), rtol=1e-4, atol=0.0)
+
+
+def test_ssr_distributed():
+    # one spawn runs every layout (4 ranks ep 4 and ep 2; two 2-rank jobs); a short collective
+    # timeout turns a hang into a failure
+    results = run_ranks(_rank_main, SPAWN, args=(), timeout=60)
+    for name, (cfg, calls) in CASES.items():
+        ref = reference_calls(cfg, calls)
+        for _, label, per_rank in per_job(results, lambda r, e, u: (name, r, e, u)):
+            check_calls(ref, per_rank, f"{name} {label}")
+    ref = reference_calls(*CASES["ssr-S-noise-coin"])
+    assert [float(c["extras"]["sinkhorn_calls"]) for c in ref[:4]] == [1.0, 1.0, 0.0, 0.0]
+    for name, (cfg, calls) in LOCAL_CASES.items():
+        ref = reference_calls(cfg, calls)
+        for _, label, per_rank in per_job(results, lambda r, e, u: (name, r, e, u)):
+            assert differs(ref, per_rank), f"{name} {label}: local plan equals global"
+    name, (cfg, calls) = EP_CASE
+    ref = reference_calls(cfg, calls)
+    for (ranks, ep, _), label, per_rank in per_job(results, lambda r, e, u: (name, r, e, u)):
+        if ep == ranks:  # the ep group holds every rank of the job: same as global
+            check_calls(ref, per_rank, f"{name} {label}")
+        else:
+            assert differs(ref, per_rank), f"{name} {label}: ep < ranks should differ from one process"
+    for ranks in (4, 2):
+        for start in range(0, SPAWN, ranks):
+            _check_solver([r[("solver", ranks)] for r in results[start : start + ranks]], ranks)
 
 
 # ---- single process ---------------------------------------------------------------------------
