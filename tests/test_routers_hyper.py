@@ -123,7 +123,11 @@ def test_frozen_parts_outside_the_optimizer():
     frozen = {id(t) for t in layer.router.frozen_tensors()}
     names = dict(layer.named_parameters())
     assert "router.embedding" in names and not any("hyper_w" in n for n in names)
-    opt = torch.optim.AdamW([p for p in layer.parameters() if p.requires_grad], lr=0.1, weight_decay=0.1)
+    from types import SimpleNamespace
+
+    from moe_dist.train.optim import build_optimizer  # the trainer's rule: requires_grad parameters only
+
+    opt = build_optimizer(layer, SimpleNamespace(lr=0.1, weight_decay=0.1, beta1=0.9, beta2=0.95))
     in_opt = {id(p) for group in opt.param_groups for p in group["params"]}
     assert not frozen & in_opt and id(layer.router.embedding) in in_opt
     before = [t.clone() for t in layer.router.frozen_tensors()]
