@@ -142,7 +142,7 @@ def test_bad_inputs_give_clear_errors(tmp_path):
     with pytest.raises(HFFormatError, match=r"model_type='gpt2'.*not supported; allowed model_type: \['llama', 'mistral', 'qwen2', 'phi3', 'mixtral'\]"):
         DenseCheckpoint(d)
     with_config(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 500000.0})
-    with pytest.raises(HFFormatError, match=r"rope_parameters.rope_type='yarn' is not supported; allowed: \['default', 'linear', 'llama3'\]"):
+    with pytest.raises(HFFormatError, match=r"rope_parameters.rope_type='yarn' is not supported; allowed: \['default', 'linear', 'llama3', 'longrope'\]"):
         DenseCheckpoint(d)
     with_config(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0})
     with pytest.raises(HFFormatError, match=r"rope_parameters of type 'llama3' lacks \['low_freq_factor'"):
