@@ -214,3 +214,56 @@ def test_killed_while_saving_then_resume_auto(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 7))  # rows of the lost steps 3-4 were replaced
     assert [r["loss"] for r in rows] == [r["loss"] for r in ref]  # bitwise, final loss included
     assert sorted(os.listdir(os.path.join(killed, "checkpoints"))) == ["step_000002", "step_000004", "step_000006"]
+
+
+# ---- moe-dist convert ---------------------------------------------------------------------------------------
+def test_convert_consolidates_a_sharded_checkpoint_for_one_process(saved4, tmp_path, capsys):
+    import torch.distributed as dist
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from moe_dist.cli import main
+    from moe_dist.config import config_from_dict
+    from moe_dist.model import build_model
+
+    run = f"{saved4}/symphony/ref"  # saved by 4 ranks, ep=4, FSDP2; a run directory means its latest checkpoint
+    out = str(tmp_path / "one")
+    assert main(["convert", "--checkpoint", run, "--out", out]) == 0
+    assert not dist.is_initialized()
+    path = os.path.join(out, "model.safetensors")
+    with safe_open(path, framework="pt") as f:
+        header = f.metadata()
+    assert header["step"] == str(STEPS) and json.loads(header["saved_layout"])["ep"] == 4
+    cfg = config_from_dict(json.loads(header["config"]))
+    assert cfg.model.moe.router == "symphony" and cfg.resume == "none"
+    assert load_config(os.path.join(out, "config.yaml")).model == cfg.model
+    assert json.load(open(os.path.join(out, "convert.json")))["source"] == step_dir(run, STEPS)
+
+    model = build_model(cfg.model, cfg.model.vocab_size, seed=123)
+    model.load_state_dict(load_file(path))  # strict: every tensor, whole experts, no torch.distributed
+    full = read_full(step_dir(run, STEPS))
+    for name, t in model.state_dict().items():
+        if name.endswith((".w1", ".w2", ".w3")) and ".experts." in name:
+            for e in range(t.shape[0]):
+                assert torch.equal(t[e], full[f"{name}.expert_{e}"]), f"{name} expert {e}"
+        else:
+            assert torch.equal(t, full[name]), name
+    reference = build_model(cfg.model, cfg.model.vocab_size, seed=7)
+    load_checkpoint(reference, step_dir(run, STEPS))
+    x = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model.eval()(x), reference.eval()(x))
+
+    assert main(["convert", "--checkpoint", run, "--out", out, "--dtype", "bf16"]) == 2  # not over an existing output
+    assert "exists and is not empty" in capsys.readouterr().err
+    assert main(["convert", "--checkpoint", run, "--out", out, "--dtype", "bf16", "--force"]) == 0
+    assert load_file(path)["blocks.0.ffn.experts.w1"].dtype == torch.bfloat16
+    damaged = str(tmp_path / "damaged" / "checkpoints" / f"step_{AT:06d}")
+    import shutil
+
+    shutil.copytree(step_dir(run, AT), damaged)
+    with open(os.path.join(damaged, "__3_0.distcp"), "r+b") as f:
+        f.truncate(100)
+    assert main(["convert", "--checkpoint", damaged, "--out", str(tmp_path / "never")]) == 2
+    err = capsys.readouterr().err
+    assert "__3_0.distcp: 100 bytes" in err and not os.path.exists(tmp_path / "never")

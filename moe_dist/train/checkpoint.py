@@ -289,8 +289,11 @@ class Checkpointer:
         self.run_dir, self.keep, self.async_save, self.verify, self.log = run_dir, keep, async_save, verify, log
         self.rank = dist.get_rank() if _distributed() else 0
         self.world = dist.get_world_size() if _distributed() else 1
-        # async saves run collectives from a background thread: never on the training's group
-        self.group = dist.new_group(backend="gloo") if async_save and _distributed() else None
+        # checkpoint collectives exchange small host objects: a gloo group of their own when the training's
+        # is not gloo, and always for async saves (their collectives run in a background thread)
+        self.group = None
+        if _distributed() and (async_save or dist.get_backend() != "gloo"):
+            self.group = dist.new_group(backend="gloo")
         self._thread: Optional[threading.Thread] = None
         self._pending: Optional[tuple[int, str]] = None  # (step, final path) of the save in flight
         self._error: Optional[BaseException] = None
@@ -353,15 +356,24 @@ class Checkpointer:
     def _finish(self, partial: str, final: str, meta: dict, manifest: dict, expected: list[str]) -> None:
         """After the DCP files are written: meta.json, checksums (each rank hashes a share of the
         files), a check that every global expert is in the file, the manifest, the rename."""
-        if self.rank == 0:
-            write_json_durably(os.path.join(partial, META), meta)
-        _barrier(self.group)
-        names = data_files(partial)
-        records = {}
-        for parts in _all_gather({n: file_record(os.path.join(partial, n)) for n in shard(names, self.rank, self.world)},
-                                 self.group):
-            records.update(parts)
         error = None
+        if self.rank == 0:
+            try:
+                write_json_durably(os.path.join(partial, META), meta)
+            except OSError as e:
+                error = f"cannot write {os.path.join(partial, META)}: {e}"
+        _agree(error, self.group)  # (a barrier: every rank's files, and meta.json, are written)
+        names, mine = data_files(partial), {}
+        try:
+            mine = {n: file_record(os.path.join(partial, n)) for n in shard(names, self.rank, self.world)}
+        except OSError as e:
+            error = f"cannot read back {partial}: {e}"
+        records = {}
+        for parts, problem in _all_gather((mine, error), self.group):
+            records.update(parts)
+            error = error or problem
+        if error:  # every rank has the same gathered reports
+            raise CheckpointError(error)
         if self.rank == 0:
             try:
                 saved = SafeFileSystemReader(partial).read_metadata().state_dict_metadata

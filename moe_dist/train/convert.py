@@ -90,7 +90,8 @@ def consolidate(checkpoint: str, out_dir: str, dtype: str = "auto", force: bool 
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     tensors = _write_weights(model, os.path.join(tmp, WEIGHTS), torch_dtype,
-                             {**{k: str(v) for k, v in record.items()}, "config": json.dumps(config, sort_keys=True)})
+                             {**{k: v if isinstance(v, str) else json.dumps(v) for k, v in record.items()},
+                              "config": json.dumps(config, sort_keys=True)})
     save_config(cfg, os.path.join(tmp, "config.yaml"))
     record.update(tensors=tensors, bytes=os.path.getsize(os.path.join(tmp, WEIGHTS)))
     with open(os.path.join(tmp, "convert.json"), "w", encoding="utf-8") as f:
