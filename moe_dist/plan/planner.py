@@ -15,7 +15,7 @@ from typing import Iterable, Optional
 import yaml
 
 from ..config import ConfigError, apply_overrides, config_from_dict, load_config
-from ..hf.config import HFModelSpec, hf_model_spec, is_hf_config
+from ..hf.config import HFModelSpec, config_path, hf_model_spec, is_hf_config
 from .memory import (GIB, STAGES, Workload, activation_bytes, all_to_all_bytes, engine_state_bytes,
                      fsdp_transient_bytes, grad_sync_bytes, state_bytes)
 from .params import block_shape, count_params
@@ -66,6 +66,8 @@ def _vocab_of(cfg) -> int:
 
 def load_plan_input(path: str, overrides: Iterable[str] = (), seq_len: Optional[int] = None) -> PlanInput:
     overrides = list(overrides)
+    if os.path.isdir(path):  # a Hugging Face checkpoint directory
+        path = config_path(path)
     raw = _read_mapping(path)
     if path.endswith(".json") or is_hf_config(raw):
         spec: HFModelSpec = hf_model_spec(raw, where=path)

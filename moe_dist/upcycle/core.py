@@ -43,7 +43,7 @@ def upcycle_config(spec: HFModelSpec, overrides: Iterable[str] = (), base: Optio
     """Our config for the upcycled model: the architecture from config.json, then ``base``
     (e.g. a preset YAML's mapping), then ``KEY=VALUE`` overrides for the MoE, training and data.
     Overrides of the architecture keys are refused: the weights fix them."""
-    raw = json.loads(json.dumps(base or {}))  # deep copy
+    raw = copy.deepcopy(base or {})
     raw = apply_overrides(raw, overrides)
     model = raw.setdefault("model", {})
     if not isinstance(model, dict):
@@ -127,6 +127,7 @@ def preserves_function(cfg: Config, tokens: int = 24, tol: float = 1e-4) -> Opti
     small = copy.deepcopy(cfg.model)
     small.d_model, small.n_heads, small.n_kv_heads, small.d_ff, small.n_layers = 16, 2, 1, 24, 2
     small.vocab_size, small.moe.d_ff, small.moe.layers = 64, None, "every"
+    small.rope_scaling = None  # sized for the real head; irrelevant to the FFN
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
