@@ -218,6 +218,9 @@ class TrainConfig:
     grad_clip: Optional[float] = knob(1.0, "clip the global gradient norm to this (null = no clipping)", gt=0)
     dtype: Literal["fp32", "bf16"] = knob("fp32", "bf16 = autocast matmuls to bfloat16 (weights and router stay fp32)")
     activation_checkpointing: bool = knob(False, "recompute each block in backward (non-reentrant)")
+    engine: Literal["native", "deepspeed"] = knob("native", "who reduces gradients and steps the optimizer: native "
+                                                   "(parallel.dense) or deepspeed (ZeRO-1/2, deepspeed.* keys; needs "
+                                                   "the deepspeed extra)")
 
     def check(self) -> None:
         if self.global_batch % self.grad_accum:
@@ -250,6 +253,15 @@ class CkptConfig:
 
 
 @dataclass
+class DeepSpeedConfig:
+    """DeepSpeed settings, used with train.engine=deepspeed."""
+
+    config: Optional[str] = knob(None, "a DeepSpeed JSON config (ZeRO settings, gradient_clipping, optimizer, ...); "
+                                 "batch sizes and accumulation come from train.*")
+    zero_stage: Optional[Literal[1, 2]] = knob(None, "ZeRO stage; null = the JSON's zero_optimization.stage, else 2")
+
+
+@dataclass
 class Config:
     """A whole moe_dist run."""
 
@@ -260,6 +272,7 @@ class Config:
     train: TrainConfig = section(TrainConfig)
     eval: EvalConfig = section(EvalConfig)
     ckpt: CkptConfig = section(CkptConfig)
+    deepspeed: DeepSpeedConfig = section(DeepSpeedConfig)
     resume: str = knob("none", "continue training from a checkpoint: auto (the latest complete one in "
                        "run.dir/checkpoints; step 0 if there is none), a checkpoint directory, a run directory "
                        "(its latest), or none")

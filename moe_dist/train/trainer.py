@@ -92,8 +92,7 @@ class Trainer:
             load_model_weights(self.model, cfg.ckpt.init_from)
         self.params = count_parameters(self.model)
         self.model.set_activation_checkpointing(cfg.train.activation_checkpointing)
-        self.par = parallelize(self.model, self.rt, cfg.parallel)
-        self.optimizer = build_optimizer(self.model, cfg.train)
+        self.build_engine()  # self.par, self.optimizer
         self.moe = moe_layers(self.model)
         self.moe_stats = MoEStepStats(self.model)
         self.diagnostics = RoutingDiagnostics()  # load balance, probe-set fluctuation, Symphony graphs
@@ -142,6 +141,25 @@ class Trainer:
 
         return tqdm(total=self.cfg.train.steps, desc="train", unit="step", dynamic_ncols=True, leave=True)
 
+    # ---- the engine: how the model is spread and updated (train.engine=deepspeed overrides these) ----
+    def build_engine(self) -> None:
+        self.par = parallelize(self.model, self.rt, self.cfg.parallel)
+        self.optimizer = build_optimizer(self.model, self.cfg.train)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def update(self) -> float:
+        """Finish and clip the gradients, step the optimizer; returns the gradient norm before clipping."""
+        self.par.finish_gradients()
+        grad_norm = self.par.clip_gradients(self.cfg.train.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
     # ---- one step -------------------------------------------------------------------------
     def _set_context(self, micro_step: int) -> None:
         for layer in self.moe:
@@ -161,16 +179,13 @@ class Trainer:
             self.par.set_gradient_sync(m == len(micro_batches) - 1)
             x = torch.from_numpy(batch).to(dev)
             with autocast(dev, cfg.dtype):
-                logits = self.model(x[:, :-1])
+                logits = self.forward(x[:, :-1])
             lm_sum = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten(), reduction="sum")
             aux = collect_aux_loss(self.model).to(dev) / len(micro_batches)
-            (lm_sum / step_tokens + aux).backward()
+            self.backward(lm_sum / step_tokens + aux)
             self.moe_stats.add()
             sums += torch.stack([lm_sum.detach().double(), aux.detach().double()])
-        self.par.finish_gradients()
-        grad_norm = self.par.clip_gradients(cfg.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = self.update()
         for layer in self.moe:
             layer.router.after_optimizer_step(layer.context)
         if self.rt.distributed:
@@ -272,7 +287,12 @@ class Trainer:
 
 def train(cfg: Config, rt: Optional[Runtime] = None) -> dict:
     """Train as configured; returns the summary (same on every rank)."""
-    trainer = Trainer(cfg, rt)
+    if cfg.train.engine == "deepspeed":
+        from .deepspeed_engine import DeepSpeedTrainer
+
+        trainer = DeepSpeedTrainer(cfg, rt)
+    else:
+        trainer = Trainer(cfg, rt)
     try:
         return trainer.fit()
     finally:
