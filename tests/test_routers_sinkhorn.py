@@ -150,7 +150,7 @@ def test_plan_prefers_high_scores():
 
 
 def test_marginals_and_small_xi_stay_finite():
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(0)
     scores = torch.randn(256, E, generator=g) * 3.0 / 0.05  # SSR-L at xi=0.05: a linear-domain kernel overflows
     assert torch.isinf(torch.exp(scores)).any()
     res = sinkhorn_dual(scores, max_iters=1000, tol=1e-3)
