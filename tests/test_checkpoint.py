@@ -29,6 +29,8 @@ from moe_dist.config import load_config
 from moe_dist.train.checkpoint import IncompleteCheckpoint, latest_checkpoint, load_checkpoint, step_dir
 from moe_dist.train.ckpt_files import SafeFileSystemReader
 
+pytestmark = pytest.mark.slow  # real gloo ranks and the CLI
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "test.yaml")
 STEPS, AT = 6, 3
