@@ -217,12 +217,20 @@ def _alternatives(inp: PlanInput, counts: dict, layouts: list[dict], nodes: int,
                  + (f" (expert parallelism stops at ep = model.moe.num_experts={inp.model.moe.num_experts}, so a GPU "
                     f"keeps at least one expert per MoE layer: {experts_floor:.1f} GiB of weights, grads and AdamW "
                     "state)" if inp.moe_blocks else ""))
-    zero = sorted(((v["total_with_activation_checkpointing"], l["ep"], k) for l in layouts
-                   for k, v in l["zero_stages_gib"].items() if v["total_with_activation_checkpointing"] <= usable))
-    if zero:
-        need, ep, stage = zero[0]
-        text += (f"; sharding the experts over their replicas too ({stage} with ep={ep}, activation checkpointing, "
-                 f"e.g. the DeepSpeed engine) would need {need:.1f} GiB")
+    def fitting(stages: tuple[str, ...]) -> list[tuple[float, int, str]]:
+        return sorted((v["total_with_activation_checkpointing"], l["ep"], k) for l in layouts
+                      for k, v in l["zero_stages_gib"].items()
+                      if k in stages and v["total_with_activation_checkpointing"] <= usable)
+
+    deepspeed, zero3 = fitting(("zero1", "zero2")), fitting(("zero3",))
+    if deepspeed:  # what train.engine=deepspeed runs: ZeRO-1/2, experts sharded over their replicas
+        need, ep, stage = deepspeed[0]
+        text += (f"; DeepSpeed ZeRO-{stage[-1]} (train.engine=deepspeed deepspeed.zero_stage={stage[-1]} parallel.ep={ep}, "
+                 f"activation checkpointing) would need {need:.1f} GiB")
+    elif zero3:
+        need, ep, _ = zero3[0]
+        text += (f"; ZeRO-3 over the expert replicas (ep={ep}, activation checkpointing) would need {need:.1f} GiB, but "
+                 "no engine here runs it for MoE models (DeepSpeed refuses MoE with ZeRO-3)")
     return text
 
 
