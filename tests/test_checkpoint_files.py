@@ -147,6 +147,7 @@ def test_damaged_files_are_refused_by_name(tmp_path):
     assert latest_checkpoint(os.path.dirname(os.path.dirname(no_marker))) is None
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP on one process
 def test_other_shapes_and_missing_experts_are_refused(tmp_path):
     cfg = config(tmp_path)
     model, opt = trained(cfg)
@@ -217,6 +218,7 @@ def test_keep_prunes_only_complete_older_checkpoints(tmp_path):
     assert read_manifest(step_dir(run, 5))["step"] == 5
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP on one process
 def test_async_save_writes_the_state_of_the_moment_it_was_called(tmp_path):
     cfg = config(tmp_path)
     model, opt = trained(cfg)

@@ -226,12 +226,16 @@ def _all_gather(obj, group) -> list:
 
 
 def _collectively(fn: Callable, group):
-    """``fn()`` on every rank; if it raises CheckpointError on any rank, the same error is raised on all."""
+    """``fn()`` on every rank; if it raises on any rank, a CheckpointError with that message is raised
+    on all, so no rank waits in a later collective."""
     result, error = None, None
     try:
         result = fn()
-    except CheckpointError as e:
+    except Exception as e:  # noqa: BLE001 - reported to every rank
         error = e
+        if not isinstance(e, CheckpointError):
+            error = CheckpointError(f"{type(e).__name__}: {e}")
+            error.__cause__ = e
     reports = [r for r in _all_gather(None if error is None else (isinstance(error, IncompleteCheckpoint), str(error)),
                                       group) if r]
     if error is not None:
