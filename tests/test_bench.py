@@ -13,7 +13,7 @@ from moe_dist.bench.workload import Sizes, Workload, imbalance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIRED = {"impl", "router", "ep", "procs", "tokens", "dtype", "tokens_per_s", "time_per_token_us", "step_ms",
-            "cpu_ms", "step_ms_all", "peak_mem_mib", "kernel", "imbalance", "load_avg"}
+            "cpu_ms", "step_ms_all", "peak_mem_mib", "page_faults", "malloc", "kernel", "imbalance", "load_avg"}
 
 
 def _run(*args):

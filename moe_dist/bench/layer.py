@@ -84,6 +84,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, help="untimed steps per implementation first")
     p.add_argument("--threads", type=int, default=None, help="threads per process (default: cores / processes)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory step")
+    p.add_argument("--malloc", choices=["default", "keep"], default="default",
+                   help="keep: glibc malloc keeps freed memory, no page faults per step (moe_dist.bench.allocator)")
     p.add_argument("--device", default="cpu", help="torch device type (cpu, cuda, ...)")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -100,7 +102,7 @@ def config_from_args(args) -> tuple[BenchConfig, list[int]]:
     cfg = BenchConfig(sizes=sizes, tokens=pick("tokens"), dtypes=pick("dtypes"), impls=args.impls, routers=args.routers,
                       router_options=args.router_options, seq_len=args.seq_len, skew=args.skew, repeats=pick("repeats"),
                       warmup=pick("warmup"), threads=args.threads, device=args.device, seed=args.seed,
-                      expert_kernel=args.expert_kernel, memory=not args.no_memory)
+                      expert_kernel=args.expert_kernel, memory=not args.no_memory, malloc=args.malloc)
     eps = pick("ep")
     for ep in eps:
         if ep < 1 or sizes.num_experts % ep:

@@ -7,7 +7,7 @@ COLUMNS = [  # (header, key, format)
     ("impl", "impl", "{}"), ("router", "router", "{}"), ("ep", "ep", "{}"), ("procs", "procs", "{}"),
     ("dtype", "dtype", "{}"), ("tokens", "tokens", "{}"), ("kernel", "kernel", "{}"),
     ("ms/step", "step_ms", "{:.1f}"), ("cpu ms", "cpu_ms", "{:.1f}"), ("tok/s", "tokens_per_s", "{:.0f}"), ("us/tok", "time_per_token_us", "{:.1f}"),
-    ("peak MiB", "peak_mem_mib", "{:.0f}"), ("x floor", "time_vs_floor", "{:.3f}"),
+    ("peak MiB", "peak_mem_mib", "{:.0f}"), ("faults", "page_faults", "{}"), ("x floor", "time_vs_floor", "{:.3f}"),
     ("x deepspeed", "time_vs_deepspeed", "{:.3f}"), ("x no-EP", "time_vs_control", "{:.3f}"),
     ("x topk", "time_vs_topk", "{:.3f}"), ("imbalance", "imbalance", "{:.2f}"), ("load", "load_avg", "{:.1f}"),
 ]

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..dist import ParallelGroups, build_parallel_groups
+from .allocator import keep_freed_memory
 from .impls import FLOOR_KERNELS, FloorImpl, Impl, MoEDistImpl
 from .timing import median, peak_step_memory, timed
 from .workload import DTYPES, Sizes, Workload
@@ -46,6 +47,12 @@ class BenchConfig:
     seed: int = 0
     expert_kernel: str = "auto"
     memory: bool = True
+    malloc: str = "default"  # "keep": glibc keeps freed memory (moe_dist.bench.allocator)
+
+
+def apply_malloc(cfg: BenchConfig) -> None:
+    if cfg.malloc == "keep" and not keep_freed_memory():
+        log("--malloc keep: not a glibc system, the allocator is left as it is")
 
 
 def log(msg: str) -> None:
@@ -80,9 +87,9 @@ def _build_impls(cfg: BenchConfig, work: Workload, procs: int, ep: int, groups: 
     return out
 
 
-def _measure(cfg: BenchConfig, impls: list[Impl], device: torch.device, distributed: bool) -> tuple[list, list, list]:
-    """Per-round wall and CPU step times [impl][round] (seconds; slowest rank) and peak bytes
-    per impl (largest rank)."""
+def _measure(cfg: BenchConfig, impls: list[Impl], device: torch.device, distributed: bool) -> tuple[list, list, list, list]:
+    """Per-round wall and CPU step times and page faults [impl][round] (seconds; the largest
+    over ranks) and peak bytes per impl (largest rank)."""
     def barrier():
         if distributed:
             dist.barrier()
@@ -94,11 +101,12 @@ def _measure(cfg: BenchConfig, impls: list[Impl], device: torch.device, distribu
     n = len(impls)
     times = [[0.0] * cfg.repeats for _ in range(n)]
     cpu = [[0.0] * cfg.repeats for _ in range(n)]
+    faults = [[0.0] * cfg.repeats for _ in range(n)]
     for r in range(cfg.repeats):
         for j in range(n):
             i = (j + r) % n  # rotate so no implementation always runs right after the same one
             barrier()
-            times[i][r], cpu[i][r] = timed(impls[i].step, device)
+            times[i][r], cpu[i][r], faults[i][r] = timed(impls[i].step, device)
     peaks = [0] * n
     if cfg.memory:
         for i, impl in enumerate(impls):
@@ -106,12 +114,12 @@ def _measure(cfg: BenchConfig, impls: list[Impl], device: torch.device, distribu
             barrier()
             peaks[i] = peak_step_memory(impl.step, device)
     if distributed:
-        t = torch.tensor([times, cpu], dtype=torch.float64)
+        t = torch.tensor([times, cpu, faults], dtype=torch.float64)
         p = torch.tensor(peaks, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         dist.all_reduce(p, op=dist.ReduceOp.MAX)
-        (times, cpu), peaks = t.tolist(), [int(v) for v in p.tolist()]
-    return times, cpu, peaks
+        (times, cpu, faults), peaks = t.tolist(), [int(v) for v in p.tolist()]
+    return times, cpu, faults, peaks
 
 
 def _paired(a: list, b: list) -> float:
@@ -175,13 +183,14 @@ def run_layout(cfg: BenchConfig, procs: int, ep: int, rank: int = 0, emit=None) 
             work = Workload(cfg.sizes, tokens, DTYPES[dtype_name], device, cfg.seq_len, cfg.skew, cfg.seed, rank)
             labelled = _build_impls(cfg, work, procs, ep, groups, ds_ok)
             load_before = os.getloadavg()[0]
-            times, cpu, peaks = _measure(cfg, [i for _, i in labelled], device, distributed)
+            times, cpu, faults, peaks = _measure(cfg, [i for _, i in labelled], device, distributed)
             load_after = os.getloadavg()[0]
             records = []
-            for (labels, impl), t, c, peak in zip(labelled, times, cpu, peaks):
+            for (labels, impl), t, c, pf, peak in zip(labelled, times, cpu, faults, peaks):
                 step = median(t)
                 rec = dict(labels, procs=procs, tokens=tokens, global_tokens=tokens * procs, dtype=dtype_name,
                            **impl.info(), seq_len=cfg.seq_len, skew=cfg.skew, capacity_factor=cfg.sizes.capacity_factor,
+                           malloc=cfg.malloc, page_faults=int(median(pf)),
                            threads=torch.get_num_threads(), repeats=cfg.repeats, step_ms=1e3 * step,
                            step_ms_min=1e3 * min(t), cpu_ms=1e3 * median(c), tokens_per_s=tokens * procs / step,
                            time_per_token_us=1e6 * step / (tokens * procs),
@@ -216,6 +225,7 @@ def _free_port() -> int:
 def _worker(rank: int, procs: int, ep: int, port: int, cfg: BenchConfig, out_dir: str) -> None:
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // procs)
     torch.set_num_threads(threads)
+    apply_malloc(cfg)
     path = os.path.join(out_dir, f"rank{rank}.json")
     try:
         backend = "gloo" if torch.device(cfg.device).type == "cpu" else None
@@ -265,6 +275,7 @@ def run_processes(cfg: BenchConfig, procs: int, ep: int) -> list[dict]:
 def run_single(cfg: BenchConfig, emit=None) -> list[dict]:
     """The one-process layout (ep 1) in this process. DeepSpeed needs a process group even
     alone, so a one-rank gloo group is made for the duration when it is requested."""
+    apply_malloc(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     own_group = False

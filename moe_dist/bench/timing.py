@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import statistics
 import tempfile
 import time
@@ -17,17 +18,21 @@ def synchronize(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
-def timed(fn: Callable[[], None], device: torch.device) -> tuple[float, float]:
-    """(wall seconds, process CPU seconds) of one call of ``fn``, queued device work included.
+def timed(fn: Callable[[], None], device: torch.device) -> tuple[float, float, int]:
+    """(wall seconds, process CPU seconds, minor page faults) of one call of ``fn``, queued
+    device work included.
 
     The CPU time is a second view on a loaded machine: other processes stretch the wall
-    time but not (much) the CPU time this process used.
+    time but not (much) the CPU time this process used. Page faults show fresh memory
+    being touched (see :mod:`moe_dist.bench.allocator`).
     """
     synchronize(device)
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     c0, t0 = time.process_time(), time.perf_counter()
     fn()
     synchronize(device)
-    return time.perf_counter() - t0, time.process_time() - c0
+    t1, c1 = time.perf_counter(), time.process_time()
+    return t1 - t0, c1 - c0, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
 
 
 def median(values: Sequence[float]) -> float:

@@ -25,14 +25,24 @@ def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+CHUNK_ROWS = 1024  # rows per block: one block's [rows, d_ff] activations stay in cache
+
+
+def _blocks(start: int, end: int):
+    for s in range(start, end, CHUNK_ROWS):
+        yield s, min(s + CHUNK_ROWS, end)
+
+
 class _LoopFFN(torch.autograd.Function):
     """The experts as a loop over experts, with a hand-written backward.
 
     Autograd through ``w[i]`` slices would materialise every expert's weight gradient as a
     full ``[E, ...]`` zero tensor plus one add per expert, and every input-gradient slice as
-    a full ``[rows, d]`` one (O(E^2) memory traffic). Here each expert's matmuls write
-    straight into their slices of whole-batch buffers, and each expert's activation (and its
-    backward) runs right after the matmul that produced its input, while that is in cache.
+    a full ``[rows, d]`` one (O(E^2) memory traffic). Here the matmuls write straight into
+    slices of whole-batch buffers, and the activation (and its backward) runs block by block
+    of ``CHUNK_ROWS`` rows right after the matmul that produced its input, while that is
+    still in cache, so the time per row does not grow with the batch. Weight gradients are
+    one matmul per expert over all its rows (no accumulation across blocks).
     ``w3 is None`` means a GELU MLP, else SwiGLU.
     """
 
@@ -48,14 +58,15 @@ class _LoopFFN(torch.autograd.Function):
         h3 = torch.empty_like(h1) if w3 is not None else None
         a = torch.empty_like(h1)
         y = x.new_empty((x.shape[0], w2.shape[2]))
-        for e, s, t in spans:
-            torch.mm(x[s:t], w1[e], out=h1[s:t])
-            if w3 is not None:
-                torch.mm(x[s:t], w3[e], out=h3[s:t])
-                torch.mul(F.silu(h1[s:t]), h3[s:t], out=a[s:t])
-            else:
-                torch.ops.aten.gelu.out(h1[s:t], out=a[s:t])
-            torch.mm(a[s:t], w2[e], out=y[s:t])
+        for e, s0, t0 in spans:
+            for s, t in _blocks(s0, t0):
+                torch.mm(x[s:t], w1[e], out=h1[s:t])
+                if w3 is not None:
+                    torch.mm(x[s:t], w3[e], out=h3[s:t])
+                    torch.mul(F.silu(h1[s:t]), h3[s:t], out=a[s:t])
+                else:
+                    torch.ops.aten.gelu.out(h1[s:t], out=a[s:t])
+                torch.mm(a[s:t], w2[e], out=y[s:t])
         ctx.save_for_backward(x, h1, h3, a, w1, w3, w2)
         ctx.spans = spans
         return y
@@ -80,24 +91,29 @@ class _LoopFFN(torch.autograd.Function):
         gw3 = weight_grad(w3) if need_w3 else None
         gw2 = weight_grad(w2) if need_w2 else None
         gx = torch.zeros_like(x) if need_x and not spans else (torch.empty_like(x) if need_x else None)
-        for e, s, t in spans:
-            xe, ge = x[s:t], gy[s:t]
-            if need_w2:
-                torch.mm(a[s:t].t(), ge, out=gw2[e])
-            ga = ge @ w2[e].t()
-            if w3 is not None:
-                gh3 = F.silu(h1[s:t]).mul_(ga)
-                gh1 = torch.ops.aten.silu_backward.grad_input(ga.mul_(h3[s:t]), h1[s:t], grad_input=ga)
-            else:
-                gh3, gh1 = None, torch.ops.aten.gelu_backward.grad_input(ga, h1[s:t], grad_input=ga)
-            if need_w1:
-                torch.mm(xe.t(), gh1, out=gw1[e])
-            if need_w3:
-                torch.mm(xe.t(), gh3, out=gw3[e])
-            if need_x:
-                torch.mm(gh1, w1[e].t(), out=gx[s:t])
+        most = max((t - s for _, s, t in spans), default=0)
+        gh1_buf = h1.new_empty((most, h1.shape[1]))  # one expert's activation gradients at a time
+        gh3_buf = torch.empty_like(gh1_buf) if w3 is not None else None
+        for e, s0, t0 in spans:
+            gh1, gh3 = gh1_buf[: t0 - s0], (gh3_buf[: t0 - s0] if w3 is not None else None)
+            for s, t in _blocks(s0, t0):
+                r0, r1 = s - s0, t - s0
+                ga = gy[s:t] @ w2[e].t()
                 if w3 is not None:
-                    gx[s:t].addmm_(gh3, w3[e].t())
+                    torch.mul(F.silu(h1[s:t]), ga, out=gh3[r0:r1])
+                    torch.ops.aten.silu_backward.grad_input(ga.mul_(h3[s:t]), h1[s:t], grad_input=gh1[r0:r1])
+                else:
+                    torch.ops.aten.gelu_backward.grad_input(ga, h1[s:t], grad_input=gh1[r0:r1])
+                if need_x:
+                    torch.mm(gh1[r0:r1], w1[e].t(), out=gx[s:t])
+                    if w3 is not None:
+                        gx[s:t].addmm_(gh3[r0:r1], w3[e].t())
+            if need_w2:
+                torch.mm(a[s0:t0].t(), gy[s0:t0], out=gw2[e])
+            if need_w1:
+                torch.mm(x[s0:t0].t(), gh1, out=gw1[e])
+            if need_w3:
+                torch.mm(x[s0:t0].t(), gh3, out=gw3[e])
         return gx, None, gw1, gw3, gw2
 
 
@@ -219,10 +235,15 @@ class GroupedExperts(nn.Module):
 class KernelTuner:
     """Times the expert kernels (forward + backward) once per shape bucket and remembers the
     fastest. The bucket is (device, dtype, experts, d_model, d_ff, activation, rows rounded up
-    to a power of two)."""
+    to a power of two).
 
-    def __init__(self, reps: int = 2):
-        self.reps = reps
+    Cheap and robust to a noisy machine: the kernels run on at most ``max_rows`` rows (each
+    expert's rows scaled down alike), in interleaved rounds (best time of ``reps``), and the
+    loop kernel is kept unless another one is faster by more than ``margin``.
+    """
+
+    def __init__(self, reps: int = 3, max_rows: int = 8192, margin: float = 0.1):
+        self.reps, self.max_rows, self.margin = reps, max_rows, margin
         self.choices: dict[tuple, str] = {}
 
     def key(self, experts: GroupedExperts, x: torch.Tensor, counts: Sequence[int]) -> tuple:
@@ -238,26 +259,32 @@ class KernelTuner:
             self.choices[key] = self._measure(experts, x, counts)
         return self.choices[key]
 
+    def _sample(self, x: torch.Tensor, counts: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
+        total = sum(counts)
+        if total <= self.max_rows:
+            return x, list(counts)
+        keep = [c * self.max_rows // total for c in counts]
+        starts = [sum(counts[:e]) for e in range(len(counts))]
+        return torch.cat([x[s : s + k] for s, k in zip(starts, keep)]), keep
+
     def _measure(self, experts: GroupedExperts, x: torch.Tensor, counts: Sequence[int]) -> str:
         candidates = ["loop", "bmm"] + (["grouped_mm"] if experts.grouped_mm_supported(x.dtype) else [])
-        xs = x.detach().clone().requires_grad_(True)
-        times = {}
+        xs, cs = self._sample(x.detach(), counts)
+        xs = xs.clone().requires_grad_(True)
+        wrt = [xs] + [p for p in experts.expert_parameters() if p.requires_grad]
+        times = dict.fromkeys(candidates, float("inf"))
         with torch.enable_grad():
-            for name in candidates:
-                times[name] = self._time(experts, name, xs, counts)
-        return min(times, key=times.get)
-
-    def _time(self, experts: GroupedExperts, name: str, xs: torch.Tensor, counts: Sequence[int]) -> float:
-        best = float("inf")
-        for _ in range(self.reps + 1):  # the first run warms up
-            _sync(xs.device)
-            t0 = time.perf_counter()
-            y = experts.run_kernel(name, xs, counts)
-            torch.autograd.grad(y, [xs] + experts.expert_parameters(), torch.ones_like(y))
-            _sync(xs.device)
-            best = min(best, time.perf_counter() - t0)
-        return best
-
+            for r in range(self.reps + 1):  # round 0 warms up
+                for name in candidates:
+                    _sync(xs.device)
+                    t0 = time.perf_counter()
+                    y = experts.run_kernel(name, xs, cs)
+                    torch.autograd.grad(y, wrt, torch.ones_like(y))
+                    _sync(xs.device)
+                    if r:
+                        times[name] = min(times[name], time.perf_counter() - t0)
+        best = min(times, key=times.get)
+        return best if times[best] < (1 - self.margin) * times["loop"] else "loop"
 
 
 def _sync(device: torch.device) -> None:
