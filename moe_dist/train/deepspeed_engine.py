@@ -206,6 +206,10 @@ def build_deepspeed_engine(model: nn.Module, rt, cfg, log: Callable[[str], None]
     model.to(rt.device)
     apply_expert_parallel(model, rt.groups)
     ep = rt.groups.ep_size
+    # DeepSpeed reads its place from torchrun-style variables, whoever launched us (srun, mpirun, a test)
+    for var, value in (("LOCAL_RANK", rt.launch.local_rank), ("RANK", rt.rank), ("WORLD_SIZE", rt.world_size),
+                       ("LOCAL_SIZE", rt.launch.local_world_size)):
+        os.environ.setdefault(var, str(value))
     deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
 
     optimizer = _moe_optimizer(model, cfg.train, ep)
