@@ -82,7 +82,7 @@ class Attention(nn.Module):
         self.wo = _init_linear(nn.Linear(n_heads * self.head_dim, d_model, bias=False), out_init_std)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
-                need_probs: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                need_probs: bool = False, values_out: Optional[dict] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         B, S, _ = x.shape
         q = self.wq(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -103,6 +103,8 @@ class Attention(nn.Module):
                 scores = (q.float() @ k_all.float().transpose(-1, -2)) / math.sqrt(self.head_dim)
                 probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
             out = probs.to(v_all.dtype) @ v_all
+            if values_out is not None:  # attention-aware routing also reads the (un-repeated) values
+                values_out["attn_values"] = v
         elif mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:

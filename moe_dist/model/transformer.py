@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from ..moe import MoELayer
+from ..moe.routers.token_graph import ATTN_OUT_WEIGHT, ATTN_OUTPUT
 from .layers import Attention, RMSNorm, SwiGLU, rotary_tables
 
 
@@ -50,10 +51,14 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        h, probs = self.attn(self.attn_norm(x), cos, sin, padding_mask, need_probs=self.needs_attention)
+        extras = self.ffn.context.extras if self.needs_attention else None
+        h, probs = self.attn(self.attn_norm(x), cos, sin, padding_mask, need_probs=self.needs_attention,
+                             values_out=extras)
         x = x + h
-        if probs is not None:
+        if probs is not None:  # what the attention-aware router reads (keys: routers/token_graph.py)
             self.ffn.context.attn_probs = probs
+            extras[ATTN_OUT_WEIGHT] = self.attn.wo.weight
+            extras[ATTN_OUTPUT] = h
         return x + self.ffn(self.ffn_norm(x))
 
 

@@ -33,7 +33,7 @@ class XMoERouter(Router):
         nn.init.normal_(self.proj, std=init_std)
         self.expert_embed = nn.Parameter(torch.empty(num_experts, dim))
         nn.init.orthogonal_(self.expert_embed) if num_experts <= dim else nn.init.normal_(self.expert_embed, std=0.32)
-        self.log_temperature = nn.Parameter(torch.tensor(math.log(init_temperature)))
+        self.log_temperature = nn.Parameter(torch.full((1,), math.log(init_temperature)))  # 1-d: FSDP2 cannot shard 0-d
 
     def temperature(self) -> torch.Tensor:
         return self.log_temperature.float().exp().clamp(self.min_temperature, 1.0)
