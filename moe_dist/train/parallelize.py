@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..dist.bootstrap import Runtime
+from ..moe.routers.hyper import synchronize_frozen_routers
 from ..parallel import apply_expert_parallel, dense_parameters, expert_parameters, sync_gradients
 
 
@@ -89,6 +90,8 @@ def parallelize(model: nn.Module, rt: Runtime, parallel_cfg) -> Parallelized:
     """Expert parallelism, then FSDP2 or replication for the dense weights (in place)."""
     model.to(rt.device)
     apply_expert_parallel(model, rt.groups)
+    if rt.distributed:  # frozen routers (HyperRouter, SMoE-Dropout): broadcast from rank 0, hash-checked
+        synchronize_frozen_routers(model, rt.groups.dp)
     if parallel_cfg.dense == "fsdp" and rt.distributed:
         _fully_shard(model, rt, parallel_cfg.reshard_after_forward)
     elif rt.distributed:
