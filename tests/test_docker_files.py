@@ -1,0 +1,135 @@
+"""Static checks of docker/Dockerfile.cuda and docker/Dockerfile.cpu (no Docker engine here).
+
+Both must install through scripts/setup.sh (what CI runs) with variables that script reads and
+extras that setup.py defines, run as a non-root user, and start the ``moe-dist`` command.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import shlex
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCKERFILES = ["docker/Dockerfile.cuda", "docker/Dockerfile.cpu"]
+
+
+def _read(rel: str) -> str:
+    with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
+        return f.read()
+
+
+def instructions(rel: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with comments dropped and continuation lines joined."""
+    out, buf = [], ""
+    for line in _read(rel).splitlines():
+        stripped = line.strip()
+        if not buf and (not stripped or stripped.startswith("#")):
+            continue
+        if stripped.startswith("#"):  # a comment inside a continued instruction
+            continue
+        if stripped.endswith("\\"):
+            buf += stripped[:-1] + " "
+            continue
+        buf += stripped
+        word, _, rest = buf.partition(" ")
+        out.append((word.upper(), rest.strip()))
+        buf = ""
+    assert not buf, f"{rel}: dangling line continuation"
+    return out
+
+
+def _setup_extras() -> set[str]:
+    tree = ast.parse(_read("setup.py"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.keyword) and node.arg == "extras_require":
+            return set(ast.literal_eval(node.value))
+    raise AssertionError("setup.py has no extras_require")
+
+
+def _setup_sh_vars() -> set[str]:
+    return set(re.findall(r"\$\{([A-Z_]+)[:}-]", _read("scripts/setup.sh")))
+
+
+@pytest.mark.parametrize("rel", DOCKERFILES)
+def test_installs_through_the_ci_setup_script(rel):
+    ins = instructions(rel)
+    assert ins[0][0] in ("FROM", "ARG") and any(k == "FROM" for k, _ in ins), rel
+    runs = [args for k, args in ins if k == "RUN"]
+    setup = [r for r in runs if re.search(r"(^|&&\s*|\s)bash scripts/setup\.sh(\s|$)", r)]
+    assert len(setup) == 1, f"{rel}: exactly one RUN must call `bash scripts/setup.sh`: {runs}"
+    # the source (with scripts/setup.sh) is copied in before that RUN
+    order = [k for k, _ in ins]
+    copy_at = next(i for i, (k, a) in enumerate(ins) if k == "COPY" and a.split()[0] == ".")
+    assert copy_at < order.index("RUN", copy_at) <= [i for i, (k, a) in enumerate(ins) if a in setup][0]
+    # variables handed to setup.sh are ones it reads; extras are ones setup.py defines
+    env = dict(re.findall(r"\b([A-Z_]+)=(\"[^\"]*\"|\S+)", setup[0].split("bash scripts/setup.sh")[0]))
+    unknown = set(env) - _setup_sh_vars() - {"PIP_NO_CACHE_DIR"}
+    assert not unknown, f"{rel}: scripts/setup.sh does not read {sorted(unknown)}"
+    args = dict(a.split("=", 1) for k, a in ins if k == "ARG" and "=" in a)
+    extras = set(args["EXTRAS"].split(","))
+    assert extras <= _setup_extras(), f"{rel}: unknown extras {extras - _setup_extras()}"
+    assert {"deepspeed", "mpi"} <= extras
+    assert args["TORCH_SPEC"] == "torch==2.13.0"  # pinned, like CI
+    assert env["VENV"] == "/opt/venv"
+    assert any(k == "ENV" and "PATH=/opt/venv/bin:$PATH" in a for k, a in ins), f"{rel}: venv not on PATH"
+
+
+@pytest.mark.parametrize("rel", DOCKERFILES)
+def test_runs_as_non_root_user(rel):
+    ins = instructions(rel)
+    users = [a for k, a in ins if k == "USER"]
+    assert users, f"{rel}: no USER instruction (the image would run as root)"
+    last = users[-1].split(":")[0]
+    assert last not in ("root", "0"), f"{rel}: the final USER is {last}"
+    # the user exists, and it owns the directories a run writes
+    assert any(k == "RUN" and re.search(rf"useradd\b.*\b{re.escape(last)}\b", a) for k, a in ins), rel
+    assert any(k == "RUN" and f"chown -R {last}:{last}" in a and "/opt/moe_dist/runs" in a for k, a in ins), rel
+    # nothing after USER runs as root again
+    after = ins[max(i for i, (k, _) in enumerate(ins) if k == "USER"):]
+    assert not any(k == "RUN" for k, _ in after), f"{rel}: RUN after the final USER"
+
+
+@pytest.mark.parametrize("rel", DOCKERFILES)
+def test_entry_point_is_moe_dist(rel):
+    ins = instructions(rel)
+    entry = [a for k, a in ins if k == "ENTRYPOINT"]
+    assert len(entry) == 1 and json.loads(entry[0]) == ["moe-dist"], f"{rel}: ENTRYPOINT {entry}"
+    assert 'entry_points={"console_scripts": ["moe-dist=moe_dist.cli:main"]}' in _read("setup.py")
+    cmd = [a for k, a in ins if k == "CMD"]
+    assert cmd and json.loads(cmd[-1]) == ["--help"]
+
+
+def test_cuda_image_gets_cuda_torch_and_cpu_image_cpu_torch():
+    cuda = dict(a.split("=", 1) for k, a in instructions("docker/Dockerfile.cuda") if k == "ARG" and "=" in a)
+    cpu = dict(a.split("=", 1) for k, a in instructions("docker/Dockerfile.cpu") if k == "ARG" and "=" in a)
+    assert re.fullmatch(r"https://download\.pytorch\.org/whl/cu\d+", cuda["TORCH_INDEX"])
+    assert cuda["CUDA_IMAGE"].startswith("nvidia/cuda:") and "devel" in cuda["CUDA_IMAGE"]
+    assert cpu["TORCH_INDEX"] == "https://download.pytorch.org/whl/cpu"
+    assert cuda["SKIP_CORPUS"] == "1"  # Ubuntu has no python3.11-doc: setup.sh's apt step would fail
+
+
+def test_build_context_leaves_local_state_out():
+    ignored = {line.strip() for line in _read(".dockerignore").splitlines() if line.strip() and not line.startswith("#")}
+    assert {".venv", "runs", "data_cache", ".git"} <= ignored
+
+
+def test_readme_documents_the_run_lines():
+    text = _read("docker/README.md")
+    for needle in ("--gpus all", "--ipc=host", "-v $PWD/runs:/opt/moe_dist/runs", "/opt/moe_dist/data_cache",
+                   "enroot import", "--container-image", "--container-mounts", "launch/slurm/train.sbatch",
+                   "docker build -f docker/Dockerfile.cuda", "docker build -f docker/Dockerfile.cpu"):
+        assert needle in text, needle
+    # every `docker run` line names an image built here and a real moe-dist subcommand or the wrapper
+    from moe_dist.cli import COMMANDS
+
+    joined = text.replace("\\\n", " ")
+    for line in joined.splitlines():
+        if line.startswith("docker run"):
+            words = shlex.split(line)
+            image = next(w for w in words if w.startswith("moe-dist:"))
+            rest = words[words.index(image) + 1:]
+            assert rest[0] in COMMANDS or rest[0] == "launch/torchrun.sh", line
