@@ -42,6 +42,15 @@ class ProbeRouter(TopKRouter):
         self.optimizer_steps.append(ctx.step)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These models are tiny: a second thread only adds synchronisation (badly so on a busy machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def model_cfg(*overrides):
     return load_config(os.path.join(ROOT, "configs/test.yaml"), list(overrides)).model
 
