@@ -7,8 +7,9 @@ Rank, world size, local rank and rendezvous address are read from the environmen
 this order: torchrun (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``), a Slurm job step
 (``SLURM_PROCID``/``SLURM_STEP_NUM_TASKS`` or ``SLURM_NTASKS``/``SLURM_LOCALID``, master =
 first host of the node list), Open MPI (``OMPI_COMM_WORLD_*``), PMIx (``PMIX_RANK``), MPICH /
-Hydra (``PMI_RANK``/``PMI_SIZE``/``MPI_LOCALRANKID``), MVAPICH (``MV2_COMM_WORLD_*``), and
-finally mpi4py when asked for (``MOE_DIST_MPI4PY=1``). Nothing found means one process.
+Hydra (``PMI_RANK``/``PMI_SIZE``/``MPI_LOCALRANKID``), MVAPICH (``MV2_COMM_WORLD_*``).
+``MOE_DIST_MPI4PY=1`` asks mpi4py instead of the MPI variables (after torchrun and Slurm);
+then rank 0's host and a free port are broadcast over MPI. Nothing found means one process.
 ``MASTER_ADDR`` / ``MASTER_PORT`` always win when set.
 """
 from __future__ import annotations
@@ -156,17 +157,18 @@ def detect_launch(environ: Optional[Mapping[str, str]] = None, use_mpi4py: Optio
                           local_world_size=local_size, master_addr=addr,
                           master_port=_port(env, 15000 + job % 20000), launcher="slurm")
 
-    info = _from_mpi_env(env)
-    if info is None and use_mpi4py:
+    if use_mpi4py:  # asked for explicitly: MPI itself says who we are and carries the rendezvous
         rank, size, lrank, lsize = _mpi4py_info()
         info = LaunchInfo(rank=rank, world_size=size, local_rank=lrank, local_world_size=lsize,
                           master_addr=env.get("MASTER_ADDR", ""), master_port=_port(env, DEFAULT_PORT), launcher="mpi4py")
+        if not info.master_addr and size > 1:
+            _mpi4py_rendezvous(info)
+        return info
+    info = _from_mpi_env(env)
     if info is not None:
         if not info.master_addr:
             if info.world_size == info.local_world_size:  # one node: no need to ask anyone
                 info.master_addr = "127.0.0.1"
-            elif use_mpi4py or info.launcher == "mpi4py":
-                _mpi4py_rendezvous(info)
             else:
                 raise ValueError(f"{info.launcher} launch over several nodes: set MASTER_ADDR (and MASTER_PORT) to the "
                                  "host of rank 0, or set MOE_DIST_MPI4PY=1 to exchange it with mpi4py")
