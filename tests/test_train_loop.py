@@ -1,5 +1,7 @@
 """The training loop on one process: the loss falls on real text, the run directory holds
 everything, and the optimizer, schedule, clipping and checkpoint pieces do what they say."""
+import contextlib
+import io
 import json
 import math
 import os
@@ -30,13 +32,17 @@ def config(tmp, *extra):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("loop")
-    cfg = config(tmp, "train.steps=60", "train.warmup_steps=5", "eval.every=30", "ckpt.every=30", "run.log_every=2")
-    return cfg, train(cfg)
+    cfg = config(tmp, "train.steps=60", "train.warmup_steps=5", "eval.every=30", "ckpt.every=30", "run.log_every=2",
+                 "run.progress=true")
+    bar = io.StringIO()
+    with contextlib.redirect_stderr(bar):
+        summary = train(cfg)
+    return cfg, summary, bar.getvalue()
 
 
 @pytest.mark.slow
 def test_loss_falls_on_real_text(run):
-    cfg, summary = run
+    cfg, summary, _ = run
     rows = [json.loads(line) for line in open(os.path.join(cfg.run.dir, "metrics.jsonl"))]
     first, last = rows[0]["loss"], sum(r["loss"] for r in rows[-5:]) / 5
     assert first == pytest.approx(math.log(512), abs=0.1)  # starts at chance
@@ -48,7 +54,8 @@ def test_loss_falls_on_real_text(run):
 
 @pytest.mark.slow
 def test_run_directory_has_everything(run):
-    cfg, summary = run
+    cfg, summary, bar = run
+    assert "60/60" in bar and "tok_s=" in bar  # rank 0's progress bar
     d = cfg.run.dir
     saved = yaml.safe_load(open(os.path.join(d, "config.yaml")))
     assert saved["model"]["vocab_size"] == 512 and saved["train"]["steps"] == 60  # resolved config
