@@ -26,11 +26,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, out_dir, fn, args, timeout):
+def _worker(rank, world_size, out_dir, fn, args, timeout):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        # a file rendezvous cannot race for a port with other tests starting at the same time
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'rendezvous')}", rank=rank,
+                                world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -45,8 +47,7 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0):
     timeout = float(os.environ.get("MOE_DIST_TEST_TIMEOUT", timeout))
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.get_context("spawn")
-        port = free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world_size, port, out_dir, fn, args, timeout)) for r in range(world_size)]
+        procs = [ctx.Process(target=_worker, args=(r, world_size, out_dir, fn, args, timeout)) for r in range(world_size)]
         for p in procs:
             p.start()
         for p in procs:

@@ -161,7 +161,18 @@ def apply_overrides(raw: dict, overrides: Iterable[str]) -> dict:
 def config_from_dict(raw: Optional[dict]) -> Config:
     cfg = _build(Config, raw or {}, "")
     cfg.check()
+    _resolve_cross_section_defaults(cfg)
     return cfg
+
+
+def _resolve_cross_section_defaults(cfg: Config) -> None:
+    """Defaults that depend on another section: a router's k schedule (HyperRouter,
+    SMoE-Dropout) spans the whole run, train.steps, unless the user set its length."""
+    from ..moe.routers import router_options
+
+    moe = cfg.model.moe
+    if "k_schedule_steps" in router_options(moe.router) and moe.router_options.get("k_schedule_steps") is None:
+        moe.router_options = {**moe.router_options, "k_schedule_steps": cfg.train.steps}
 
 
 def read_yaml(path: str) -> dict:
