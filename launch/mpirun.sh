@@ -8,9 +8,10 @@
 #       (everything before "--" goes to mpirun unchanged)
 #
 # mpirun: $MPIRUN, else `mpirun` next to the interpreter (the `mpich` wheel of the `mpi` extra:
-# pip install -e ".[mpi]"), else on PATH. Over several nodes, rank 0's address is exchanged with
-# mpi4py (MOE_DIST_MPI4PY=1, set here unless MASTER_ADDR is given); Open MPI gets the needed
-# variables with -x. PYTHON picks the interpreter (default .venv/bin/python of this checkout, or python3).
+# pip install -e ".[mpi]"), else on PATH. With mpi4py installed (and MASTER_ADDR unset) the ranks
+# take their place and rank 0's address from mpi4py (MOE_DIST_MPI4PY=1, set here), which works over
+# several nodes; without it, from the MPI variables (one node, or set MASTER_ADDR). Open MPI gets the
+# needed variables with -x. PYTHON picks the interpreter (default .venv/bin/python of this checkout, or python3).
 # SIGUSR1 / SIGTERM sent to this script are forwarded to mpirun (Hydra and Open MPI pass them on):
 # the ranks checkpoint at the next step and stop, and the script exits with 75.
 set -uo pipefail
@@ -39,8 +40,8 @@ if [ -z "${MPIRUN:-}" ]; then
   [ -x "$MPIRUN" ] || MPIRUN=$(command -v mpirun) || {
     echo "mpirun.sh: no mpirun found; install the mpi extra (pip install -e \".[mpi]\") or set MPIRUN" >&2; exit 2; }
 fi
-if [ -z "${MASTER_ADDR:-}" ]; then
-  export MOE_DIST_MPI4PY=${MOE_DIST_MPI4PY:-1}
+if [ -z "${MASTER_ADDR:-}" ] && [ -z "${MOE_DIST_MPI4PY:-}" ] && "$PY" -c "import mpi4py" 2>/dev/null; then
+  export MOE_DIST_MPI4PY=1  # ranks and rank 0's address from mpi4py: works over several nodes
 fi
 if "$MPIRUN" --version 2>/dev/null | grep -q "Open MPI"; then  # Open MPI does not pass the environment on by itself
   for v in MOE_DIST_MPI4PY MASTER_ADDR MASTER_PORT OMP_NUM_THREADS PYTHONPATH; do

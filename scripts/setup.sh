@@ -4,7 +4,8 @@
 # package, its dev tools and the default corpus (Debian's python3.11-doc).
 #   bash scripts/setup.sh            # CPU (torch from local disk or PyPI CPU wheel)
 #   TORCH_SPEC="torch==2.13.0" TORCH_INDEX=https://download.pytorch.org/whl/cu128 bash scripts/setup.sh   # GPU
-# Extras: EXTRAS=dev,deepspeed,mpi bash scripts/setup.sh
+# Extras: EXTRAS=dev,deepspeed,mpi bash scripts/setup.sh   (deepspeed: its CPU op is compiled here when g++
+#   exists; DS_PREBUILD=0 skips that and DeepSpeed compiles it at first use instead)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -21,6 +22,15 @@ if [ -n "${TORCH_INDEX:-}" ]; then
 else
   "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
 fi
+case ",$EXTRAS," in
+  *,deepspeed,*)  # compile DeepSpeed's CPU communication op now, not at the first deepspeed.init_distributed
+    DS_SPEC=$(grep -o 'deepspeed==[0-9.]*' setup.py | head -n 1)
+    if [ "${DS_PREBUILD:-1}" = 1 ] && command -v g++ >/dev/null 2>&1 \
+        && ! "$VENV/bin/python" -m pip show deepspeed 2>/dev/null | grep -qx "Version: ${DS_SPEC#deepspeed==}"; then
+      "$VENV/bin/python" -m pip install -q ninja
+      DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 "$VENV/bin/python" -m pip install -q --no-cache-dir --no-build-isolation "$DS_SPEC"
+    fi ;;
+esac
 "$VENV/bin/python" -m pip install -q -e ".[${EXTRAS}]"
 
 # Default corpus: reStructuredText sources of the Python 3.11 documentation (PSF licence).

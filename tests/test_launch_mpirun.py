@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "launch", "mpirun.sh")
-MPI_LAUNCHERS = ("mpich", "openmpi", "pmix", "mvapich")
+MPI_LAUNCHERS = ("mpi4py", "mpich", "openmpi", "pmix", "mvapich")  # mpi4py: MOE_DIST_MPI4PY=1 (the script sets it)
 
 
 def _mpirun() -> str:
