@@ -83,6 +83,8 @@ def test_deepspeed_zero1_zero2_match_native_and_resume(tmp_path):
             assert loss == pytest.approx(ref_loss, rel=RTOL), (name, step, loss, ref_loss)
             assert norm == pytest.approx(ref_norm, rel=RTOL), (name, step, norm, ref_norm)
         assert res[name]["val_loss"] == pytest.approx(res["A"]["val_loss"], rel=RTOL), name
+        worst = max(max(abs(l / rl - 1), abs(n / rn - 1)) for (_, l, n), (_, rl, rn) in zip(curve, ref))
+        print(f"\n{name} vs native: losses {[round(l, 5) for _, l, _ in curve]}, largest relative difference {worst:.1e}")
     for name in ("D", "E"):  # resumed at step 3 from the DeepSpeed run's checkpoint, in a new run directory
         tail = res[name]["curve"]
         assert [s for s, _, _ in tail] == [4, 5], name
