@@ -33,6 +33,41 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
     return inv
 
 
+class _PermuteRows(torch.autograd.Function):
+    """``x[perm]`` whose backward is the gather by the inverse permutation (autograd's
+    ``index_select`` backward would zero-fill and scatter-add instead)."""
+
+    @staticmethod
+    def forward(ctx, x, perm, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+class _WeightedScatter(torch.autograd.Function):
+    """``out[token_idx[i]] += gate[i] * y[i]`` into a zero ``[num_tokens, d]`` output, all in
+    ``y``'s dtype. The backward gathers the output gradient once and reuses that buffer for
+    the rows' gradient (one ``[N, d]`` temporary instead of three)."""
+
+    @staticmethod
+    def forward(ctx, y, gate, token_idx, num_tokens):
+        ctx.save_for_backward(y, gate, token_idx)
+        out = y.new_zeros((num_tokens, y.shape[1]))
+        return out.index_add_(0, token_idx, y * gate.unsqueeze(1))
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, gate, token_idx = ctx.saved_tensors
+        g_rows = grad.contiguous().index_select(0, token_idx)
+        g_gate = (g_rows * y).sum(1) if ctx.needs_input_grad[1] else None
+        g_y = g_rows.mul_(gate.unsqueeze(1)) if ctx.needs_input_grad[0] else None
+        return g_y, g_gate, None, None
+
+
 def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor, keep: Optional[torch.Tensor],
              num_experts: int, ep_group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor, DispatchPlan]:
     """Route rows of ``x`` ``[T, d]`` to their experts. Returns rows grouped by local expert."""
@@ -46,11 +81,11 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor, kee
         order = pair_idx[order]
     token_idx = torch.div(order, top_k, rounding_mode="floor")
     routed = x.index_select(0, token_idx)
-    counts = torch.bincount(flat_e[order], minlength=num_experts)
+    counts = torch.bincount(sel_e, minlength=num_experts)  # kept pairs per expert
     ep = group_size(ep_group)
     if ep == 1:
         lc = counts.tolist()
-        plan = DispatchPlan(token_idx, flat_g[order], [routed.shape[0]], [routed.shape[0]], None, None, lc)
+        plan = DispatchPlan(token_idx, flat_g.index_select(0, order), [routed.shape[0]], [routed.shape[0]], None, None, lc)
         return routed, plan
     local = num_experts // ep
     send_counts = counts.view(ep, local)
@@ -61,9 +96,9 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor, kee
     received = all_to_all_rows(routed, recv_splits, send_splits, ep_group)  # [src rank][local expert] order
     local_of_row = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(ep), recv_counts.reshape(-1))
     regroup = torch.argsort(local_of_row, stable=True)
-    plan = DispatchPlan(token_idx, flat_g[order], send_splits, recv_splits, regroup, _inverse(regroup),
+    plan = DispatchPlan(token_idx, flat_g.index_select(0, order), send_splits, recv_splits, regroup, _inverse(regroup),
                         recv_counts.sum(0).tolist())
-    return received.index_select(0, regroup), plan
+    return _PermuteRows.apply(received, regroup, plan.ungroup), plan
 
 
 def combine(y: torch.Tensor, plan: DispatchPlan, num_tokens: int, ep_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
@@ -73,7 +108,6 @@ def combine(y: torch.Tensor, plan: DispatchPlan, num_tokens: int, ep_group: Opti
     Dropped pairs contribute nothing.
     """
     if plan.ungroup is not None:
-        y = all_to_all_rows(y.index_select(0, plan.ungroup), plan.send_splits, plan.recv_splits, ep_group)
-    weighted = y * plan.gates.to(y.dtype).unsqueeze(1)
-    out = y.new_zeros((num_tokens, y.shape[1]))
-    return out.index_add(0, plan.token_idx, weighted)
+        y = all_to_all_rows(_PermuteRows.apply(y, plan.ungroup, plan.regroup), plan.send_splits, plan.recv_splits,
+                            ep_group)
+    return _WeightedScatter.apply(y, plan.gates.to(y.dtype), plan.token_idx, num_tokens)
