@@ -66,3 +66,32 @@ def target_check(records: list[dict]) -> list[str]:
              f"time per token max/min = {spread:.3f} (<= {TARGETS['per_token_spread']}) over tokens "
              f"{rs[0]['tokens']}..{rs[-1]['tokens']} at ep={ep} procs={procs} {dtype}")
     return out
+
+
+def markdown(records: list[dict]) -> str:
+    """The table as GitHub markdown (for bench/results.md)."""
+    head = [h for h, _, _ in COLUMNS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(_cell(r, k, f) for _, k, f in COLUMNS) + " |" for r in records]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """``python -m moe_dist.bench.report results.jsonl [...]``: markdown table and target check
+    of saved ``--json`` output."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m moe_dist.bench.report", description=main.__doc__)
+    p.add_argument("files", nargs="+")
+    args = p.parse_args(argv)
+    records = []
+    for path in args.files:
+        with open(path, encoding="utf-8") as f:
+            records += [json.loads(line) for line in f if line.strip().startswith("{")]
+    print(markdown(records) + "\n\nTargets:\n\n" + "\n".join(f"- {line}" for line in target_check(records)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

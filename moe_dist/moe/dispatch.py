@@ -48,22 +48,32 @@ class _PermuteRows(torch.autograd.Function):
         return grad.index_select(0, inverse), None, None
 
 
+_BLOCK_ROWS = 4096  # rows per temporary: small temporaries are recycled, big ones page-fault
+
+
 class _WeightedScatter(torch.autograd.Function):
     """``out[token_idx[i]] += gate[i] * y[i]`` into a zero ``[num_tokens, d]`` output, all in
-    ``y``'s dtype. The backward gathers the output gradient once and reuses that buffer for
-    the rows' gradient (one ``[N, d]`` temporary instead of three)."""
+    ``y``'s dtype. The gate products are formed block by block (no ``[N, d]`` temporary);
+    the backward gathers the output gradient once and reuses that buffer for the rows'
+    gradient."""
 
     @staticmethod
     def forward(ctx, y, gate, token_idx, num_tokens):
         ctx.save_for_backward(y, gate, token_idx)
         out = y.new_zeros((num_tokens, y.shape[1]))
-        return out.index_add_(0, token_idx, y * gate.unsqueeze(1))
+        for s in range(0, y.shape[0], _BLOCK_ROWS):
+            t = s + _BLOCK_ROWS
+            out.index_add_(0, token_idx[s:t], y[s:t] * gate[s:t].unsqueeze(1))
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         y, gate, token_idx = ctx.saved_tensors
         g_rows = grad.contiguous().index_select(0, token_idx)
-        g_gate = (g_rows * y).sum(1) if ctx.needs_input_grad[1] else None
+        g_gate = None
+        if ctx.needs_input_grad[1]:
+            g_gate = torch.cat([(g_rows[s : s + _BLOCK_ROWS] * y[s : s + _BLOCK_ROWS]).sum(1)
+                                for s in range(0, y.shape[0], _BLOCK_ROWS)]) if y.shape[0] else gate.new_zeros(0)
         g_y = g_rows.mul_(gate.unsqueeze(1)) if ctx.needs_input_grad[0] else None
         return g_y, g_gate, None, None
 

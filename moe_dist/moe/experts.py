@@ -28,6 +28,15 @@ def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
 CHUNK_ROWS = 4096  # rows per block: big enough for efficient matmuls, small enough to stay in cache
 
 
+def _keeps_graph() -> bool:
+    """Whether the running backward keeps the graph (``retain_graph=True``); True if unknown."""
+    probe = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    try:
+        return True if probe is None else bool(probe())
+    except RuntimeError:
+        return True
+
+
 def _blocks(start: int, end: int):
     for s in range(start, end, CHUNK_ROWS):
         yield s, min(s + CHUNK_ROWS, end)
@@ -54,27 +63,31 @@ class _LoopFFN(torch.autograd.Function):
             if c:
                 spans.append((e, start, start + c))
             start += c
-        h1 = x.new_empty((x.shape[0], w1.shape[2]))
-        h3 = torch.empty_like(h1) if w3 is not None else None
-        a = torch.empty_like(h1)
         y = x.new_empty((x.shape[0], w2.shape[2]))
-        for e, s0, t0 in spans:
+        saved = []  # per expert (h1, h3, a): separate allocations, E times smaller than whole-batch
+        for e, s0, t0 in spans:  # buffers, which allocators recycle without fresh page faults
+            h1 = x.new_empty((t0 - s0, w1.shape[2]))
+            h3 = torch.empty_like(h1) if w3 is not None else None
+            a = torch.empty_like(h1)
             for s, t in _blocks(s0, t0):
-                torch.mm(x[s:t], w1[e], out=h1[s:t])
+                r0, r1 = s - s0, t - s0
+                torch.mm(x[s:t], w1[e], out=h1[r0:r1])
                 if w3 is not None:
-                    torch.mm(x[s:t], w3[e], out=h3[s:t])
-                    torch.mul(F.silu(h1[s:t]), h3[s:t], out=a[s:t])
+                    torch.mm(x[s:t], w3[e], out=h3[r0:r1])
+                    torch.mul(F.silu(h1[r0:r1]), h3[r0:r1], out=a[r0:r1])
                 else:
-                    torch.ops.aten.gelu.out(h1[s:t], out=a[s:t])
-                torch.mm(a[s:t], w2[e], out=y[s:t])
-        ctx.save_for_backward(x, h1, h3, a, w1, w3, w2)
-        ctx.spans = spans
+                    torch.ops.aten.gelu.out(h1[r0:r1], out=a[r0:r1])
+                torch.mm(a[r0:r1], w2[e], out=y[s:t])
+            saved.append((h1, h3, a))
+        ctx.save_for_backward(x, w1, w3, w2)
+        ctx.spans, ctx.acts = spans, saved
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        x, h1, h3, a, w1, w3, w2 = ctx.saved_tensors
-        spans = ctx.spans
+        x, w1, w3, w2 = ctx.saved_tensors
+        spans, acts = ctx.spans, ctx.acts
+        reuse = not _keeps_graph()  # the activations are not needed again: overwrite them with their gradients
         need_x, _, need_w1, need_w3, need_w2 = ctx.needs_input_grad
         need_w3 = need_w3 and w3 is not None
         gy = gy.contiguous()
@@ -91,25 +104,25 @@ class _LoopFFN(torch.autograd.Function):
         gw3 = weight_grad(w3) if need_w3 else None
         gw2 = weight_grad(w2) if need_w2 else None
         gx = torch.zeros_like(x) if need_x and not spans else (torch.empty_like(x) if need_x else None)
-        most = max((t - s for _, s, t in spans), default=0)
-        gh1_buf = h1.new_empty((most, h1.shape[1]))  # one expert's activation gradients at a time
-        gh3_buf = torch.empty_like(gh1_buf) if w3 is not None else None
-        for e, s0, t0 in spans:
-            gh1, gh3 = gh1_buf[: t0 - s0], (gh3_buf[: t0 - s0] if w3 is not None else None)
+        for (e, s0, t0), (h1, h3, a) in zip(spans, acts):
+            gh1 = h1 if reuse else torch.empty_like(h1)
+            gh3 = h3 if reuse or h3 is None else torch.empty_like(h3)
             for s, t in _blocks(s0, t0):
                 r0, r1 = s - s0, t - s0
                 ga = gy[s:t] @ w2[e].t()
                 if w3 is not None:
-                    torch.mul(F.silu(h1[s:t]), ga, out=gh3[r0:r1])
-                    torch.ops.aten.silu_backward.grad_input(ga.mul_(h3[s:t]), h1[s:t], grad_input=gh1[r0:r1])
+                    sh = F.silu(h1[r0:r1])
+                    ga3 = ga * h3[r0:r1]
+                    torch.ops.aten.silu_backward.grad_input(ga3, h1[r0:r1], grad_input=gh1[r0:r1])
+                    torch.mul(sh, ga, out=gh3[r0:r1])
                 else:
-                    torch.ops.aten.gelu_backward.grad_input(ga, h1[s:t], grad_input=gh1[r0:r1])
+                    torch.ops.aten.gelu_backward.grad_input(ga, h1[r0:r1], grad_input=gh1[r0:r1])
                 if need_x:
                     torch.mm(gh1[r0:r1], w1[e].t(), out=gx[s:t])
                     if w3 is not None:
                         gx[s:t].addmm_(gh3[r0:r1], w3[e].t())
             if need_w2:
-                torch.mm(a[s0:t0].t(), gy[s0:t0], out=gw2[e])
+                torch.mm(a.t(), gy[s0:t0], out=gw2[e])
             if need_w1:
                 torch.mm(x[s0:t0].t(), gh1, out=gw1[e])
             if need_w3:
