@@ -79,8 +79,13 @@ class _WeightedScatter(torch.autograd.Function):
 
 
 def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor, keep: Optional[torch.Tensor],
-             num_experts: int, ep_group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor, DispatchPlan]:
-    """Route rows of ``x`` ``[T, d]`` to their experts. Returns rows grouped by local expert."""
+             num_experts: int, ep_group: Optional[dist.ProcessGroup],
+             peer_counts: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, DispatchPlan]:
+    """Route rows of ``x`` ``[T, d]`` to their experts. Returns rows grouped by local expert.
+
+    ``peer_counts``: ``[ep, E]`` kept pairs per expert of every expert-parallel peer (in
+    ``ep_group`` rank order) when the caller knows them already; else they are exchanged.
+    """
     top_k = expert_ids.shape[1]
     flat_e = expert_ids.reshape(-1)
     flat_g = gates.reshape(-1)
@@ -99,8 +104,12 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor, kee
         return routed, plan
     local = num_experts // ep
     send_counts = counts.view(ep, local)
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=ep_group)  # count exchange first
+    if peer_counts is None:
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=ep_group)  # count exchange first
+    else:  # [source peer, my local expert]
+        me = dist.get_rank(ep_group)
+        recv_counts = peer_counts.to(device=counts.device, dtype=counts.dtype).view(ep, ep, local)[:, me].contiguous()
     send_splits = send_counts.sum(1).tolist()
     recv_splits = recv_counts.sum(1).tolist()
     received = all_to_all_rows(routed, recv_splits, send_splits, ep_group)  # [src rank][local expert] order

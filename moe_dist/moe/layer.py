@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from ..dist.collectives import all_gather_tensor, group_rank, group_size
+from ..dist.collectives import all_gather_tensor, group_rank, group_size, subgroup_rows
 from ..dist.groups import ParallelGroups
 from .capacity import CAPACITY_SCOPES, DROP_POLICIES, expert_capacity, keep_by_position, keep_by_probs
 from .dispatch import combine, dispatch
@@ -159,7 +159,9 @@ class MoELayer(nn.Module):
                 keep = (keep_by_position(routing.expert_ids, capacity, E) if self.drop_policy == "position"
                         else keep_by_probs(routing.expert_ids, routing.gates, capacity, E, None))
 
-        routed, plan = dispatch(x2, routing.expert_ids, routing.gates, keep, E, self.groups.ep)
+        # dropless: every expert-parallel peer's counts are already here (no count exchange)
+        peer_counts = subgroup_rows(counts_r, stats_group, self.groups.ep) if keep is None else None
+        routed, plan = dispatch(x2, routing.expert_ids, routing.gates, keep, E, self.groups.ep, peer_counts)
         y = self.experts(routed, plan.local_counts)
         out = combine(y, plan, n_tok, self.groups.ep)
 
