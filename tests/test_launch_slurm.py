@@ -80,7 +80,7 @@ SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={self.munge_dir}/munge.socket
+AuthInfo=socket={self.munge_dir}/munge.socket,cred_expire=5
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation={r}/state
@@ -265,12 +265,11 @@ def test_sbatch_preempt_requeue_resume(cluster):
     # what `#SBATCH --signal=B:USR1@300` does before the time limit: signal the batch shell only
     cluster.run("scancel", "--batch", "--signal=USR1", job)
     t_signal = time.time()
-    # the script requeues the job; Slurm holds a requeued job back for a while (Reason=BeginTime): start it now
+    # the script requeues the job; Slurm holds a requeued job back for cred_expire + 1 s (5 + 1 here)
+    # so that its new batch credential is not taken for the revoked one of the first run
     info = cluster.wait(job, lambda i: i["Restarts"] == "1" or i["JobState"] == "COMPLETED", 240, "the requeue", out_file)
     assert info["Restarts"] == "1", f"not requeued: {info.get('JobState')}\n{_read(out_file.replace('%j', job))[-3000:]}"
     t_requeue = time.time()
-    if info["JobState"] == "PENDING":
-        cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
     info = cluster.wait(job, lambda i: i["JobState"] == "COMPLETED", 300, "COMPLETED after the requeue", out_file)
     out = _read(out_file.replace("%j", job))
     assert info["ExitCode"] == "0:0", out[-3000:]
@@ -279,7 +278,7 @@ def test_sbatch_preempt_requeue_resume(cluster):
     assert m, out[-3000:]
     stopped = int(m.group(1))
     assert 2 <= stopped < steps
-    assert "exited with 75 after SIGUSR1" in out and f"requeueing job {job}" in out
+    assert "exited with 75 after SIGUSR1" in out and f"requeueing job {job}" in out, out[-3000:] + cluster.logs()
     assert "(restart 1)" in out
     first_run, second_run = out.split("(restart 1)", 1)
     assert f"step {stopped}/{steps}" in first_run and f"step {stopped + 1}/{steps}" not in first_run

@@ -453,5 +453,6 @@ def test_token_graph_invariance_and_collectives(world, ep):
             # no collective beyond the layer's own: the same calls as the plain top-k layer
             if "baseline" in spec:
                 for r_case, r in zip(per_rank, results):
-                    assert ("all_to_all_single", "torch.int64") in r_case["collectives"]  # the recorder works
+                    # the recorder works: the statistics all-gather and the dispatch all-to-alls are there
+                    assert {c[0] for c in r_case["collectives"]} >= {"all_gather_single", "all_to_all_single"}
                     assert r_case["collectives"] == r[(spec["baseline"], i)]["collectives"], name

@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from ..dist.collectives import all_to_all_rows, group_size
 
@@ -67,6 +68,7 @@ class _WeightedScatter(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         y, gate, token_idx = ctx.saved_tensors
         g_rows = grad.contiguous().index_select(0, token_idx)

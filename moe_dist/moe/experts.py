@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 ACTIVATIONS = ("swiglu", "gelu")
 KERNELS = ("auto", "loop", "bmm", "grouped_mm")
@@ -84,6 +85,7 @@ class _LoopFFN(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, gy):
         x, w1, w3, w2 = ctx.saved_tensors
         spans, acts = ctx.spans, ctx.acts
