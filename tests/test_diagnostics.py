@@ -180,7 +180,7 @@ def test_fluctuation_over_ranks_equals_one_process():
 # ---------------------------------------------------------------- trainer integration, 2 ranks
 TRAIN_RUNS = {
     "similarity": ["model.moe.router=similarity", "model.moe.router_options={temperature: 4.0}"],
-    # the model hands attn_probs only (no value path yet): A_{h*} without the likelihood term
+    # A_{h*} without the likelihood term (tests/test_model.py covers the model with it)
     "attention": ["model.moe.router=attention", "model.moe.router_options={likelihood: false}"],
     "symphony": ["model.moe.router=symphony", "train.activation_checkpointing=true"],
 }

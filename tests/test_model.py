@@ -221,3 +221,31 @@ def test_bf16_autocast_forward():
             low = model(x)
     assert torch.isfinite(low).all()
     assert (low.float() - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+def test_attention_router_reads_scores_and_matches_the_explicit_path():
+    """The attention-aware router gets queries/keys (the block keeps SDPA, no [B, H, S, S]
+    tensor); forcing the explicit-probabilities form gives the same logits and gradients."""
+    cfg = model_cfg("model.n_layers=2", "model.moe.router=attention", "model.moe.layers=every")
+    x = tokens(3, 13, seed=8)
+    pad = torch.ones(3, 12, dtype=torch.bool)
+    pad[1, :4] = False
+    results = {}
+    for form in ("scores", "probs"):
+        model = build_model(cfg, VOCAB, seed=9)
+        for layer in model.moe_layers():
+            layer.router.attention_inputs = form
+        model.zero_grad(set_to_none=True)
+        logits = model(x[:, :-1], padding_mask=pad)
+        F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).backward()
+        ctx = model.moe_layers()[0].context
+        assert (ctx.attn_probs is None) == (form == "scores")
+        assert ctx.extras["attn_queries"].shape == (3, cfg.n_heads, 12, model.head_dim)
+        results[form] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+                         [m.last_routing.expert_ids for m in model.moe_layers()])
+    (l_s, g_s, ids_s), (l_p, g_p, ids_p) = results["scores"], results["probs"]
+    assert all(torch.equal(a, b) for a, b in zip(ids_s, ids_p))
+    torch.testing.assert_close(l_s, l_p, rtol=1e-5, atol=1e-5)
+    assert set(g_s) == set(g_p)
+    for name in g_s:
+        torch.testing.assert_close(g_s[name], g_p[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")

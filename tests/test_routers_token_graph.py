@@ -13,7 +13,8 @@ from test_moe_invariance import check_against_reference
 from moe_dist.dist import build_parallel_groups
 from moe_dist.moe import MoELayer
 from moe_dist.moe.routers import build_router
-from moe_dist.moe.routers.token_graph import ATTN_OUT_WEIGHT, ATTN_OUTPUT, ATTN_VALUES, mix_over_sequence
+from moe_dist.moe.routers.token_graph import (ATTN_KEYS, ATTN_OUT_WEIGHT, ATTN_OUTPUT, ATTN_QUERIES, ATTN_VALUES,
+                                              mix_over_sequence)
 from moe_dist.moe.routing import RoutingContext
 from moe_dist.parallel import apply_expert_parallel, sync_gradients
 
@@ -21,10 +22,15 @@ E, K = 8, 2
 
 
 # ---------------------------------------------------------------- synthetic inputs
-def attention_inputs(B, S, H, Hkv, dh, D, seed, padding_mask=None, causal=True, scale=1.0):
-    """Attention probabilities (causal, padded keys masked, diagonal always allowed) and the
-    value path the attention-aware router reads, as leaf tensors that require grad."""
+def attention_inputs(B, S, H, Hkv, dh, D, seed, padding_mask=None, causal=True, scale=1.0, form="probs"):
+    """Attention probabilities (causal, padded keys masked, diagonal always allowed) or, with
+    ``form="scores"``, the queries and keys they would come from, and the value path the
+    attention-aware router reads, as leaf tensors that require grad."""
     g = torch.Generator().manual_seed(seed)
+    if form == "scores":
+        q, k = 1.5 * torch.randn(B, H, S, dh, generator=g), torch.randn(B, Hkv, S, dh, generator=g)
+        return {ATTN_QUERIES: q.requires_grad_(), ATTN_KEYS: k.requires_grad_(),
+                **value_path(B, S, H, Hkv, dh, D, g, scale)}
     logits = 2.0 * torch.randn(B, H, S, S, generator=g)
     allowed = torch.ones(B, 1, S, S, dtype=torch.bool)
     if causal:
@@ -32,17 +38,33 @@ def attention_inputs(B, S, H, Hkv, dh, D, seed, padding_mask=None, causal=True, 
     if padding_mask is not None:
         allowed &= padding_mask[:, None, None, :] | torch.eye(S, dtype=torch.bool)
     probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), -1)
+    return {"attn_probs": probs.requires_grad_(), **value_path(B, S, H, Hkv, dh, D, g, scale)}
+
+
+def value_path(B, S, H, Hkv, dh, D, g, scale):
     values = scale * torch.randn(B, Hkv, S, dh, generator=g)
     w_out = scale * torch.randn(D, H * dh, generator=g) / math.sqrt(dh)
     out = scale * torch.randn(B, S, D, generator=g)
-    return {"attn_probs": probs.requires_grad_(), ATTN_VALUES: values.requires_grad_(),
-            ATTN_OUT_WEIGHT: w_out.requires_grad_(), ATTN_OUTPUT: out.requires_grad_()}
+    return {ATTN_VALUES: values.requires_grad_(), ATTN_OUT_WEIGHT: w_out.requires_grad_(), ATTN_OUTPUT: out.requires_grad_()}
+
+
+def probs_from_scores(attn, padding_mask, causal=True):
+    """The attention probabilities the model would have formed from ``attn``'s queries and keys."""
+    q, k = attn[ATTN_QUERIES], attn[ATTN_KEYS]
+    B, H, S, dh = q.shape
+    allowed = torch.ones(B, 1, S, S, dtype=torch.bool)
+    if causal:
+        allowed &= torch.ones(S, S, dtype=torch.bool).tril()
+    if padding_mask is not None:
+        allowed &= padding_mask[:, None, None, :] | torch.eye(S, dtype=torch.bool)
+    s = q @ k.repeat_interleave(H // k.shape[1], 1).transpose(-1, -2) / math.sqrt(dh)
+    return torch.softmax(s.masked_fill(~allowed, float("-inf")), -1)
 
 
 def context_for(B, S, attn=None, padding_mask=None, causal=True):
     extras = {} if attn is None else {k: v for k, v in attn.items() if k != "attn_probs"}
     return RoutingContext(batch_shape=(B, S), padding_mask=padding_mask, causal=causal,
-                          attn_probs=None if attn is None else attn["attn_probs"], extras=extras)
+                          attn_probs=None if attn is None else attn.get("attn_probs"), extras=extras)
 
 
 class CausalAttention(torch.nn.Module):
@@ -214,6 +236,47 @@ def test_attention_matches_digest_formulas(sigma, likelihood, Hkv, pad):
         assert (plain - P).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("likelihood,Hkv,pad,detach", [(True, 2, True, False), (False, 4, False, False),
+                                                       (True, 1, False, True)])
+def test_attention_scores_form_matches_probs_form(likelihood, Hkv, pad, detach):
+    """What the model hands (queries and keys; the attention is never materialised) routes
+    exactly as the probabilities those queries and keys give, with the same gradients into
+    queries and keys (through the probabilities' softmax) and into the value path."""
+    torch.manual_seed(4)
+    B, S, H, dh, D = 3, 9, 4, 5, 8
+    router = build_router("attention", D, 6, K, likelihood=likelihood, detach_graph=detach)
+    pm = None
+    if pad:
+        pm = torch.ones(B, S, dtype=torch.bool)
+        pm[0, -3:] = False
+        pm[2, :2] = False
+    scores = attention_inputs(B, S, H, Hkv, dh, D, seed=5, padding_mask=pm, scale=0.6, form="scores")
+    x = torch.randn(B * S, D, requires_grad=True)
+    leaves = [x, *scores.values()]
+    c = torch.randn(B * S, K)
+    results = {}
+    for form in ("scores", "probs"):
+        attn = dict(scores)
+        if form == "probs":
+            attn = {"attn_probs": probs_from_scores(attn, pm), **{k: v for k, v in attn.items()
+                                                                  if k not in (ATTN_QUERIES, ATTN_KEYS)}}
+        r = router(x, context_for(B, S, attn, pm))
+        loss = (r.gates * c).sum() + r.probs.pow(2).sum()
+        results[form] = (r, torch.autograd.grad(loss, leaves, allow_unused=True))
+    (r_s, g_s), (r_p, g_p) = results["scores"], results["probs"]
+    assert torch.equal(r_s.expert_ids, r_p.expert_ids)
+    assert torch.equal(r_s.extras["selected_heads"], r_p.extras["selected_heads"])
+    torch.testing.assert_close(r_s.probs, r_p.probs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(r_s.gates, r_p.gates, rtol=1e-5, atol=1e-6)
+    for name, a, b in zip(["x", *scores.keys()], g_s, g_p):
+        if b is None:  # not read (likelihood=False) or detached
+            assert a is None or not a.abs().any(), name
+            continue
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m: f"grad {name}: {m}")
+    graph_grads = [g for name, g in zip(["x", *scores.keys()], g_s) if name in (ATTN_QUERIES, ATTN_KEYS)]
+    assert all((g is None or not g.abs().any()) == detach for g in graph_grads)
+
+
 @pytest.mark.parametrize("causal,pad,with_q,with_prior", [(True, True, True, True), (False, True, True, False),
                                                          (True, False, False, True), (False, False, True, True)])
 def test_blockwise_mixing_matches_dense(causal, pad, with_q, with_prior):
@@ -373,6 +436,8 @@ CASES = {
                                                                        "base": "xmoe", "detach_graph": True}),
                                               causal=False, pad=False, baseline="baseline-xmoe-cap"),
     "attention": dict(cfg=dict(router="attention"), causal=True, pad=True, baseline="baseline-topk"),
+    "attention-scores": dict(cfg=dict(router="attention"), causal=True, pad=True, form="scores",
+                             baseline="baseline-topk"),
     "attention-top1-cap": dict(cfg=dict(router="attention", top_k=1, capacity_factor=1.25,
                                         router_options={"sigma": 2.0}), causal=True, pad=False,
                                baseline="baseline-top1-cap"),
@@ -396,7 +461,7 @@ def case_data(spec):
     attn = None
     if spec["cfg"]["router"] == "attention":
         attn = attention_inputs(B_SEQ, S_LEN, HEADS, HEADS_KV, D_HEAD, D_MODEL, seed=12, padding_mask=pm,
-                                causal=spec["causal"], scale=0.5)
+                                causal=spec["causal"], scale=0.5, form=spec.get("form", "probs"))
     return x, w, pm, attn
 
 
@@ -413,7 +478,7 @@ def run_case(rank, spec, ep, sizes):
     layer.context.padding_mask = None if pm is None else pm[sl]
     layer.context.causal = spec["causal"]
     if mine is not None:
-        layer.context.attn_probs = mine["attn_probs"]
+        layer.context.attn_probs = mine.get("attn_probs")
         layer.context.extras.update({k: v for k, v in mine.items() if k != "attn_probs"})
     with record_collectives() as calls:
         res = step(layer, x[sl].reshape(-1, D_MODEL), w[sl].reshape(-1, D_MODEL), B_SEQ * S_LEN)

@@ -70,6 +70,8 @@ class Attention(nn.Module):
 
     The fused SDPA kernel runs unless the caller asks for the attention probabilities
     (``need_probs``); then scores and softmax are computed explicitly and returned ``[B, H, S, S]``.
+    ``values_out`` (a dict) receives the rotated queries and keys and the values, for routers
+    that read the attention.
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, init_std: float, out_init_std: float,
@@ -103,12 +105,12 @@ class Attention(nn.Module):
                 scores = (q.float() @ k_all.float().transpose(-1, -2)) / math.sqrt(self.head_dim)
                 probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
             out = probs.to(v_all.dtype) @ v_all
-            if values_out is not None:  # attention-aware routing also reads the (un-repeated) values
-                values_out["attn_values"] = v
         elif mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        if values_out is not None:  # attention-aware routing reads the (un-repeated) values, queries and keys
+            values_out.update(attn_values=v, attn_queries=q, attn_keys=k)
         return self.wo(out.transpose(1, 2).reshape(B, S, -1)), probs
 
 

@@ -4,9 +4,10 @@ The model knows nothing of parallelism: ``moe_dist.parallel.apply_expert_paralle
 trainer's sharding are applied to it afterwards. Before each MoE layer runs, the model fills
 the layer's :class:`~moe_dist.moe.routing.RoutingContext` with what routers may read:
 ``batch_shape``, ``padding_mask``, ``causal``, ``prev_top1`` (top-1 experts of the previous
-MoE layer in this forward) and, only for routers with ``needs_attention``, ``attn_probs``
-(``[B, H, S, S]`` probabilities of the same block's attention, computed explicitly there;
-other blocks keep the fused SDPA kernel). The trainer fills ``step``, ``micro_step``, ``seed``.
+MoE layer in this forward) and, only for routers with ``needs_attention``, the same block's
+attention: queries, keys and values in ``extras`` (the fused SDPA kernel still runs), and
+``attn_probs`` (``[B, H, S, S]``, computed explicitly) only for routers whose
+``attention_inputs`` is ``probs``. The trainer fills ``step``, ``micro_step``, ``seed``.
 """
 from __future__ import annotations
 
@@ -52,10 +53,10 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         extras = self.ffn.context.extras if self.needs_attention else None
-        h, probs = self.attn(self.attn_norm(x), cos, sin, padding_mask, need_probs=self.needs_attention,
-                             values_out=extras)
+        need_probs = extras is not None and self.ffn.router.attention_inputs == "probs"
+        h, probs = self.attn(self.attn_norm(x), cos, sin, padding_mask, need_probs=need_probs, values_out=extras)
         x = x + h
-        if probs is not None:  # what the attention-aware router reads (keys: routers/token_graph.py)
+        if extras is not None:  # what the attention-aware router reads (keys: routers/token_graph.py)
             self.ffn.context.attn_probs = probs
             extras[ATTN_OUT_WEIGHT] = self.attn.wo.weight
             extras[ATTN_OUTPUT] = h

@@ -13,11 +13,15 @@ class Router(nn.Module):
 
     Class attributes tell the layer what context to supply:
     ``needs_token_layout``: fill ``ctx.token_offset`` / ``ctx.global_tokens`` (layout-invariant noise).
-    ``needs_attention``: the model must hand this layer's attention probabilities.
+    ``needs_attention``: the model must hand this layer the attention sub-layer before it, in the
+    form ``attention_inputs`` names: ``probs`` (``ctx.attn_probs`` ``[B, H, S, S]``, computed
+    explicitly) or ``scores`` (``ctx.extras`` ``attn_queries`` / ``attn_keys``; the attention keeps
+    its fused kernel). Either way the values are in ``ctx.extras["attn_values"]``.
     """
 
     needs_token_layout = False
     needs_attention = False
+    attention_inputs = "probs"
 
     def __init__(self, d_model: int, num_experts: int, top_k: int):
         super().__init__()

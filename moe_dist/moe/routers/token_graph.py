@@ -29,6 +29,9 @@ from .wrapping import WrappingRouter, topk_set_changed
 ATTN_VALUES = "attn_values"  # ctx.extras: [B, H_kv, S, d_head] value vectors (GQA: H_kv divides H)
 ATTN_OUT_WEIGHT = "attn_out_weight"  # ctx.extras: [D, H * d_head] output projection weight
 ATTN_OUTPUT = "attn_output"  # ctx.extras: [B, S, D] attention sub-layer output (before the residual)
+# ... and, in place of ctx.attn_probs, the scores' inputs (the model keeps its fused SDPA kernel):
+ATTN_QUERIES = "attn_queries"  # ctx.extras: [B, H, S, d_head] queries after the rotary embedding
+ATTN_KEYS = "attn_keys"  # ctx.extras: [B, H_kv, S, d_head] keys after the rotary embedding
 
 AUX_PROBS = ("mixed", "base")
 SIMILARITIES = ("dot", "cosine")
@@ -53,6 +56,35 @@ def _blocks(S: int, causal: bool, block: int):
     return [(i0, min(S, i0 + block), min(S, i0 + block) if causal else S) for i0 in range(0, S, block)]
 
 
+EXP_FLOOR = -87.0  # exp(-87) ~ 1.6e-38: below it float32 exp gives denormals or underflows, both slow on CPUs
+
+
+def _softmax_(L: torch.Tensor, i0: int, causal: bool, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Row softmax, in place, of the masked score block ``L`` (``-inf`` where a key is not allowed,
+    :func:`_mask_block_`); those keys get exactly 0. Entries more than 87 below their row's maximum
+    get ``e^-87`` instead of a denormal: next to the maximum's ``exp(0) = 1`` both are nothing at
+    float32 precision, and the floor keeps ``exp`` on its fast path (similarity logits in high
+    dimensions span hundreds)."""
+    L.sub_(L.amax(-1, keepdim=True)).clamp_min_(EXP_FLOOR).exp_()
+    _mask_block_(L, i0, causal, key_mask, 0.0)
+    return L.div_(L.sum(-1, keepdim=True))
+
+
+def _mask_block_(L: torch.Tensor, i0: int, causal: bool, key_mask: Optional[torch.Tensor], value: float) -> torch.Tensor:
+    """Fill, in place, the scores ``L`` ``[B, (H,) b, e]`` of queries ``i0:i0+b`` a query may not
+    use: keys after it (causal) and padded keys (``key_mask`` ``[B, S]``, True = real); a token
+    always sees itself."""
+    b, e = L.shape[-2], L.shape[-1]
+    if causal:
+        L[..., i0:i0 + b].masked_fill_(torch.ones(b, b, dtype=torch.bool, device=L.device).triu(1), value)
+    if key_mask is not None:
+        rows = torch.arange(b, device=L.device)
+        allowed = key_mask[:, None, :e].expand(key_mask.shape[0], b, e).clone()
+        allowed[:, rows, i0 + rows] = True
+        L.masked_fill_(~(allowed if L.dim() == 3 else allowed[:, None]), value)
+    return L
+
+
 class _GraphMix(torch.autograd.Function):
     """Blockwise ``softmax_j(L_ij) @ R`` with ``L = scale * q k^T + log(prior) + key_bias``, masked;
     nothing after the diagonal is computed when causal. Saves the softmax blocks for backward."""
@@ -74,17 +106,12 @@ class _GraphMix(torch.autograd.Function):
             if key_bias is not None:
                 L.add_(key_bias[:, None, :e])
             rows = torch.arange(b, device=probs.device)
-            if causal:
-                L[:, :, i0:i1].masked_fill_(torch.ones(b, b, dtype=torch.bool, device=probs.device).triu(1), neg)
-            if key_mask is not None:  # padded keys out; the token itself always stays in
-                allowed = key_mask[:, None, :e].expand(B, b, e).clone()
-                allowed[:, rows, i0 + rows] = True
-                L.masked_fill_(~allowed, neg)
+            _mask_block_(L, i0, causal, key_mask, neg)
             if prior is not None:  # a row with no finite logit (prior all zero) keeps the token itself
                 diag = L[:, rows, i0 + rows]
                 empty = torch.isneginf(L.amax(-1))
                 L[:, rows, i0 + rows] = torch.where(empty, torch.zeros_like(diag), diag)
-            W = torch.softmax(L, dim=-1)
+            W = _softmax_(L, i0, causal, key_mask)
             out[:, i0:i1] = torch.bmm(W, probs[:, :e])
             weights.append(W)
         ctx.scale, ctx.causal, ctx.block = scale, causal, block
@@ -219,21 +246,60 @@ def lowest_entropy_head(attn_probs: torch.Tensor, padding_mask: Optional[torch.T
     return mean.argmin(-1)
 
 
+@torch.no_grad()
+def lowest_entropy_head_from_scores(queries: torch.Tensor, keys: torch.Tensor, padding_mask: Optional[torch.Tensor],
+                                    causal: bool, block: int = BLOCK) -> torch.Tensor:
+    """:func:`lowest_entropy_head` for attention that was never materialised: the rows of
+    ``softmax(q k^T / sqrt(d_head))`` (same masks as the model's attention) are formed one
+    query block at a time and reduced to their entropy ``logsumexp(s) - sum_j p_j s_j``.
+    queries ``[B, H, S, dh]``, keys ``[B, H_kv, S, dh]`` (GQA: ``H_kv`` divides ``H``)."""
+    B, H, S, dh = queries.shape
+    groups = H // keys.shape[1]
+    q = queries.float()
+    k = keys.float() if groups == 1 else keys.float().repeat_interleave(groups, dim=1)
+    km = None if padding_mask is None else padding_mask.to(device=q.device, dtype=torch.bool)
+    ent = q.new_zeros(B, H, S)
+    for i0, i1, e in _blocks(S, causal, block):
+        s = torch.matmul(q[:, :, i0:i1], k[:, :, :e].transpose(-1, -2)).mul_(1.0 / math.sqrt(dh))
+        _mask_block_(s, i0, causal, km, float("-inf"))
+        # shifted by the row max and floored (masked keys: weight e^-87, nothing at fp32 precision):
+        # entropy = log Z - sum_j p_j s_j / Z with p = exp(s), Z = sum_j p_j
+        s.sub_(s.amax(-1, keepdim=True)).clamp_min_(EXP_FLOOR)
+        p = s.exp()
+        z = p.sum(-1)
+        ent[:, :, i0:i1] = z.log() - (p.mul_(s)).sum(-1) / z
+    if km is None:
+        mean = ent.mean(-1)
+    else:
+        w = km.to(torch.float32)[:, None, :]
+        mean = (ent * w).sum(-1) / w.sum(-1).clamp_min(1)
+    return mean.argmin(-1)
+
+
 @register_router("attention")
 class AttentionRouter(TokenGraphRouter):
     """Attention-aware ("A^2") routing: ``P = A^P_{h*} R`` per sequence, then top-k, where h* is
     the head of lowest mean attention entropy and ``A^P_h[i, j] ∝ A_h[i, j] N(u_i | v'_{h,j}, sigma^2 I)``.
 
-    Needs ``ctx.attn_probs`` ``[B, H, S, S]`` (the attention right before this layer) and, for the
-    likelihood, ``ctx.extras`` entries ``attn_values`` / ``attn_out_weight`` / ``attn_output``
-    (v'_{h,j} = W_O,h v_{h,j}; u = attention output * output_scale).
+    Reads the attention right before this layer in one of two forms:
+
+    - scores (what the model hands; ``attention_inputs = "scores"``): ``ctx.extras`` entries
+      ``attn_queries`` / ``attn_keys``. Nothing ``[B, H, S, S]`` is kept: the entropies are
+      computed block by block without gradient, and since ``log A_h[i, j] = q_i.k_j / sqrt(dh)``
+      up to a row constant, ``A^P_{h*}`` is one more blockwise softmax over
+      ``[q/sqrt(dh), W_h^T u / sigma^2] . [k, v] - |v'|^2 / 2 sigma^2``;
+    - probabilities: ``ctx.attn_probs`` ``[B, H, S, S]`` (used when given).
+
+    For the likelihood, ``ctx.extras`` entries ``attn_values`` / ``attn_out_weight`` /
+    ``attn_output`` (v'_{h,j} = W_O,h v_{h,j}; u = attention output * output_scale).
 
     sigma: likelihood std (paper default 1). likelihood: False uses ``A_{h*}`` alone.
     output_scale: factor on the attention output used as u (default 1/H, the digest's reading).
-    Other options as for ``similarity``; detach_graph stops gradients into A, v' and u.
+    Other options as for ``similarity``; detach_graph stops gradients into the attention, v' and u.
     """
 
     needs_attention = True
+    attention_inputs = "scores"
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, *, base: str = "topk",
                  base_options: Optional[dict] = None, sigma: float = 1.0, likelihood: bool = True,
@@ -247,67 +313,108 @@ class AttentionRouter(TokenGraphRouter):
         self.sigma, self.likelihood, self.output_scale = float(sigma), bool(likelihood), output_scale
 
     @torch.no_grad()
-    def bench_context(self, ctx: RoutingContext, x: torch.Tensor, heads: int = 8, seed: int = 0) -> None:
+    def bench_context(self, ctx: RoutingContext, x: torch.Tensor, heads: int = 8, seed: int = 0,
+                      form: str = "scores") -> None:
         """Fill ``ctx`` with synthetic inputs of a ``heads``-head causal attention over ``x``
-        ``[B, S, d]`` (for layer benchmarks; gradients flow into them as in a model)."""
+        ``[B, S, d]`` in the given ``form`` (``scores``, as the model hands them, or ``probs``),
+        for layer benchmarks; gradients flow into them as in a model."""
         B, S, D = x.shape
         dh = max(1, D // heads)
         g = torch.Generator(device=x.device).manual_seed(seed)
         rnd = lambda *shape: torch.randn(shape, generator=g, device=x.device, dtype=torch.float32)  # noqa: E731
-        scores = rnd(B, heads, S, dh) @ rnd(B, heads, S, dh).transpose(-1, -2) / math.sqrt(dh)
-        causal = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
-        ctx.attn_probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1).requires_grad_()
+        q, k = rnd(B, heads, S, dh), rnd(B, heads, S, dh)
+        if form == "probs":
+            causal = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
+            scores = q @ k.transpose(-1, -2) / math.sqrt(dh)
+            ctx.attn_probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1).requires_grad_()
+        elif form == "scores":
+            ctx.extras[ATTN_QUERIES] = q.to(x.dtype).requires_grad_()
+            ctx.extras[ATTN_KEYS] = k.to(x.dtype).requires_grad_()
+        else:
+            raise ValueError(f"bench_context form={form!r}; allowed: ['scores', 'probs']")
         ctx.extras[ATTN_VALUES] = (rnd(B, heads, S, dh) / math.sqrt(dh)).to(x.dtype).requires_grad_()
         ctx.extras[ATTN_OUT_WEIGHT] = (rnd(D, heads * dh) / math.sqrt(heads * dh)).to(x.dtype).requires_grad_()
         ctx.extras[ATTN_OUTPUT] = rnd(B, S, D).to(x.dtype).requires_grad_()
         ctx.causal = True
 
-    def _attention_inputs(self, ctx: RoutingContext, B: int, S: int):
-        A = ctx.attn_probs
-        if A is None:
-            raise ValueError("router 'attention' needs the attention probabilities of the preceding attention "
-                             "sub-layer in context.attn_probs [B, H, S, S] (the model supplies them for layers "
-                             "whose router has needs_attention=True)")
-        if A.dim() != 4 or A.shape[0] != B or A.shape[2:] != (S, S):
-            raise ValueError(f"router 'attention': context.attn_probs must be [B={B}, H, S={S}, S={S}], got {tuple(A.shape)}")
+    def _value_path(self, ctx: RoutingContext):
         if not self.likelihood:
-            return A, None
+            return None
         missing = [key for key in (ATTN_VALUES, ATTN_OUT_WEIGHT, ATTN_OUTPUT) if ctx.extras.get(key) is None]
         if missing:
             raise ValueError(f"router 'attention' with likelihood=True needs context.extras {missing} from the "
                              "attention sub-layer (or set model.moe.router_options.likelihood=false)")
-        return A, (ctx.extras[ATTN_VALUES], ctx.extras[ATTN_OUT_WEIGHT], ctx.extras[ATTN_OUTPUT])
+        return ctx.extras[ATTN_VALUES], ctx.extras[ATTN_OUT_WEIGHT], ctx.extras[ATTN_OUTPUT]
+
+    def _likelihood_terms(self, value_path, head: torch.Tensor, H: int, B: int, S: int):
+        """``(q_l [B, S, dh], k_l [B, S, dh], key_bias [B, S])`` with ``q_l . k_l + key_bias`` the
+        log-likelihood ``log N(u_i | v'_j, sigma^2 I)`` up to a row constant."""
+        values, w_out, out = value_path
+        Hkv, dh = values.shape[1], values.shape[-1]
+        if H % Hkv or w_out.shape[-1] != H * dh or values.shape[0] != B or values.shape[2] != S:
+            raise ValueError(f"router 'attention': attn_values {tuple(values.shape)} / attn_out_weight "
+                             f"{tuple(w_out.shape)} do not fit {H} heads and batch_shape ({B}, {S})")
+        rows = torch.arange(B, device=head.device)
+        # u_i . v'_j = (W_h^T u_i) . v_j with W_h the head's [D, dh] slice of W_O: the dot
+        # products run in d_head dimensions, not d_model
+        k = values[rows, head // (H // Hkv)].float()  # v_{h*, j}: [B, S, dh]
+        w = w_out.float().view(w_out.shape[0], H, dh).permute(1, 0, 2)[head]  # W_{h*}: [B, D, dh]
+        scale = (1.0 / H) if self.output_scale is None else float(self.output_scale)
+        q = torch.bmm(out.float().view(B, S, -1), w) * (scale / self.sigma ** 2)
+        # log N(u_i | v'_j, sigma^2) = u_i.v'_j / sigma^2 - |v'_j|^2 / 2 sigma^2 + (row constant, cancels)
+        v_sq = (torch.bmm(k, w.transpose(1, 2) @ w) * k).sum(-1)  # |W_h v_j|^2 via the [dh, dh] Gram
+        return q, k, v_sq / (-2 * self.sigma ** 2)
+
+    def _mix_from_probs(self, ctx: RoutingContext, base: Routing, B: int, S: int):
+        A = ctx.attn_probs
+        if A.dim() != 4 or A.shape[0] != B or A.shape[2:] != (S, S):
+            raise ValueError(f"router 'attention': context.attn_probs must be [B={B}, H, S={S}, S={S}], got {tuple(A.shape)}")
+        H = A.shape[1]
+        value_path = self._value_path(ctx)
+        head = lowest_entropy_head(A, ctx.padding_mask, ctx.causal)
+        a = A[torch.arange(B, device=A.device), head].float()  # [B, S, S]
+        q = k = key_bias = None
+        if value_path is not None:
+            q, k, key_bias = self._likelihood_terms(value_path, head, H, B, S)
+        if self.detach_graph:
+            a, q, k, key_bias = (None if t is None else t.detach() for t in (a, q, k, key_bias))
+        mixed = mix_over_sequence(base.probs.view(B, S, -1), q, k, prior=a, key_bias=key_bias,
+                                  padding_mask=ctx.padding_mask, causal=ctx.causal)
+        return mixed, head, H
+
+    def _mix_from_scores(self, ctx: RoutingContext, base: Routing, B: int, S: int):
+        queries, keys = ctx.extras.get(ATTN_QUERIES), ctx.extras.get(ATTN_KEYS)
+        if queries is None or keys is None:
+            raise ValueError("router 'attention' needs the preceding attention sub-layer: context.extras "
+                             f"{ATTN_QUERIES!r} [B, H, S, d_head] and {ATTN_KEYS!r} [B, H_kv, S, d_head] (what the "
+                             "model hands routers with attention_inputs='scores'), or context.attn_probs [B, H, S, S]")
+        if (queries.dim() != 4 or keys.dim() != 4 or queries.shape[0] != B or queries.shape[2] != S
+                or keys.shape[0] != B or keys.shape[2:] != queries.shape[2:] or queries.shape[1] % keys.shape[1]):
+            raise ValueError(f"router 'attention': attn_queries {tuple(queries.shape)} / attn_keys {tuple(keys.shape)} "
+                             f"do not fit batch_shape ({B}, {S}) (queries [B, H, S, dh], keys [B, H_kv, S, dh])")
+        H, dh = queries.shape[1], queries.shape[-1]
+        value_path = self._value_path(ctx)
+        head = lowest_entropy_head_from_scores(queries, keys, ctx.padding_mask, ctx.causal)
+        rows = torch.arange(B, device=queries.device)
+        q = queries[rows, head].float() * (1.0 / math.sqrt(dh))  # q_{h*}: [B, S, dh]
+        k = keys[rows, head // (H // keys.shape[1])].float()
+        key_bias = None
+        if value_path is not None:
+            q_l, k_l, key_bias = self._likelihood_terms(value_path, head, H, B, S)
+            q, k = torch.cat([q, q_l], -1), torch.cat([k, k_l], -1)
+        if self.detach_graph:
+            q, k, key_bias = (None if t is None else t.detach() for t in (q, k, key_bias))
+        mixed = mix_over_sequence(base.probs.view(B, S, -1), q, k, key_bias=key_bias,
+                                  padding_mask=ctx.padding_mask, causal=ctx.causal)
+        return mixed, head, H
 
     def route(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:
         B, S = sequence_shape(x, ctx, "attention")
         base = self.base_routing(x, ctx)
-        A, value_path = self._attention_inputs(ctx, B, S)
-        H = A.shape[1]
-        head = lowest_entropy_head(A, ctx.padding_mask, ctx.causal)
-        rows = torch.arange(B, device=A.device)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            a = A[rows, head].float()  # [B, S, S]
-            if self.detach_graph:
-                a = a.detach()
-            q = k = key_bias = None
-            if value_path is not None:
-                values, w_out, out = value_path
-                Hkv, dh = values.shape[1], values.shape[-1]
-                if H % Hkv or w_out.shape[-1] != H * dh or values.shape[0] != B or values.shape[2] != S:
-                    raise ValueError(f"router 'attention': attn_values {tuple(values.shape)} / attn_out_weight "
-                                     f"{tuple(w_out.shape)} do not fit {H} heads and batch_shape ({B}, {S})")
-                # u_i . v'_j = (W_h^T u_i) . v_j with W_h the head's [D, dh] slice of W_O: the dot
-                # products run in d_head dimensions, not d_model
-                k = values[rows, head // (H // Hkv)].float()  # v_{h*, j}: [B, S, dh]
-                w = w_out.float().view(w_out.shape[0], H, dh).permute(1, 0, 2)[head]  # W_{h*}: [B, D, dh]
-                scale = (1.0 / H) if self.output_scale is None else float(self.output_scale)
-                q = torch.bmm(out.float().view(B, S, -1), w) * (scale / self.sigma ** 2)
-                # log N(u_i | v'_j, sigma^2) = u_i.v'_j / sigma^2 - |v'_j|^2 / 2 sigma^2 + (row constant, cancels)
-                v_sq = (torch.bmm(k, w.transpose(1, 2) @ w) * k).sum(-1)  # |W_h v_j|^2 via the [dh, dh] Gram
-                key_bias = v_sq / (-2 * self.sigma ** 2)
-                if self.detach_graph:
-                    q, k, key_bias = q.detach(), k.detach(), key_bias.detach()
-            mixed = mix_over_sequence(base.probs.view(B, S, -1), q, k, prior=a, key_bias=key_bias,
-                                      padding_mask=ctx.padding_mask, causal=ctx.causal)
+            if ctx.attn_probs is not None:
+                mixed, head, H = self._mix_from_probs(ctx, base, B, S)
+            else:
+                mixed, head, H = self._mix_from_scores(ctx, base, B, S)
         extras = {"selected_heads": torch.bincount(head.detach(), minlength=H)}
         return self.finish(base, mixed.reshape(B * S, -1), extras)
