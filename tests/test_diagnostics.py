@@ -235,3 +235,67 @@ def test_trainer_logs_routing_diagnostics_for_graph_routers(tmp_path):
     assert "routing_fluctuation.png" in sym["plots"] and "symphony_graph.png" in sym["plots"]
     for (a0, n0), (a1, n1) in zip(sym["graphs"], results[1]["symphony"]["graphs"]):
         assert n0 == n1 == 8 and torch.equal(a0, a1) and a0.abs().sum() > 0  # one graph, bit-identical on both ranks
+
+
+# ---------------------------------------------------------------- router extras over ranks
+EXTRA_ROUTERS = {"similarity": {"temperature": 4.0}, "attention": {}, "symphony": {"init": "identity"}}
+
+
+def _graph_case(B, S, seed, D=16, H=2, dh=4):
+    """Router inputs [B, S, D] and what the model hands an attention-aware router."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, S, D, generator=g)
+    attn = {"attn_queries": torch.randn(B, H, S, dh, generator=g), "attn_keys": torch.randn(B, H, S, dh, generator=g),
+            "attn_values": torch.randn(B, H, S, dh, generator=g), "attn_output": torch.randn(B, S, D, generator=g),
+            "attn_out_weight": torch.randn(D, H * dh, generator=g) / 3}
+    return x, attn
+
+
+def _extras_run(rank, world, ep):
+    """Two micro-batches of whole sequences (uneven per rank); the step's MoE summary."""
+    from moe_dist.train.metrics import MoEStepStats
+
+    torch.manual_seed(0)
+    groups = build_parallel_groups(ep, 8)
+    out = {}
+    for name, options in EXTRA_ROUTERS.items():
+        torch.manual_seed(1)
+        layer = MoELayer(16, 32, 8, 2, router=name, router_options=options)
+        if name == "symphony":  # a graph that changes choices
+            with torch.no_grad():
+                layer.router.A.copy_(torch.rand(8, 8, generator=torch.Generator().manual_seed(3)))
+        layer = apply_expert_parallel(layer, groups)
+        holder = nn.ModuleList([layer])
+        stats = MoEStepStats(holder)
+        for micro, per_rank in enumerate(([3, 1], [2, 4])):
+            B = sum(per_rank)
+            S = 6
+            x, attn = _graph_case(B, S, seed=10 + micro)
+            b0 = sum(per_rank[:rank]) if world > 1 else 0
+            nb = per_rank[rank] if world > 1 else B
+            layer.context.batch_shape = (nb, S)
+            layer.context.extras.update({k: v[b0:b0 + nb] if v.dim() > 2 else v for k, v in attn.items()})
+            with torch.no_grad():
+                layer(x[b0:b0 + nb].reshape(-1, 16))
+            stats.add()
+        out[name] = stats.summary(groups.dp if world > 1 else None)
+    return out
+
+
+def test_router_extras_are_reduced_over_ranks():
+    """topk_changed / gate_sum (means over tokens) and selected_heads (counts) describe a rank's
+    own tokens; the step summary combines them so 2 ranks log what one process would."""
+    one = _extras_run(0, 1, 1)
+    two = run_ranks(_extras_run, 2, args=(2,))
+    for name in EXTRA_ROUTERS:
+        ref = one[name]["0"]
+        for got in (two[0][name]["0"], two[1][name]["0"]):
+            for key in EXTRA_ROUTERS_KEYS[name]:
+                assert got[key] == pytest.approx(ref[key], rel=1e-6), (name, key)  # fp32 means inside the router
+        changed = ref["topk_changed"]
+        assert 0 < changed < 1, f"{name}: topk_changed={changed}; the case checks nothing"
+    assert sum(one["attention"]["0"]["selected_heads"]) == 4 + 6  # sequences of both micro-batches
+
+
+EXTRA_ROUTERS_KEYS = {"similarity": ["topk_changed"], "attention": ["topk_changed", "selected_heads"],
+                      "symphony": ["topk_changed", "gate_sum"]}

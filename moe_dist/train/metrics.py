@@ -5,8 +5,10 @@ import json
 import os
 from typing import Any, Optional
 
+import torch
 import torch.nn as nn
 
+from ..dist.collectives import all_reduce_sum
 from ..moe import MoELayer
 
 STANDARD_STATS = ("expert_counts", "dropped_fraction", "aux_loss", "z_loss", "entropy", "tokens", "capacity")
@@ -15,7 +17,8 @@ STANDARD_STATS = ("expert_counts", "dropped_fraction", "aux_loss", "z_loss", "en
 class MoEStepStats:
     """Sums per-expert counts and drops, averages losses and entropy, over one step's micro-batches,
     for every MoE layer (keyed by its block index). The layer statistics are already global
-    (identical on every rank)."""
+    (identical on every rank); router extras a router lists in ``local_extras`` are figures of
+    this rank's tokens and are reduced over the ranks in :meth:`summary`."""
 
     def __init__(self, model: nn.Module):
         self.layers = [m for m in model.modules() if isinstance(m, MoELayer)]
@@ -31,7 +34,8 @@ class MoEStepStats:
                 continue
             s = layer.stats.as_dict()
             acc = self._acc.setdefault(layer.context.layer_idx, {"n": 0, "tokens": 0, "counts": None, "dropped": 0.0,
-                                                                  "pairs": 0.0, "aux": 0.0, "z": 0.0, "entropy": 0.0})
+                                                                  "pairs": 0.0, "aux": 0.0, "z": 0.0, "entropy": 0.0,
+                                                                  "rows": 0, "local": {}, "lists": set()})
             tokens = s["tokens"]
             acc["n"] += 1
             acc["tokens"] += tokens
@@ -42,11 +46,43 @@ class MoEStepStats:
             acc["aux"] += s["aux_loss"]
             acc["z"] += s["z_loss"]
             acc["entropy"] += s["entropy"] * tokens
-            acc["extras"] = {k: v for k, v in s.items() if k not in STANDARD_STATS}
+            local = getattr(layer.router, "local_extras", {})
+            rows = 0 if layer.last_routing is None else int(layer.last_routing.expert_ids.shape[0])
+            acc["rows"] += rows
+            for key, mode in local.items():
+                if key in s:  # a mean: weighted by this rank's router rows; a sum: as it is
+                    if isinstance(s[key], list):
+                        acc["lists"].add(key)
+                    vals = [float(v) * (rows if mode == "mean" else 1) for v in (s[key] if isinstance(s[key], list) else [s[key]])]
+                    prev = acc["local"].get(key)
+                    acc["local"][key] = vals if prev is None else [a + b for a, b in zip(prev, vals)]
+            acc["extras"] = {k: v for k, v in s.items() if k not in STANDARD_STATS and k not in local}
             if "capacity" in s:
                 acc["capacity"] = s["capacity"]
 
-    def summary(self) -> dict[str, dict]:
+    def _reduce_local(self, group, device) -> dict[int, dict[str, Any]]:
+        """The ``local_extras`` of every layer over ``group`` (the ranks holding distinct tokens):
+        means weighted by router rows, sums summed. One all-reduce; every rank of ``group`` calls it."""
+        idxs = sorted(self._acc)
+        keys = [(i, k) for i in idxs for k in sorted(self._acc[i]["local"])]
+        flat = [float(self._acc[i]["rows"]) for i in idxs] + [v for i, k in keys for v in self._acc[i]["local"][k]]
+        if not keys:
+            return {}
+        total = all_reduce_sum(torch.tensor(flat, dtype=torch.float64, device=device), group).cpu().tolist()
+        rows, pos, out = dict(zip(idxs, total[:len(idxs)])), len(idxs), {}
+        for i, k in keys:
+            n = len(self._acc[i]["local"][k])
+            vals, pos = total[pos:pos + n], pos + n
+            layer = next(m for m in self.layers if m.context.layer_idx == i)
+            if layer.router.local_extras[k] == "mean":
+                vals = [v / max(rows[i], 1.0) for v in vals]
+            out.setdefault(i, {})[k] = vals if k in self._acc[i]["lists"] else vals[0]
+        return out
+
+    def summary(self, group=None, device=None) -> dict[str, dict]:
+        """Per-layer figures of the step. Collective over ``group`` when a router has
+        ``local_extras`` (every rank calls it)."""
+        reduced = self._reduce_local(group, device)
         out = {}
         for layer in self.layers:
             idx = layer.context.layer_idx
@@ -63,6 +99,7 @@ class MoEStepStats:
             if "capacity" in acc:
                 row["capacity"] = acc["capacity"]
             row.update(acc.get("extras", {}))
+            row.update(reduced.get(idx, {}))
             row.update(_plain(layer.router.extra_metrics()))
             out[str(idx)] = row
         return out

@@ -239,7 +239,7 @@ class Trainer:
                     row.update(val_loss=last_val["loss"], val_ppl=last_val["ppl"])
                     self.log(f"step {self.step}/{steps}: val loss {last_val['loss']:.4f}, perplexity {last_val['ppl']:.2f}")
                 if self.step % cfg.run.log_every == 0 or last or "val_loss" in row or self.step == 1:
-                    row["moe"] = self.moe_stats.summary()
+                    row["moe"] = self.moe_stats.summary(self.rt.groups.dp, self.rt.device)
                     for layer, figs in self.diagnostics.update(self.step, row["moe"]).items():
                         row["moe"][layer].update({k: v for k, v in figs.items() if k != "load"}, **fluct.get(layer, {}))
                     self.metrics.log(row)

@@ -22,6 +22,9 @@ class Router(nn.Module):
     needs_token_layout = False
     needs_attention = False
     attention_inputs = "probs"
+    # Routing.extras that describe this rank's tokens only, and how the metrics combine them over
+    # the ranks holding distinct tokens: "mean" (weighted by router rows) or "sum"
+    local_extras: dict[str, str] = {}
 
     def __init__(self, d_model: int, num_experts: int, top_k: int):
         super().__init__()

@@ -74,6 +74,8 @@ class SymphonyRouter(WrappingRouter):
     bias_correction: route with ``A / (1 - beta^t)`` after t updates (zero init only).
     """
 
+    local_extras = {"topk_changed": "mean", "gate_sum": "mean"}  # figures of this rank's tokens
+
     def __init__(self, d_model: int, num_experts: int, top_k: int, *, base: str = "topk",
                  base_options: Optional[dict] = None, beta: float = 0.9, init: str = "zero",
                  normalization: str = "row", count_source: str = "base", scope: str = "global",

@@ -168,6 +168,8 @@ def mix_over_sequence(probs: torch.Tensor, q: Optional[torch.Tensor] = None, k: 
 class TokenGraphRouter(WrappingRouter):
     """Shared tail of both token-graph routers: mixed probabilities -> top-k -> Routing."""
 
+    local_extras = {"topk_changed": "mean"}  # share of tokens whose top-k set the mixing changed
+
     def __init__(self, d_model, num_experts, top_k, base, base_options, normalize, aux_probs, detach_graph, name):
         super().__init__(d_model, num_experts, top_k, base, base_options, name)
         if aux_probs not in AUX_PROBS:
@@ -300,6 +302,7 @@ class AttentionRouter(TokenGraphRouter):
 
     needs_attention = True
     attention_inputs = "scores"
+    local_extras = {**TokenGraphRouter.local_extras, "selected_heads": "sum"}  # sequences per chosen head
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, *, base: str = "topk",
                  base_options: Optional[dict] = None, sigma: float = 1.0, likelihood: bool = True,
