@@ -14,6 +14,9 @@ CASES = {
     "xmoe-probs-cap": dict(router="xmoe", capacity_factor=1.0, drop_policy="probs"),
     "topk-position-cap": dict(router="topk", capacity_factor=0.75, drop_policy="position"),
     "noisy-gelu": dict(router="noisy_topk", activation="gelu", router_options={"init_std": 0.5}),
+    # rows arrive from the peers per (source, expert) segment: the loop kernel (above) runs them in
+    # place, the others group them first
+    "topk-grouped-mm": dict(router="topk", expert_kernel="grouped_mm"),
 }
 
 

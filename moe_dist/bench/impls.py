@@ -58,9 +58,11 @@ class MoEDistImpl(Impl):
                 w = getattr(layer.experts, name)
                 if w is not None:
                     w.copy_(getattr(ref.experts, name))
-            w = getattr(layer.router, "weight", None)
+            # same scores (and the same skew) as the reference router; a wrapping router's base scores
+            scorer = getattr(layer.router, "base", layer.router)
+            w = getattr(scorer, "weight", None)
             if isinstance(w, torch.Tensor) and w.shape == ref.router.weight.shape:
-                w.copy_(ref.router.weight)  # same scores (and the same skew) as the reference router
+                w.copy_(ref.router.weight)
         if groups.ep_size > 1:
             apply_expert_parallel(layer, groups)
         else:
@@ -81,6 +83,7 @@ class MoEDistImpl(Impl):
 
     def step(self) -> None:
         _clear_grads(self.params + [self.x])
+        self.layer.context.step += 1  # routers with per-step coins (SSR) see a training run's mix of steps
         out = self.layer(self.x)
         torch.autograd.backward([out, self.layer.aux_loss], [self.work.grad_out, self.one.to(self.layer.aux_loss.dtype)])
 

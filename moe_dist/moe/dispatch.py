@@ -2,8 +2,8 @@
 
 No one-hot ``[tokens, experts, capacity]`` masks and no capacity padding: kept
 token-expert pairs are sorted by expert, only those rows cross the wire
-(``all_to_all_single`` with uneven splits after a count exchange), regrouped by local
-expert, computed, sent back and summed into their tokens weighted by the gates.
+(``all_to_all_single`` with uneven splits after a count exchange), computed per local
+expert segment as they arrive, sent back and summed into their tokens weighted by the gates.
 """
 from __future__ import annotations
 
@@ -23,30 +23,8 @@ class DispatchPlan:
     gates: torch.Tensor  # [N] gate of each sorted kept pair (gradient)
     send_splits: list  # rows sent to each ep rank
     recv_splits: list  # rows received from each ep rank
-    regroup: Optional[torch.Tensor]  # received rows -> grouped by local expert
-    ungroup: Optional[torch.Tensor]  # inverse of regroup
-    local_counts: list  # rows per local expert after regrouping
-
-
-def _inverse(perm: torch.Tensor) -> torch.Tensor:
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel(), device=perm.device)
-    return inv
-
-
-class _PermuteRows(torch.autograd.Function):
-    """``x[perm]`` whose backward is the gather by the inverse permutation (autograd's
-    ``index_select`` backward would zero-fill and scatter-add instead)."""
-
-    @staticmethod
-    def forward(ctx, x, perm, inverse):
-        ctx.save_for_backward(inverse)
-        return x.index_select(0, perm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (inverse,) = ctx.saved_tensors
-        return grad.index_select(0, inverse), None, None
+    local_counts: list  # rows per local expert
+    segments: Optional[list] = None  # (local expert, rows) of the received rows in order (ep > 1)
 
 
 _BLOCK_ROWS = 4096  # rows per temporary: small temporaries are recycled, big ones page-fault
@@ -83,7 +61,9 @@ class _WeightedScatter(torch.autograd.Function):
 def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor, keep: Optional[torch.Tensor],
              num_experts: int, ep_group: Optional[dist.ProcessGroup],
              peer_counts: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, DispatchPlan]:
-    """Route rows of ``x`` ``[T, d]`` to their experts. Returns rows grouped by local expert.
+    """Route rows of ``x`` ``[T, d]`` to their experts. Returns the rows this rank's experts
+    compute: grouped by local expert, or with expert parallelism in arrival order
+    (``plan.segments``).
 
     ``peer_counts``: ``[ep, E]`` kept pairs per expert of every expert-parallel peer (in
     ``ep_group`` rank order) when the caller knows them already; else they are exchanged.
@@ -102,7 +82,7 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor, kee
     ep = group_size(ep_group)
     if ep == 1:
         lc = counts.tolist()
-        plan = DispatchPlan(token_idx, flat_g.index_select(0, order), [routed.shape[0]], [routed.shape[0]], None, None, lc)
+        plan = DispatchPlan(token_idx, flat_g.index_select(0, order), [routed.shape[0]], [routed.shape[0]], lc)
         return routed, plan
     local = num_experts // ep
     send_counts = counts.view(ep, local)
@@ -115,11 +95,13 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor, kee
     send_splits = send_counts.sum(1).tolist()
     recv_splits = recv_counts.sum(1).tolist()
     received = all_to_all_rows(routed, recv_splits, send_splits, ep_group)  # [src rank][local expert] order
-    local_of_row = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(ep), recv_counts.reshape(-1))
-    regroup = torch.argsort(local_of_row, stable=True)
-    plan = DispatchPlan(token_idx, flat_g.index_select(0, order), send_splits, recv_splits, regroup, _inverse(regroup),
-                        recv_counts.sum(0).tolist())
-    return _PermuteRows.apply(received, regroup, plan.ungroup), plan
+    # left in arrival order: the experts run each (source, expert) segment where it is (no
+    # regrouping copy of every row, and of its gradient, for the loop kernel)
+    rc = recv_counts.tolist()
+    segments = [(e, rc[src][e]) for src in range(ep) for e in range(local)]
+    plan = DispatchPlan(token_idx, flat_g.index_select(0, order), send_splits, recv_splits,
+                        [sum(rc[src][e] for src in range(ep)) for e in range(local)], segments)
+    return received, plan
 
 
 def combine(y: torch.Tensor, plan: DispatchPlan, num_tokens: int, ep_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
@@ -128,7 +110,6 @@ def combine(y: torch.Tensor, plan: DispatchPlan, num_tokens: int, ep_group: Opti
     The gate multiply happens in the experts' dtype (no fp32 ``[k, T, d]`` temporaries).
     Dropped pairs contribute nothing.
     """
-    if plan.ungroup is not None:
-        y = all_to_all_rows(_PermuteRows.apply(y, plan.ungroup, plan.regroup), plan.send_splits, plan.recv_splits,
-                            ep_group)
+    if plan.segments is not None:
+        y = all_to_all_rows(y, plan.send_splits, plan.recv_splits, ep_group)
     return _WeightedScatter.apply(y, plan.gates.to(y.dtype), plan.token_idx, num_tokens)

@@ -38,6 +38,27 @@ def _keeps_graph() -> bool:
         return True
 
 
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
+
+
+class PermuteRows(torch.autograd.Function):
+    """``x[perm]`` whose backward is the gather by the inverse permutation (autograd's
+    ``index_select`` backward would zero-fill and scatter-add instead)."""
+
+    @staticmethod
+    def forward(ctx, x, perm, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
 def _blocks(start: int, end: int):
     for s in range(start, end, CHUNK_ROWS):
         yield s, min(s + CHUNK_ROWS, end)
@@ -57,10 +78,10 @@ class _LoopFFN(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, counts, w1, w3, w2):
+    def forward(ctx, x, segments, w1, w3, w2):
         x = x.contiguous()
         spans, start = [], 0
-        for e, c in enumerate(counts):
+        for e, c in segments:  # (expert, rows) in row order; an expert may own several segments
             if c:
                 spans.append((e, start, start + c))
             start += c
@@ -106,6 +127,14 @@ class _LoopFFN(torch.autograd.Function):
         gw3 = weight_grad(w3) if need_w3 else None
         gw2 = weight_grad(w2) if need_w2 else None
         gx = torch.zeros_like(x) if need_x and not spans else (torch.empty_like(x) if need_x else None)
+        written = set()  # experts whose weight gradient holds a first segment's (later ones add)
+
+        def weight_mm(g, e, a, b):
+            if e in written:
+                g[e].addmm_(a, b)
+            else:
+                torch.mm(a, b, out=g[e])
+
         for (e, s0, t0), (h1, h3, a) in zip(spans, acts):
             gh1 = h1 if reuse else torch.empty_like(h1)
             gh3 = h3 if reuse or h3 is None else torch.empty_like(h3)
@@ -124,11 +153,12 @@ class _LoopFFN(torch.autograd.Function):
                     if w3 is not None:
                         gx[s:t].addmm_(gh3[r0:r1], w3[e].t())
             if need_w2:
-                torch.mm(a.t(), gy[s0:t0], out=gw2[e])
+                weight_mm(gw2, e, a.t(), gy[s0:t0])
             if need_w1:
-                torch.mm(x[s0:t0].t(), gh1, out=gw1[e])
+                weight_mm(gw1, e, x[s0:t0].t(), gh1)
             if need_w3:
-                torch.mm(x[s0:t0].t(), gh3, out=gw3[e])
+                weight_mm(gw3, e, x[s0:t0].t(), gh3)
+            written.add(e)
         return gx, None, gw1, gw3, gw2
 
 
@@ -190,14 +220,15 @@ class GroupedExperts(nn.Module):
     def _act(self, h1: torch.Tensor, h3: Optional[torch.Tensor]) -> torch.Tensor:
         return F.silu(h1) * h3 if self.activation == "swiglu" else F.gelu(h1)
 
-    def _loop(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+    def _loop(self, x: torch.Tensor, counts: Sequence[int], segments: Optional[Sequence[tuple[int, int]]] = None) -> torch.Tensor:
         weights = (self.w1, self.w3, self.w2)
+        segments = list(enumerate(counts)) if segments is None else segments
         if torch.is_autocast_enabled(x.device.type):  # cast once here, run the kernel without autocast
             dtype = torch.get_autocast_dtype(x.device.type)
             x, weights = x.to(dtype), tuple(None if w is None else w.to(dtype) for w in weights)
             with torch.autocast(x.device.type, enabled=False):
-                return _LoopFFN.apply(x, counts, *weights)
-        return _LoopFFN.apply(x, counts, *weights)
+                return _LoopFFN.apply(x, segments, *weights)
+        return _LoopFFN.apply(x, segments, *weights)
 
     def _bmm(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         cap = max(counts) if counts else 0
@@ -233,10 +264,19 @@ class GroupedExperts(nn.Module):
             return self._grouped(x, counts)
         raise ValueError(f"unknown expert kernel {name!r}; allowed: {list(KERNELS)}")
 
-    def forward(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: Sequence[int],
+                segments: Optional[Sequence[tuple[int, int]]] = None) -> torch.Tensor:
+        """Rows ``x`` grouped by local expert (``counts[e]`` rows each, in expert order), or, with
+        ``segments`` (``(local expert, rows)`` in row order, an expert possibly in several, as
+        rows arrive from expert-parallel peers), in any order: the loop kernel runs the segments
+        where they are; the others group the rows first and ungroup the result."""
         counts = [int(c) for c in counts]
         if sum(counts) != x.shape[0]:
             raise ValueError(f"expert counts sum to {sum(counts)} but {x.shape[0]} rows were given")
+        if segments is not None:
+            segments = [(int(e), int(c)) for e, c in segments]
+            if [e for e, c in segments if c] == sorted(e for e, c in segments if c):  # already grouped
+                segments = None
         if not torch.is_autocast_enabled(x.device.type):
             x = x.to(self.w1.dtype)  # e.g. bf16 activations into fp32 experts without autocast
         if x.shape[0] == 0:
@@ -244,7 +284,16 @@ class GroupedExperts(nn.Module):
             return (x @ self.w1[0]) @ self.w2[0] if self.num_experts else x
         kernel = self.kernel if self.kernel != "auto" else KERNEL_TUNER.choose(self, x, counts)
         self.last_kernel = kernel  # what ran last (benchmarks report it)
-        return self.run_kernel(kernel, x, counts)
+        if segments is None:
+            return self.run_kernel(kernel, x, counts)
+        if kernel == "loop":
+            return self._loop(x, counts, segments)
+        expert_of_row = torch.repeat_interleave(torch.tensor([e for e, _ in segments], device=x.device),
+                                                torch.tensor([c for _, c in segments], device=x.device))
+        group = torch.argsort(expert_of_row, stable=True)
+        ungroup = inverse_permutation(group)
+        y = self.run_kernel(kernel, PermuteRows.apply(x, group, ungroup), counts)
+        return PermuteRows.apply(y, ungroup, group)
 
 
 class KernelTuner:

@@ -162,7 +162,7 @@ class MoELayer(nn.Module):
         # dropless: every expert-parallel peer's counts are already here (no count exchange)
         peer_counts = subgroup_rows(counts_r, stats_group, self.groups.ep) if keep is None else None
         routed, plan = dispatch(x2, routing.expert_ids, routing.gates, keep, E, self.groups.ep, peer_counts)
-        y = self.experts(routed, plan.local_counts)
+        y = self.experts(routed, plan.local_counts, plan.segments)
         out = combine(y, plan, n_tok, self.groups.ep)
 
         self.stats = MoEStats(expert_counts=counts_g, dropped=dropped, pairs=tokens_g * k, tokens=tokens_g,
