@@ -48,7 +48,14 @@ ASYNC = {"symphony", "hyper"}  # their reference runs save in the background
 def config(root, router, name, *extra):
     return load_config(CONFIG, [*ROUTERS[router], f"run.dir={root}/{router}/{name}", f"data.cache_dir={root}/cache",
                                 f"data.corpus={ROOT}/tests/data/python-docs", "run.tensorboard=false", "run.plots=false",
-                                "run.progress=false", f"train.steps={STEPS}", *extra])
+                                "run.progress=false", f"train.steps={STEPS}", f"eval.every={AT}", *extra])
+
+
+def fluctuation(rows, step):
+    """{layer: (fluct_top1, fluct_topk)} logged at ``step`` (the probe evaluation compares with
+    the previous one, which a resumed run restored from the checkpoint)."""
+    row = next(r for r in rows if r["step"] == step)
+    return {k: (v["fluct_top1"], v["fluct_topk"]) for k, v in row["moe"].items()}
 
 
 def rows_of(root, router, name):
@@ -93,6 +100,7 @@ def test_exact_resume_same_layout(saved4):
         assert [r["step"] for r in same] == list(range(AT + 1, STEPS + 1))
         for key in ("loss", "grad_norm", "aux_loss", "lr"):  # bitwise
             assert [r[key] for r in same] == [r[key] for r in ref[AT:]], f"{router}: {key}"
+        assert fluctuation(same, STEPS) == fluctuation(ref, STEPS), router  # probe assignments resumed
         a, b = read_full(step_dir(f"{saved4}/{router}/ref", STEPS)), read_full(step_dir(f"{saved4}/{router}/same", STEPS))
         assert set(a) == set(b) and any(k.startswith("optim.") and k.endswith(".exp_avg_sq.expert_3") for k in a)
         for k in a:
@@ -149,6 +157,9 @@ def test_resume_at_another_layout(saved4, name):
                                    rtol=1e-5, atol=0, msg=lambda m: f"{router} at {name}: {m}")
         if router == "hyper":
             assert [r["moe"]["0"]["k"] for r in got] == [r["moe"]["0"]["k"] for r in ref[AT:]]
+        flu, flu_ref = fluctuation(got, STEPS), fluctuation(ref, STEPS)  # the saved probe split another way
+        assert set(flu) == set(flu_ref) and all(abs(a - b) <= 0.02 for k in flu for a, b in zip(flu[k], flu_ref[k])), \
+            (router, name, flu, flu_ref)
         a, b = read_full(step_dir(f"{saved4}/{router}/{name}", STEPS)), read_full(step_dir(f"{saved4}/{router}/ref", STEPS))
         assert set(a) == set(b), f"{router} at {name}: {sorted(set(a) ^ set(b))[:5]}"
         worst = max((rel_diff(a[k], b[k]), k) for k in a)

@@ -299,3 +299,49 @@ def test_router_extras_are_reduced_over_ranks():
 
 EXTRA_ROUTERS_KEYS = {"similarity": ["topk_changed"], "attention": ["topk_changed", "selected_heads"],
                       "symphony": ["topk_changed", "gate_sum"]}
+
+
+# ---------------------------------------------------------------- probe assignments across a resume
+def _probe_share(rank, world, state):
+    """Ranks of a 2-rank layout (ep 2) each route half the probe: save the diagnostics' state
+    after one evaluation, or (given a saved state) resume from it and evaluate once more."""
+    import json
+
+    groups = build_parallel_groups(2, E)
+    model = apply_expert_parallel(TinyLM(), groups)
+    mine = slice(rank * 2, (rank + 1) * 2)
+    diag = RoutingDiagnostics()
+    if state is None:
+        diag.evaluate_probe(model, probe(B=4)[mine], step=0, group=groups.dp)
+        return json.loads(json.dumps(diag.state_dict(groups.dp)))  # through JSON, as in the checkpoint
+    diag.load_state_dict(state)
+    perturb_router(model, 0)
+    return diag.evaluate_probe(model, probe(B=4)[mine], step=1, group=groups.dp)
+
+
+def test_probe_assignments_survive_a_resume_in_another_layout():
+    """The last probe assignments are saved for the whole probe set: a run saved by 2 ranks and
+    resumed by 1 process (and the other way round) compares its first evaluation with them and
+    gets the uninterrupted run's rates."""
+    import json
+
+    model = TinyLM()
+    diag = RoutingDiagnostics()
+    diag.evaluate_probe(model, probe(B=4), step=0)
+    saved_one = json.loads(json.dumps(diag.state_dict()))
+    perturb_router(model, 0)
+    want = diag.evaluate_probe(model, probe(B=4), step=1)
+    assert want["1"]["fluct_top1"] > 0
+
+    saved_two = run_ranks(_probe_share, 2, args=(None,))
+    assert saved_two[0] == saved_two[1] and saved_two[0]["probe_prev"] == saved_one["probe_prev"]
+    resumed = RoutingDiagnostics()
+    resumed.load_state_dict(saved_two[0])
+    model = TinyLM()
+    perturb_router(model, 0)
+    assert resumed.evaluate_probe(model, probe(B=4), step=1) == want  # 2 ranks -> 1 process
+    assert run_ranks(_probe_share, 2, args=(saved_one,)) == [want, want]  # 1 process -> 2 ranks
+    # a different probe set (another eval batch) is not compared with the saved one
+    other = RoutingDiagnostics()
+    other.load_state_dict(saved_one)
+    assert other.evaluate_probe(TinyLM(), probe(B=3), step=1) == {}

@@ -42,6 +42,8 @@ class RoutingDiagnostics:
         self.fluct_history: dict[str, list[tuple[int, dict]]] = {}
         self.graphs: dict[str, tuple[Any, int]] = {}
         self._probe_prev: Optional[dict[str, torch.Tensor]] = None
+        # after a resume: the whole probe set's last assignments, split at the next evaluation
+        self._probe_prev_global: Optional[dict[str, torch.Tensor]] = None
 
     # ---- load balance ----------------------------------------------------------------------
     def update(self, step: int, stats) -> dict[str, dict]:
@@ -70,6 +72,9 @@ class RoutingDiagnostics:
         previous evaluation. Returns ``{layer: {"fluct_top1", "fluct_topk"}}``, empty at the first
         evaluation. Collective: every rank of ``group`` calls it (counts are summed over it)."""
         cur = probe_assignments(model, probe_tokens, padding_mask, forward)
+        if self._probe_prev is None and self._probe_prev_global is not None:
+            self._probe_prev = _my_share(self._probe_prev_global, cur, group)
+            self._probe_prev_global = None
         prev, self._probe_prev = self._probe_prev, cur
         if prev is None:
             return {}
@@ -125,13 +130,64 @@ class RoutingDiagnostics:
         return paths
 
     # ---- resume ----------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """Histories and the last probe assignments (tensors and plain containers only)."""
+    def state_dict(self, group: Optional[dist.ProcessGroup] = None) -> dict:
+        """Histories and the last probe assignments of the whole probe set (the ranks' shares of
+        ``group`` concatenated in rank order), JSON-safe. Collective over ``group``."""
+        prev = self._probe_prev
+        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+            shares = [None] * dist.get_world_size(group)
+            dist.all_gather_object(shares, None if prev is None else {k: v.cpu() for k, v in prev.items()}, group=group)
+            prev = None if any(p is None for p in shares) else {k: torch.cat([p[k] for p in shares]) for k in shares[0]}
+        elif prev is None and self._probe_prev_global is not None:  # resumed, not yet evaluated
+            prev = self._probe_prev_global
         return {"load_history": {k: [[s, list(v)] for s, v in rows] for k, rows in self.load_history.items()},
                 "fluct_history": {k: [[s, dict(v)] for s, v in rows] for k, rows in self.fluct_history.items()},
-                "probe_prev": self._probe_prev}
+                "probe_prev": None if prev is None else {k: _encode_ids(v) for k, v in prev.items()}}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; the probe assignments are split among the ranks at the next
+        :meth:`evaluate_probe` (any layout whose probe set is the same)."""
         self.load_history = {k: [(int(s), list(v)) for s, v in rows] for k, rows in state["load_history"].items()}
         self.fluct_history = {k: [(int(s), dict(v)) for s, v in rows] for k, rows in state["fluct_history"].items()}
-        self._probe_prev = state["probe_prev"]
+        saved = state.get("probe_prev")
+        self._probe_prev = None
+        self._probe_prev_global = None if not saved else {k: _decode_ids(v) for k, v in saved.items()}
+
+
+def _encode_ids(ids: torch.Tensor) -> dict:
+    """``[T, k]`` expert ids as a compact JSON value (little-endian int32, base64)."""
+    import base64
+
+    arr = ids.to(torch.int32).contiguous().cpu().numpy().astype("<i4")
+    return {"shape": list(arr.shape), "int32_b64": base64.b64encode(arr.tobytes()).decode("ascii")}
+
+
+def _decode_ids(value: dict) -> torch.Tensor:
+    import base64
+
+    import numpy as np
+
+    raw = base64.b64decode(value["int32_b64"].encode("ascii"), validate=True)
+    arr = np.frombuffer(raw, dtype="<i4")
+    shape = [int(n) for n in value["shape"]]
+    if arr.size != int(np.prod(shape)):
+        raise ValueError(f"probe assignments: {arr.size} ids for shape {shape}")
+    return torch.from_numpy(arr.reshape(shape).astype(np.int64))
+
+
+def _my_share(whole: dict[str, torch.Tensor], cur: dict[str, torch.Tensor],
+              group: Optional[dist.ProcessGroup]) -> Optional[dict[str, torch.Tensor]]:
+    """This rank's rows of the saved whole-probe assignments, placed by the ranks' current probe
+    sizes (rank order); None when the probe set or the layers changed since they were saved."""
+    rows = next(iter(cur.values())).shape[0] if cur else 0
+    sizes = [rows]
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        sizes = [None] * dist.get_world_size(group)
+        dist.all_gather_object(sizes, rows, group=group)
+        me = dist.get_rank(group)
+    else:
+        me = 0
+    start = sum(sizes[:me])
+    if set(whole) != set(cur) or any(whole[k].shape != (sum(sizes), cur[k].shape[1]) for k in cur):
+        return None
+    return {k: whole[k][start:start + rows] for k in cur}

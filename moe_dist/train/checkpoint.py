@@ -578,12 +578,13 @@ class TrainingCheckpoints:
                 "config": self.config, "diagnostics": self._diagnostics_state()}
 
     def _diagnostics_state(self) -> Optional[dict]:
-        """The routing diagnostics' histories (JSON); the probe assignments are per rank and layout
-        dependent, so the first probe evaluation after a resume starts a new comparison."""
+        """The routing diagnostics' histories and the probe set's last assignments (JSON; gathered
+        over the data-parallel ranks, so the first probe evaluation after a resume, in any
+        layout, compares with them)."""
         diag = getattr(self.t, "diagnostics", None)
         if diag is None or not hasattr(diag, "state_dict"):
             return None
-        return {**diag.state_dict(), "probe_prev": None}
+        return diag.state_dict(self.t.rt.groups.dp if self.t.rt.distributed else None)
 
     def save(self) -> str:
         t = self.t
