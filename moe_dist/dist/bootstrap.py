@@ -18,6 +18,7 @@ import datetime
 import os
 import re
 import socket
+import sys
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
@@ -279,6 +280,15 @@ def init_distributed(ep: int = 1, num_experts: Optional[int] = None, *, backend:
 
 
 def shutdown(rt: Runtime) -> None:
-    """Destroy the process group if :func:`init_distributed` created it."""
-    if rt.owns_process_group and dist.is_initialized():
-        dist.destroy_process_group()
+    """Destroy the process group if :func:`init_distributed` created it.
+
+    On a normal exit every rank first meets the others, so no rank tears its connections
+    down while a peer still uses them (a gloo rank that went ahead while rank 0 was still
+    writing its report was seen to abort in teardown). While an exception is propagating
+    there is no meeting: the peers may never arrive, and the launcher stops them anyway.
+    """
+    if not (rt.owns_process_group and dist.is_initialized()):
+        return
+    if sys.exc_info()[0] is None and dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()
