@@ -131,3 +131,16 @@ def test_checkpoint_keys_are_global_experts_and_round_trip(tmp_path):
         assert torch.equal(a, b), name
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         load_checkpoint(other, str(tmp_path))
+
+
+def test_bf16_on_a_cpu_without_avx512_is_flagged(monkeypatch):
+    from moe_dist.hardware import slow_bf16_note
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    note = slow_bf16_note(cpu, "bf16")
+    assert note and "AVX2" in note and "train.dtype=fp32" in note
+    assert slow_bf16_note(cpu, "fp32") is None
+    assert slow_bf16_note(torch.device("cuda"), "bf16") is None  # GPUs have their own bf16 units
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert slow_bf16_note(cpu, "bf16") is None

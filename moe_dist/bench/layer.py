@@ -22,6 +22,7 @@ import sys
 
 import torch
 
+from ..hardware import cpu_bf16_is_slow
 from ..moe.routers import ROUTERS
 from .report import table, target_check
 from .runner import IMPLS, BenchConfig, log, progress, run_processes, run_single
@@ -119,7 +120,11 @@ def main(argv=None) -> int:
     results = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     log(f"moe_dist layer benchmark: torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}; sizes {cfg.sizes}")
+        f"{os.cpu_count()} cores ({torch.backends.cpu.get_cpu_capability()}), load average "
+        f"{os.getloadavg()[0]:.2f}; sizes {cfg.sizes}")
+    if "bf16" in cfg.dtypes and cpu_bf16_is_slow(torch.device(args.device)):
+        log("warning: no AVX-512 on this CPU: bf16 matmuls take torch's slow path here (many times fp32's "
+            "time), so the bf16 cases say little about bf16 elsewhere; --dtypes fp32 skips them")
 
     def emit(rec):
         progress(rec)

@@ -26,6 +26,7 @@ from ..dist.bootstrap import Runtime, init_distributed, shutdown
 from ..model import build_model, count_parameters
 from ..moe import collect_aux_loss, moe_layers
 from .checkpoint import TrainingCheckpoints, latest_checkpoint, load_checkpoint
+from ..hardware import slow_bf16_note
 from .evaluate import autocast, evaluate, format_report, unigram_baseline, validation_batches
 from .metrics import MetricsLogger, MoEStepStats
 from .optim import build_optimizer, lr_at, set_lr
@@ -220,6 +221,9 @@ class Trainer:
                  f"{self.rt.device}, {torch.get_num_threads()} thread(s) each], ep={self.rt.groups.ep_size}, "
                  f"dense={cfg.parallel.dense if self.rt.distributed else 'local'}; data: "
                  f"{self.data.train.count:,} train tokens, {cfg.train.global_batch}x{cfg.train.seq_len} tokens per step")
+        slow = slow_bf16_note(self.rt.device, cfg.train.dtype)
+        if slow:
+            self.log(slow)
         baseline = unigram_baseline(self.data, cfg.train.seq_len, cfg.eval)
         self._bar = self._progress()
         tokens_seen, last_val, row = self.step * cfg.train.global_batch * cfg.train.seq_len, None, {"loss": None}
