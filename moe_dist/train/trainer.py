@@ -23,10 +23,10 @@ from ..config import Config, ConfigError, save_config
 from ..data import PreparedData, TrainSampler, load_prepared, prepare_data
 from ..diagnostics import RoutingDiagnostics
 from ..dist.bootstrap import Runtime, init_distributed, shutdown
+from ..hardware import slow_bf16_note
 from ..model import build_model, count_parameters
 from ..moe import collect_aux_loss, moe_layers
 from .checkpoint import TrainingCheckpoints, latest_checkpoint, load_checkpoint
-from ..hardware import slow_bf16_note
 from .evaluate import autocast, evaluate, format_report, unigram_baseline, validation_batches
 from .metrics import MetricsLogger, MoEStepStats
 from .optim import build_optimizer, lr_at, set_lr
