@@ -15,6 +15,7 @@ in COMMANDS plus its module.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import os
 import subprocess
@@ -95,7 +96,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if code:
             return code
         return launch_local(nproc, _strip_nproc(argv))
-    return int(args._module.run(args) or 0)
+    code = int(args._module.run(args) or 0)
+    # a model sharded over a device mesh keeps the mesh, and the mesh its process groups:
+    # free them now, while the interpreter is whole (see dist.bootstrap.shutdown)
+    gc.collect()
+    return code
 
 
 if __name__ == "__main__":

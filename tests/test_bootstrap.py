@@ -159,13 +159,13 @@ def test_real_rendezvous_from_launcher_env(tmp_path):
 
 MPI_SCRIPT = """
 import json, sys, torch, torch.distributed as dist
-from moe_dist.dist.bootstrap import init_distributed
+from moe_dist.dist.bootstrap import init_distributed, shutdown
 rt = init_distributed(ep=2, num_experts=4, timeout_s=60)
 t = torch.tensor([float(rt.rank + 1)])
 dist.all_reduce(t)
 print(json.dumps({"launcher": rt.launch.launcher, "rank": rt.rank, "world": rt.world_size, "sum": t.item(),
                   "addr": rt.launch.master_addr}), flush=True)
-dist.destroy_process_group()
+shutdown(rt)
 """
 
 
