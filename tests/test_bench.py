@@ -93,3 +93,23 @@ def test_ratios_are_paired_medians():
     assert recs[0]["fastest_floor"] and not recs[1]["fastest_floor"]
     assert abs(recs[2]["time_vs_floor"] - 1.1) < 1e-9 and recs[2]["floor_kernel"] == "bmm"
     assert abs(recs[2]["time_vs_deepspeed"] - 0.5) < 1e-9
+
+
+def test_token_graph_routers_with_grouped_query_heads_and_their_targets():
+    records, err = _run("--json", "--tokens", "64", "--dtypes", "fp32", "--ep", "1", "--d-model", "32", "--d-ff", "64",
+                        "--experts", "4", "--repeats", "1", "--warmup", "0", "--impls", "moe_dist", "--no-memory",
+                        "--seq-len", "32", "--heads", "4", "--kv-heads", "2", "--threads", "1",
+                        "--routers", "topk,similarity,attention,symphony")
+    by_router = {r["router"]: r for r in records}
+    assert set(by_router) == {"topk", "similarity", "attention", "symphony"}
+    assert by_router["attention"]["heads"] == 4 and by_router["attention"]["kv_heads"] == 2
+    for router in ("similarity", "attention", "symphony"):
+        assert by_router[router]["time_vs_topk"] > 0
+        assert f"{router} time / topk = " in err  # one target line per router case
+    assert "heads=4/2" in err
+
+
+def test_heads_that_do_not_divide_are_refused():
+    proc = subprocess.run([sys.executable, "-m", "moe_dist.bench.layer", "--quick", "--heads", "3", "--kv-heads", "2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "--heads 3" in proc.stderr

@@ -75,8 +75,8 @@ class MoEDistImpl(Impl):
             hook = getattr(self.layer.router, "bench_context", None)
             if hook is None:
                 raise ValueError(f"router {router!r} needs attention probabilities, which the benchmark cannot invent: "
-                                 "give the router class a bench_context(ctx, x) method that fills them")
-            hook(ctx, work.x)
+                                 "give the router class a bench_context(ctx, x, heads, kv_heads) method that fills them")
+            hook(ctx, work.x, heads=s.heads, kv_heads=s.kv_heads)
         self.x = work.x.detach().clone().requires_grad_(True)
         self.params = list(self.layer.parameters())
         self.one = torch.ones((), device=work.device)

@@ -78,6 +78,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--d-ff", type=int, default=1024)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--heads", type=int, default=8,
+                   help="attention heads of the synthetic attention that attention-aware routers read (d_head = d_model/heads)")
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads of that attention (GQA; default: --heads)")
     p.add_argument("--activation", choices=["swiglu", "gelu"], default="swiglu")
     p.add_argument("--expert-kernel", choices=["auto", "loop", "bmm", "grouped_mm"], default="auto",
                    help="the layer's expert kernel (auto = measured per shape)")
@@ -99,7 +102,12 @@ def config_from_args(args) -> tuple[BenchConfig, list[int]]:
     if unknown:
         raise SystemExit(f"--routers: {unknown} not registered; allowed: {sorted(ROUTERS)}")
     sizes = Sizes(d_model=args.d_model, d_ff=args.d_ff, num_experts=args.experts, top_k=args.top_k,
-                  activation=args.activation, capacity_factor=args.capacity_factor, min_capacity=args.min_capacity)
+                  activation=args.activation, capacity_factor=args.capacity_factor, min_capacity=args.min_capacity,
+                  heads=args.heads, kv_heads=args.kv_heads)
+    kv = args.kv_heads or args.heads
+    if args.heads < 1 or args.d_model % args.heads or kv < 1 or args.heads % kv:
+        raise SystemExit(f"--heads {args.heads} must divide --d-model {args.d_model}, and --kv-heads {args.kv_heads} "
+                         "must divide --heads")
     cfg = BenchConfig(sizes=sizes, tokens=pick("tokens"), dtypes=pick("dtypes"), impls=args.impls, routers=args.routers,
                       router_options=args.router_options, seq_len=args.seq_len, skew=args.skew, repeats=pick("repeats"),
                       warmup=pick("warmup"), threads=args.threads, device=args.device, seed=args.seed,

@@ -189,7 +189,8 @@ def run_layout(cfg: BenchConfig, procs: int, ep: int, rank: int = 0, emit=None) 
             for (labels, impl), t, c, pf, peak in zip(labelled, times, cpu, faults, peaks):
                 step = median(t)
                 rec = dict(labels, procs=procs, tokens=tokens, global_tokens=tokens * procs, dtype=dtype_name,
-                           **impl.info(), seq_len=cfg.seq_len, skew=cfg.skew, capacity_factor=cfg.sizes.capacity_factor,
+                           **impl.info(), seq_len=cfg.seq_len, d_model=cfg.sizes.d_model, d_ff=cfg.sizes.d_ff,
+                           heads=cfg.sizes.heads, kv_heads=cfg.sizes.kv_heads or cfg.sizes.heads, skew=cfg.skew, capacity_factor=cfg.sizes.capacity_factor,
                            malloc=cfg.malloc, page_faults=int(median(pf)),
                            threads=torch.get_num_threads(), repeats=cfg.repeats, step_ms=1e3 * step,
                            step_ms_min=1e3 * min(t), cpu_ms=1e3 * median(c), tokens_per_s=tokens * procs / step,

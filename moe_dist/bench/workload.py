@@ -26,6 +26,8 @@ class Sizes:
     activation: str = "swiglu"
     capacity_factor: Optional[float] = None  # None: dropless
     min_capacity: int = 0
+    heads: int = 8  # attention heads of the synthetic attention handed to attention-aware routers
+    kv_heads: Optional[int] = None  # key/value heads (GQA); None: as many as heads
 
 
 @dataclass
