@@ -61,6 +61,9 @@ def _engines(rank: int, world: int, tmp: str) -> dict:
     for name, extra in runs.items():
         summary = train(_config(tmp, name, *extra))
         out[name] = {"val_loss": summary["val_loss"], "curve": _curve(f"{tmp}/{name}") if rank == 0 else None}
+        if rank == 0:
+            with open(f"{tmp}/{name}/run.json", encoding="utf-8") as f:
+                out[name]["dense"] = json.load(f)["dense"]
     return out
 
 
@@ -74,6 +77,7 @@ def test_deepspeed_zero1_zero2_match_native_and_resume(tmp_path):
 
     res = run_ranks(_engines, 2, args=(str(tmp_path),), timeout=600)[0]
     ref = res["A"]["curve"]
+    assert [res[n]["dense"] for n in "ABCDE"] == ["fsdp", "deepspeed-zero1", "deepspeed-zero2", "deepspeed-zero2", "fsdp"]
     assert [s for s, _, _ in ref] == list(range(1, STEPS + 1))
     assert ref[-1][1] < ref[0][1]  # it trains
     for name in ("B", "C"):

@@ -354,6 +354,9 @@ class DeepSpeedTrainer(Trainer):
         # DeepSpeed divides every gradient by the data-parallel world size; our loss shares want sums
         self._loss_factor = float(dist.get_world_size())
 
+    def dense_layout(self) -> str:
+        return f"deepspeed-zero{self.engine.zero_optimization_stage()}"  # parallel.dense is not used by this engine
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.engine(tokens)
 

@@ -120,9 +120,13 @@ class Trainer:
         else:
             print(msg, flush=True)
 
+    def dense_layout(self) -> str:
+        """How the dense (non-expert) weights are spread, for logs and ``run.json``."""
+        return self.cfg.parallel.dense if self.rt.distributed else "local"
+
     def _write_run_info(self) -> None:
         info = {
-            "world_size": self.rt.world_size, "ep": self.rt.groups.ep_size, "dense": self.cfg.parallel.dense,
+            "world_size": self.rt.world_size, "ep": self.rt.groups.ep_size, "dense": self.dense_layout(),
             "launcher": self.rt.launch.launcher, "backend": self.rt.backend, "device": str(self.rt.device),
             "threads_per_process": torch.get_num_threads(), "parameters": self.params,
             "data": {"directory": self.data.directory, "source": self.data.manifest["source"],
@@ -219,7 +223,7 @@ class Trainer:
                  f"router {cfg.model.moe.router}")
         self.log(f"parallel: {self.rt.world_size} process(es) [{self.rt.launch.launcher}, {self.rt.backend or 'no backend'}, "
                  f"{self.rt.device}, {torch.get_num_threads()} thread(s) each], ep={self.rt.groups.ep_size}, "
-                 f"dense={cfg.parallel.dense if self.rt.distributed else 'local'}; data: "
+                 f"dense={self.dense_layout()}; data: "
                  f"{self.data.train.count:,} train tokens, {cfg.train.global_batch}x{cfg.train.seq_len} tokens per step")
         slow = slow_bf16_note(self.rt.device, cfg.train.dtype)
         if slow:
