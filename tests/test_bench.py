@@ -113,3 +113,18 @@ def test_heads_that_do_not_divide_are_refused():
     proc = subprocess.run([sys.executable, "-m", "moe_dist.bench.layer", "--quick", "--heads", "3", "--kv-heads", "2"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "--heads 3" in proc.stderr
+
+
+def test_router_alone_benchmark_reports_each_router_against_topk():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "moe_dist.bench.router", "--json", "--tokens", "128", "--seq-len", "32",
+                           "--d-model", "32", "--d-ff", "64", "--experts", "4", "--heads", "4", "--kv-heads", "2",
+                           "--router-repeats", "3", "--layer-repeats", "1", "--threads", "1"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = {r["router"]: r for r in map(json.loads, proc.stdout.splitlines())}
+    assert set(records) == {"similarity", "attention", "symphony"}
+    for name, r in records.items():
+        assert r["router_ms"] > 0 and r["topk_layer_ms"] > 0
+        assert abs(r["overhead"] - r["extra_ms"] / r["topk_layer_ms"]) < 1e-9
+        assert f"{name}: alone" in proc.stderr

@@ -1,0 +1,118 @@
+"""What a router adds to one MoE layer, measured on the router alone.
+
+``python -m moe_dist.bench.router`` times each router's forward + backward by itself (many
+rounds, interleaved with ``topk``'s) and a few full ``topk`` layer steps, then reports the
+router's extra time over ``topk`` as a share of the layer step. The layer benchmark's
+``x topk`` column measures the same thing end to end, but at realistic layer sizes a step takes
+seconds and varies by 10% or more between rounds on a shared machine, far more than the few
+percent a router adds; the router alone runs in milliseconds and repeats cheaply. Valid for
+dropless layers, where the experts do the same work whatever the router picks (the ``loop``
+kernel's matmuls only change shape with the load balance).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from ..dist import ParallelGroups
+from ..moe.routers import ROUTERS
+from .impls import MoEDistImpl
+from .report import ROUTER_TARGETS
+from .timing import median, timed
+from .workload import Sizes, Workload
+
+
+class RouterStep:
+    """One router's forward and backward on a layer's inputs: the gates get a fixed random
+    upstream gradient (what the combine step would send) and the probabilities the
+    load-balance loss's (mean over tokens, as in the layer's share)."""
+
+    def __init__(self, impl: MoEDistImpl, grad_gates: torch.Tensor):
+        self.impl, self.grad_gates = impl, grad_gates
+        self.params = [p for p in impl.layer.router.parameters() if p.requires_grad]
+
+    def __call__(self) -> None:
+        for t in self.params + [self.impl.x]:
+            t.grad = None
+        layer = self.impl.layer
+        layer.context.step += 1
+        x2 = self.impl.x.reshape(-1, layer.d_model)
+        routing = layer.router(x2, layer.context)
+        loss = (routing.gates * self.grad_gates[:, : routing.gates.shape[1]]).sum() + routing.probs.mean()
+        loss.backward()
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m moe_dist.bench.router", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--routers", default="similarity,attention,symphony", help="routers compared with topk")
+    p.add_argument("--router-options", type=json.loads, default={}, help="JSON: router name -> options")
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--d-ff", type=int, default=1024)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--router-repeats", type=int, default=15, help="timed rounds of the routers alone")
+    p.add_argument("--layer-repeats", type=int, default=3, help="timed full topk layer steps (the denominator)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="one JSON object per router on stdout")
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    routers = [r for r in args.routers.split(",") if r and r != "topk"]
+    unknown = [r for r in routers if r not in ROUTERS]
+    if unknown:
+        raise SystemExit(f"--routers: {unknown} not registered; allowed: {sorted(ROUTERS)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cpu")
+    sizes = Sizes(d_model=args.d_model, d_ff=args.d_ff, num_experts=args.experts, top_k=args.top_k,
+                  heads=args.heads, kv_heads=args.kv_heads)
+    work = Workload(sizes, args.tokens, torch.float32, device, args.seq_len, 0.0, args.seed)
+    groups = ParallelGroups.single()
+    impls = {name: MoEDistImpl(work, name, groups, args.router_options.get(name), "loop") for name in ["topk"] + routers}
+    gen = torch.Generator().manual_seed(args.seed + 3)
+    grad_gates = torch.randn(args.tokens, args.top_k, generator=gen)
+    steps = {name: RouterStep(impl, grad_gates) for name, impl in impls.items()}
+    print(f"router benchmark: {sizes}, {args.tokens} tokens in sequences of {args.seq_len}, "
+          f"{torch.get_num_threads()} thread(s)", file=sys.stderr)
+
+    impls["topk"].step()  # warm-up, then the denominator
+    layer_s = median([timed(impls["topk"].step, device)[0] for _ in range(args.layer_repeats)])
+    for step in steps.values():
+        step()
+    names = list(steps)
+    times = {name: [] for name in names}
+    for r in range(args.router_repeats):  # rounds in a rotated order
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            times[name].append(timed(steps[name], device)[0])
+    base = times["topk"]
+    print(f"topk layer forward+backward: {1e3 * layer_s:.1f} ms (median of {args.layer_repeats}); "
+          f"topk router alone: {1e3 * median(base):.2f} ms", file=sys.stderr)
+    for name in routers:
+        extra = median([a - b for a, b in zip(times[name], base)])  # paired per round
+        share = extra / layer_s
+        rec = {"router": name, "router_ms": 1e3 * median(times[name]), "topk_router_ms": 1e3 * median(base),
+               "extra_ms": 1e3 * extra, "topk_layer_ms": 1e3 * layer_s, "overhead": share,
+               "seq_len": args.seq_len, "tokens": args.tokens, "d_model": args.d_model, "d_ff": args.d_ff,
+               "heads": args.heads, "kv_heads": args.kv_heads or args.heads, "threads": torch.get_num_threads()}
+        limit = ROUTER_TARGETS.get(name)
+        verdict = "" if limit is None else (" met " if 1 + share <= limit else " MISS") + f" (<= {limit - 1:+.0%})"
+        print(f"{name:>11}: alone {rec['router_ms']:.2f} ms, extra over topk {rec['extra_ms']:.2f} ms = "
+              f"{share:+.1%} of the topk layer step{verdict}", file=sys.stderr)
+        if args.json:
+            print(json.dumps(rec), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
