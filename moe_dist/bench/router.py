@@ -61,6 +61,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--router-repeats", type=int, default=15, help="timed rounds of the routers alone")
     p.add_argument("--layer-repeats", type=int, default=3, help="timed full topk layer steps (the denominator)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="cpu", help="torch device type (cpu, cuda, ...)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON object per router on stdout")
     return p
@@ -74,14 +75,14 @@ def main(argv=None) -> int:
         raise SystemExit(f"--routers: {unknown} not registered; allowed: {sorted(ROUTERS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device("cpu")
+    device = torch.device(args.device)
     sizes = Sizes(d_model=args.d_model, d_ff=args.d_ff, num_experts=args.experts, top_k=args.top_k,
                   heads=args.heads, kv_heads=args.kv_heads)
     work = Workload(sizes, args.tokens, torch.float32, device, args.seq_len, 0.0, args.seed)
     groups = ParallelGroups.single()
     impls = {name: MoEDistImpl(work, name, groups, args.router_options.get(name), "loop") for name in ["topk"] + routers}
     gen = torch.Generator().manual_seed(args.seed + 3)
-    grad_gates = torch.randn(args.tokens, args.top_k, generator=gen)
+    grad_gates = torch.randn(args.tokens, args.top_k, generator=gen).to(device)
     steps = {name: RouterStep(impl, grad_gates) for name, impl in impls.items()}
     print(f"router benchmark: {sizes}, {args.tokens} tokens in sequences of {args.seq_len}, "
           f"{torch.get_num_threads()} thread(s)", file=sys.stderr)
