@@ -23,10 +23,10 @@ import sys
 import torch
 
 from ..hardware import cpu_bf16_is_slow
-from ..moe.routers import ROUTERS
+from .cli_args import add_size_arguments, check_routers, sizes_from_args
 from .report import table, target_check
 from .runner import IMPLS, BenchConfig, log, progress, run_processes, run_single
-from .workload import DTYPES, Sizes
+from .workload import DTYPES
 
 QUICK = dict(tokens=[4096], dtypes=["fp32", "bf16"], ep=[1], repeats=3, warmup=1)
 FULL = dict(tokens=[4096, 16384, 65536], dtypes=["fp32", "bf16"], ep=[1, 2], repeats=5, warmup=2)
@@ -74,14 +74,7 @@ def parser() -> argparse.ArgumentParser:
                    help="Zipf-like router preference: logits get -skew*log(1+e) for expert e (0 = none)")
     p.add_argument("--capacity-factor", type=_capacity, default=None, help="'none' = dropless (default)")
     p.add_argument("--min-capacity", type=int, default=0)
-    p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--d-ff", type=int, default=1024)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--heads", type=int, default=8,
-                   help="attention heads of the synthetic attention that attention-aware routers read (d_head = d_model/heads)")
-    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads of that attention (GQA; default: --heads)")
-    p.add_argument("--activation", choices=["swiglu", "gelu"], default="swiglu")
+    add_size_arguments(p)
     p.add_argument("--expert-kernel", choices=["auto", "loop", "bmm", "grouped_mm"], default="auto",
                    help="the layer's expert kernel (auto = measured per shape)")
     p.add_argument("--repeats", type=int, help="timed rounds per case (median reported)")
@@ -98,16 +91,8 @@ def parser() -> argparse.ArgumentParser:
 def config_from_args(args) -> tuple[BenchConfig, list[int]]:
     base = QUICK if args.quick else FULL
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else base[name]  # noqa: E731
-    unknown = [r for r in args.routers if r not in ROUTERS]
-    if unknown:
-        raise SystemExit(f"--routers: {unknown} not registered; allowed: {sorted(ROUTERS)}")
-    sizes = Sizes(d_model=args.d_model, d_ff=args.d_ff, num_experts=args.experts, top_k=args.top_k,
-                  activation=args.activation, capacity_factor=args.capacity_factor, min_capacity=args.min_capacity,
-                  heads=args.heads, kv_heads=args.kv_heads)
-    kv = args.kv_heads or args.heads
-    if args.heads < 1 or args.d_model % args.heads or kv < 1 or args.heads % kv:
-        raise SystemExit(f"--heads {args.heads} must divide --d-model {args.d_model}, and --kv-heads {args.kv_heads} "
-                         "must divide --heads")
+    check_routers(args.routers)
+    sizes = sizes_from_args(args, capacity_factor=args.capacity_factor, min_capacity=args.min_capacity)
     cfg = BenchConfig(sizes=sizes, tokens=pick("tokens"), dtypes=pick("dtypes"), impls=args.impls, routers=args.routers,
                       router_options=args.router_options, seq_len=args.seq_len, skew=args.skew, repeats=pick("repeats"),
                       warmup=pick("warmup"), threads=args.threads, device=args.device, seed=args.seed,

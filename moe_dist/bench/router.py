@@ -18,11 +18,11 @@ import sys
 import torch
 
 from ..dist import ParallelGroups
-from ..moe.routers import ROUTERS
+from .cli_args import add_size_arguments, check_routers, sizes_from_args
 from .impls import MoEDistImpl
 from .report import ROUTER_TARGETS
 from .timing import median, timed
-from .workload import Sizes, Workload
+from .workload import Workload
 
 
 class RouterStep:
@@ -52,12 +52,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--router-options", type=json.loads, default={}, help="JSON: router name -> options")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--d-ff", type=int, default=1024)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=None)
+    add_size_arguments(p)
     p.add_argument("--router-repeats", type=int, default=15, help="timed rounds of the routers alone")
     p.add_argument("--layer-repeats", type=int, default=3, help="timed full topk layer steps (the denominator)")
     p.add_argument("--threads", type=int, default=None)
@@ -70,14 +65,11 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     routers = [r for r in args.routers.split(",") if r and r != "topk"]
-    unknown = [r for r in routers if r not in ROUTERS]
-    if unknown:
-        raise SystemExit(f"--routers: {unknown} not registered; allowed: {sorted(ROUTERS)}")
+    check_routers(routers)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    sizes = Sizes(d_model=args.d_model, d_ff=args.d_ff, num_experts=args.experts, top_k=args.top_k,
-                  heads=args.heads, kv_heads=args.kv_heads)
+    sizes = sizes_from_args(args)
     work = Workload(sizes, args.tokens, torch.float32, device, args.seq_len, 0.0, args.seed)
     groups = ParallelGroups.single()
     impls = {name: MoEDistImpl(work, name, groups, args.router_options.get(name), "loop") for name in ["topk"] + routers}
@@ -104,8 +96,8 @@ def main(argv=None) -> int:
         share = extra / layer_s
         rec = {"router": name, "router_ms": 1e3 * median(times[name]), "topk_router_ms": 1e3 * median(base),
                "extra_ms": 1e3 * extra, "topk_layer_ms": 1e3 * layer_s, "overhead": share,
-               "seq_len": args.seq_len, "tokens": args.tokens, "d_model": args.d_model, "d_ff": args.d_ff,
-               "heads": args.heads, "kv_heads": args.kv_heads or args.heads, "threads": torch.get_num_threads()}
+               "seq_len": args.seq_len, "tokens": args.tokens, "d_model": sizes.d_model, "d_ff": sizes.d_ff,
+               "heads": sizes.heads, "kv_heads": sizes.kv_heads or sizes.heads, "threads": torch.get_num_threads()}
         limit = ROUTER_TARGETS.get(name)
         verdict = "" if limit is None else (" met " if 1 + share <= limit else " MISS") + f" (<= {limit - 1:+.0%})"
         print(f"{name:>11}: alone {rec['router_ms']:.2f} ms, extra over topk {rec['extra_ms']:.2f} ms = "
