@@ -19,7 +19,7 @@ import torch
 
 from ..dist import ParallelGroups
 from .cli_args import add_size_arguments, check_routers, sizes_from_args
-from .impls import MoEDistImpl
+from .impls import MoEDistImpl, _clear_grads
 from .report import ROUTER_TARGETS
 from .timing import median, timed
 from .workload import Workload
@@ -35,8 +35,7 @@ class RouterStep:
         self.params = [p for p in impl.layer.router.parameters() if p.requires_grad]
 
     def __call__(self) -> None:
-        for t in self.params + [self.impl.x]:
-            t.grad = None
+        _clear_grads(self.params + [self.impl.x])
         layer = self.impl.layer
         layer.context.step += 1
         x2 = self.impl.x.reshape(-1, layer.d_model)
