@@ -59,6 +59,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def _init_linear(layer: nn.Linear, std: float) -> nn.Linear:
+    layer.init_std = std  # the recipe, for moe_dist.model.init (which fills layers built on the meta device)
     nn.init.normal_(layer.weight, std=std)
     if layer.bias is not None:
         nn.init.zeros_(layer.bias)

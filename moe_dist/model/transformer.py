@@ -71,6 +71,7 @@ class TransformerLM(nn.Module):
         self.cfg, self.vocab_size = cfg, vocab_size
         self.moe_indices = cfg.moe.layer_indices(cfg.n_layers)
         self.embed = nn.Embedding(vocab_size, cfg.d_model)
+        self.embed.init_std = cfg.init_std  # recipes for moe_dist.model.init (see _init_linear)
         nn.init.normal_(self.embed.weight, std=cfg.init_std)
         self.blocks = nn.ModuleList(Block(cfg, i, i in self.moe_indices) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -78,6 +79,7 @@ class TransformerLM(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         else:
+            self.lm_head.init_std = cfg.init_std
             nn.init.normal_(self.lm_head.weight, std=cfg.init_std)
         self.head_dim = cfg.d_model // cfg.n_heads
         self.activation_checkpointing = False
@@ -111,12 +113,21 @@ class TransformerLM(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-def build_model(cfg, vocab_size: int, seed: int = 0) -> TransformerLM:
-    """The full model, initialised from ``seed`` alone (not from the number of processes),
-    without touching the caller's random state."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return TransformerLM(cfg, vocab_size)
+def build_model(cfg, vocab_size: int, seed: int = 0, device="cpu") -> TransformerLM:
+    """The model, its weights a function of ``seed`` alone (not of the number of processes or of
+    how they split the model; see :mod:`moe_dist.model.init`), without touching the caller's
+    random state.
+
+    ``device="meta"``: built without memory and left unfilled, for code that first decides what
+    each rank holds, then calls :func:`moe_dist.model.init.materialize` and
+    :func:`~moe_dist.model.init.init_weights` (or loads weights)."""
+    from .init import init_weights, materialize
+
+    with torch.device("meta"), torch.random.fork_rng(devices=[]):
+        model = TransformerLM(cfg, vocab_size)
+    if str(device) != "meta":
+        init_weights(materialize(model, device), seed)
+    return model
 
 
 def count_parameters(model: nn.Module) -> dict[str, int]:

@@ -183,7 +183,8 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, d_model, d_ff))
         self.w3 = nn.Parameter(torch.empty(num_experts, d_model, d_ff)) if activation == "swiglu" else None
         self.w2 = nn.Parameter(torch.empty(num_experts, d_ff, d_model))
-        self.reset_parameters(int(torch.randint(0, 2**31 - 1, ()).item()))
+        if not self.w1.is_meta:  # on the meta device there is nothing to fill (moe_dist.model.init does it later)
+            self.reset_parameters(int(torch.randint(0, 2**31 - 1, ()).item()))
 
     def expert_parameters(self):
         return [p for p in (self.w1, self.w3, self.w2) if p is not None]
@@ -280,8 +281,15 @@ class GroupedExperts(nn.Module):
         if not torch.is_autocast_enabled(x.device.type):
             x = x.to(self.w1.dtype)  # e.g. bf16 activations into fp32 experts without autocast
         if x.shape[0] == 0:
-            # no rows here, but stay on the autograd graph: the backward all-to-all is collective
-            return (x @ self.w1[0]) @ self.w2[0] if self.num_experts else x
+            # no rows here, but stay on the autograd graph: the backward all-to-all is collective, and every
+            # expert weight gets a (zero) gradient, as in a layout where these experts share a rank with busy ones
+            # (AdamW decays its moments on a zero gradient but skips a parameter with none)
+            if not self.num_experts:
+                return x
+            h = x @ self.w1[0]
+            if self.w3 is not None:
+                h = h * (x @ self.w3[0])
+            return h @ self.w2[0]
         kernel = self.kernel if self.kernel != "auto" else KERNEL_TUNER.choose(self, x, counts)
         self.last_kernel = kernel  # what ran last (benchmarks report it)
         if segments is None:

@@ -69,7 +69,8 @@ class MoELayer(nn.Module):
         self.min_capacity, self.drop_policy = min_capacity, drop_policy
         self.capacity_scope, self.loss_scope = capacity_scope, loss_scope
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
-        self.router = build_router(router, d_model, num_experts, top_k, **(router_options or {}))
+        self._router_spec = (router, d_model, num_experts, top_k, dict(router_options or {}))
+        self.router = build_router(*self._router_spec[:4], **self._router_spec[4])
         self.experts = GroupedExperts(num_experts, d_model, d_ff, activation=activation, kernel=expert_kernel,
                                       init_std=init_std, out_init_std=out_init_std)
         self.groups = ParallelGroups.single()
@@ -77,6 +78,12 @@ class MoELayer(nn.Module):
         self.aux_loss: Optional[torch.Tensor] = None
         self.stats: Optional[MoEStats] = None
         self.last_routing: Optional[Routing] = None
+
+    def fresh_router(self) -> nn.Module:
+        """A new router like this layer's, built on the CPU from the global RNG (what
+        ``moe_dist.model.init`` copies into a router that was built on the meta device)."""
+        with torch.device("cpu"):
+            return build_router(*self._router_spec[:4], **self._router_spec[4])
 
     # ---- parallelism (applied from outside) ---------------------------------------------
     def set_groups(self, groups: ParallelGroups) -> None:

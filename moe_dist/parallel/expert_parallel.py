@@ -1,4 +1,5 @@
-"""Expert parallelism: keep this rank's slice of every MoE layer's experts.
+"""Expert parallelism: keep this rank's slice of every MoE layer's experts (only a shape change
+on a model built on the meta device).
 
 Experts keep their global index (``GroupedExperts.offset``), so the full model's
 initialisation, and checkpoints addressed by global expert, do not depend on the layout.
@@ -15,10 +16,14 @@ from ..moe.layer import MoELayer, moe_layers
 
 @torch.no_grad()
 def _slice_experts(experts: GroupedExperts, start: int, count: int) -> None:
+    """Keep experts ``start .. start+count`` (local indices). On the meta device this only changes
+    shapes: the slice is allocated later, alone (moe_dist.model.init.materialize)."""
     for name in ("w1", "w3", "w2"):
         w = getattr(experts, name)
         if w is not None:
-            setattr(experts, name, nn.Parameter(w[start : start + count].clone(), requires_grad=w.requires_grad))
+            kept = (torch.empty((count,) + tuple(w.shape[1:]), dtype=w.dtype, device="meta") if w.is_meta
+                    else w[start : start + count].clone())
+            setattr(experts, name, nn.Parameter(kept, requires_grad=w.requires_grad))
     experts.num_experts, experts.offset = count, experts.offset + start
 
 

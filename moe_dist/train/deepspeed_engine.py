@@ -51,6 +51,8 @@ import torch.nn as nn
 from ..config import ConfigError
 from ..moe import moe_layers
 from ..parallel import apply_expert_parallel, expert_parameters
+from ..model.init import is_meta, materialize
+from .model_setup import weights_filler
 from .optim import build_optimizer
 from .trainer import Trainer
 
@@ -188,7 +190,8 @@ def _moe_optimizer(model: nn.Module, train_cfg, ep: int) -> torch.optim.Optimize
     return optimizer
 
 
-def build_deepspeed_engine(model: nn.Module, rt, cfg, log: Callable[[str], None] = print):
+def build_deepspeed_engine(model: nn.Module, rt, cfg, log: Callable[[str], None] = print,
+                           fill: Optional[Callable[[nn.Module], None]] = None):
     """Expert parallelism (our layout), then ``deepspeed.initialize`` over our process group.
     Returns the engine; ``engine.module`` is ``model``."""
     if rt.device.type == "cpu":
@@ -203,8 +206,11 @@ def build_deepspeed_engine(model: nn.Module, rt, cfg, log: Callable[[str], None]
 
     ds_logger.setLevel(logging.WARNING)
     ds_config = build_ds_config(cfg, rt.world_size)
-    model.to(rt.device)
     apply_expert_parallel(model, rt.groups)
+    if is_meta(model):  # built on the meta device: allocate and fill only this rank's experts
+        fill(materialize(model, rt.device))
+    else:
+        model.to(rt.device)
     ep = rt.groups.ep_size
     # DeepSpeed reads its place from torchrun-style variables, whoever launched us (srun, mpirun, a test)
     for var, value in (("LOCAL_RANK", rt.launch.local_rank), ("RANK", rt.rank), ("WORLD_SIZE", rt.world_size),
@@ -348,7 +354,7 @@ class DeepSpeedTrainer(Trainer):
 
     def build_engine(self) -> None:
         self._owns_single_group = _single_process_group(self.rt)
-        self.engine = build_deepspeed_engine(self.model, self.rt, self.cfg, log=self.log)
+        self.engine = build_deepspeed_engine(self.model, self.rt, self.cfg, log=self.log, fill=weights_filler(self.cfg))
         self.par = _AccumulationBoundary(self.engine)
         self.optimizer = ZeroStateView(self.engine, self.model)
         # DeepSpeed divides every gradient by the data-parallel world size; our loss shares want sums

@@ -1,4 +1,4 @@
-"""Apply parallelism to a model built for one process, and finish its gradients.
+"""Apply parallelism to a model (built on the meta device, or for one process), and finish its gradients.
 
 Experts: expert parallelism keeps each rank's slice (global init kept); replicas of the same
 experts (the expert-data-parallel group) sum their gradients. Dense weights: FSDP2
@@ -9,13 +9,14 @@ the loss-shares convention (each rank's loss is its share of the global loss).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from ..dist.bootstrap import Runtime
+from ..model.init import is_meta, materialize
 from ..moe.routers.hyper import synchronize_frozen_routers
 from ..parallel import apply_expert_parallel, dense_parameters, expert_parameters, sync_gradients
 
@@ -86,15 +87,28 @@ def _fully_shard(model: nn.Module, rt: Runtime, reshard_after_forward: bool) -> 
             m.set_force_sum_reduction_for_comms(True)
 
 
-def parallelize(model: nn.Module, rt: Runtime, parallel_cfg) -> Parallelized:
-    """Expert parallelism, then FSDP2 or replication for the dense weights (in place)."""
-    model.to(rt.device)
+def parallelize(model: nn.Module, rt: Runtime, parallel_cfg,
+                fill: Optional[Callable[[nn.Module], None]] = None) -> Parallelized:
+    """Expert parallelism, then FSDP2 or replication for the dense weights (in place).
+
+    A model built on the meta device (``build_model(..., device="meta")``) is split first and
+    then only this rank's part is allocated on ``rt.device`` and filled by ``fill(model)``
+    (:func:`moe_dist.model.init.init_weights` or a checkpoint's rows): no rank ever holds the
+    whole model. A model built for real is moved to ``rt.device`` and sliced (small models)."""
+    meta = is_meta(model)
+    if meta and fill is None:
+        raise ValueError("parallelize: a model on the meta device needs fill= (how to set its weights)")
+    if not meta:
+        model.to(rt.device)
     apply_expert_parallel(model, rt.groups)
+    fsdp = parallel_cfg.dense == "fsdp" and rt.distributed
+    if fsdp:
+        _fully_shard(model, rt, parallel_cfg.reshard_after_forward)
+    if meta:
+        fill(materialize(model, rt.device))
     if rt.distributed:  # frozen routers (HyperRouter, SMoE-Dropout): broadcast from rank 0, hash-checked
         synchronize_frozen_routers(model, rt.groups.dp)
-    if parallel_cfg.dense == "fsdp" and rt.distributed:
-        _fully_shard(model, rt, parallel_cfg.reshard_after_forward)
-    elif rt.distributed:
+    if rt.distributed and not fsdp:
         for p in dense_parameters(model):  # replicas start equal by construction; make sure of it
             dist.broadcast(p.data, src=0, group=rt.groups.dp)
     return Parallelized(model, rt, parallel_cfg.dense)

@@ -24,11 +24,12 @@ from ..data import PreparedData, TrainSampler, load_prepared, prepare_data
 from ..diagnostics import RoutingDiagnostics
 from ..dist.bootstrap import Runtime, init_distributed, shutdown
 from ..hardware import slow_bf16_note
-from ..model import build_model, count_parameters
+from ..model import count_parameters
 from ..moe import collect_aux_loss, moe_layers
 from .checkpoint import TrainingCheckpoints, latest_checkpoint, load_checkpoint
 from .evaluate import autocast, evaluate, format_report, unigram_baseline, validation_batches
 from .metrics import MetricsLogger, MoEStepStats
+from .model_setup import build_meta_model, is_weights_directory, weights_filler
 from .optim import build_optimizer, lr_at, set_lr
 from .parallelize import parallelize
 from .preemption import PreemptionHandler, stop_if_requested
@@ -86,11 +87,9 @@ class Trainer:
         self.data = load_data(cfg, self.rt, self.log)
         vocab = resolve_vocab(cfg, self.data)
 
-        self.model = build_model(cfg.model, vocab, seed=cfg.train.seed)  # the full model, same on every rank
-        if cfg.ckpt.init_from:  # e.g. an upcycled dense checkpoint
-            from ..upcycle.weights import load_model_weights
-
-            load_model_weights(self.model, cfg.ckpt.init_from)
+        # on the meta device: the engine splits it, then each rank allocates and fills only its part
+        # (from ckpt.init_from, e.g. an upcycled checkpoint, or from train.seed; see model_setup)
+        self.model = build_meta_model(cfg, vocab)
         self.params = count_parameters(self.model)
         self.model.set_activation_checkpointing(cfg.train.activation_checkpointing)
         self.build_engine()  # self.par, self.optimizer
@@ -148,7 +147,7 @@ class Trainer:
 
     # ---- the engine: how the model is spread and updated (train.engine=deepspeed overrides these) ----
     def build_engine(self) -> None:
-        self.par = parallelize(self.model, self.rt, self.cfg.parallel)
+        self.par = parallelize(self.model, self.rt, self.cfg.parallel, fill=weights_filler(self.cfg))
         self.optimizer = build_optimizer(self.model, self.cfg.train)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -307,10 +306,13 @@ def train(cfg: Config, rt: Optional[Runtime] = None) -> dict:
         trainer.close()
 
 
-def evaluate_run(cfg: Config, checkpoint: Optional[str] = None, rt: Optional[Runtime] = None) -> dict:
+def evaluate_run(cfg: Config, checkpoint: Optional[str] = None, rt: Optional[Runtime] = None,
+                 write_json: bool = True) -> dict:
     """Validation perplexity of a saved model next to the unigram baseline's (collective).
 
-    ``checkpoint``: a checkpoint directory (default: the latest complete one in ``run.dir``).
+    ``checkpoint``: a training checkpoint directory (default: the latest complete one in
+    ``run.dir``) or a safetensors model directory (``moe-dist upcycle`` / ``convert`` output),
+    read rank-locally at any world size and ep. ``write_json``: write ``run.dir/eval.json``.
     """
     owns = rt is None
     rt = setup_runtime(cfg, rt)
@@ -321,9 +323,10 @@ def evaluate_run(cfg: Config, checkpoint: Optional[str] = None, rt: Optional[Run
             raise FileNotFoundError(f"no complete checkpoint under {os.path.join(cfg.run.dir, 'checkpoints')} (run.dir)")
         data = load_data(cfg, rt, log)
         vocab = resolve_vocab(cfg, data)
-        model = build_model(cfg.model, vocab, seed=cfg.train.seed)
-        parallelize(model, rt, cfg.parallel)
-        meta = load_checkpoint(model, path)
+        model = build_meta_model(cfg, vocab)
+        weights = is_weights_directory(path)
+        parallelize(model, rt, cfg.parallel, fill=weights_filler(cfg, path if weights else None))
+        meta = {"step": 0} if weights else load_checkpoint(model, path)
         if meta.get("tokenizer_sha256") not in (None, data.tokenizer.sha256):
             raise ValueError(f"{path} was trained with another tokenizer (sha256 {meta['tokenizer_sha256'][:12]}...) than "
                              f"the data settings give now ({data.tokenizer.sha256[:12]}...); check the data.* keys")
@@ -334,8 +337,10 @@ def evaluate_run(cfg: Config, checkpoint: Optional[str] = None, rt: Optional[Run
                   "unigram_loss": baseline["loss"], "unigram_ppl": baseline["ppl"], "val_tokens": val["tokens"],
                   "world_size": rt.world_size, "ep": rt.groups.ep_size}
         if rt.is_main:
-            with open(os.path.join(cfg.run.dir, "eval.json"), "w", encoding="utf-8") as f:
-                json.dump(result, f, indent=2)
+            if write_json:
+                os.makedirs(cfg.run.dir, exist_ok=True)
+                with open(os.path.join(cfg.run.dir, "eval.json"), "w", encoding="utf-8") as f:
+                    json.dump(result, f, indent=2)
             log(f"checkpoint {path} (step {meta.get('step')}), {rt.world_size} process(es), ep={rt.groups.ep_size}")
             log(format_report(val, baseline))
         return result

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from ..dist.shards import copy_rows_, local_rows
 from ..hf.config import HFFormatError
 from ..hf.safetensors_io import ShardedWriter, SafetensorsCheckpoint
 from ..moe.experts import GroupedExperts
@@ -71,12 +72,12 @@ def save_model_weights(model: nn.Module, directory: str, dtype: Optional[torch.d
 @torch.no_grad()
 def load_model_weights(model: nn.Module, directory: str) -> dict:
     """Load weights written by :func:`save_model_weights` (or ``moe-dist upcycle``) into ``model``
-    in place, converting dtypes. Works before or after expert parallelism (each rank reads its
-    experts' rows), not after FSDP sharding. Returns ``{"loaded": n_tensors}``."""
+    in place, converting dtypes. Each rank reads only what it holds: its experts' rows after
+    expert parallelism, its rows of each FSDP2-sharded (DTensor) weight. Works on a model built
+    on the meta device once :func:`moe_dist.model.init.materialize` allocated it. Returns
+    ``{"loaded": n_tensors}``."""
     ckpt = SafetensorsCheckpoint(directory)
     state = model.state_dict(keep_vars=True)
-    if any(type(t).__name__ == "DTensor" for t in state.values()):
-        raise ValueError("load_model_weights: load the weights before FSDP sharding (the model holds DTensors)")
     aliases = _aliases(model)
     experts = _expert_tensors(model)
     totals = _global_experts(model)
@@ -96,13 +97,16 @@ def load_model_weights(model: nn.Module, directory: str) -> dict:
             if ckpt.shape(name) != full:
                 raise HFFormatError(f"{directory}: {name!r} has shape {list(ckpt.shape(name))}, the model expects "
                                     f"{list(full)} (all experts of the layer)")
-            value = ckpt.get_rows(name, module.offset, module.offset + module.num_experts)
+            copy_rows_(target, ckpt.get_rows(name, module.offset, module.offset + module.num_experts))
+            continue
+        if ckpt.shape(name) != tuple(target.shape):
+            raise HFFormatError(f"{directory}: {name!r} has shape {list(ckpt.shape(name))}, the model expects "
+                                f"{list(target.shape)}")
+        part = local_rows(target)
+        if target.dim() == 0:
+            copy_rows_(target, ckpt.get(name))
         else:
-            if ckpt.shape(name) != tuple(target.shape):
-                raise HFFormatError(f"{directory}: {name!r} has shape {list(ckpt.shape(name))}, the model expects "
-                                    f"{list(target.shape)}")
-            value = ckpt.get(name)
-        target.data.copy_(value.to(device=target.device, dtype=target.dtype))
+            copy_rows_(target, ckpt.get_rows(name, part.start, part.stop), start=part.start)
     ckpt.close()
     return {"loaded": len(wanted)}
 

@@ -1,0 +1,45 @@
+"""How a command gets its model without any rank holding all of it.
+
+The model is built on the meta device (no memory), the engine decides what each rank holds
+(expert-parallel slices, FSDP2 shards) and allocates only that, then fills it with the
+function :func:`weights_filler` returns: the rows this rank owns from a safetensors
+directory (``ckpt.init_from``: an upcycled or converted checkpoint), or the seeded,
+layout-independent initialisation of :mod:`moe_dist.model.init`.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional
+
+import torch.nn as nn
+
+from ..config import Config
+from ..model import build_model
+from ..model.init import init_weights
+
+
+def build_meta_model(cfg: Config, vocab_size: int) -> nn.Module:
+    return build_model(cfg.model, vocab_size, seed=cfg.train.seed, device="meta")
+
+
+def is_weights_directory(path: str) -> bool:
+    """A safetensors model directory (``moe-dist upcycle`` / ``convert`` output), not a DCP checkpoint."""
+    from ..upcycle.weights import has_model_weights
+
+    return os.path.isdir(path) and has_model_weights(path) and not os.path.exists(os.path.join(path, "meta.json"))
+
+
+def weights_filler(cfg: Config, weights: Optional[str] = None) -> Callable[[nn.Module], None]:
+    """``fill(model)``: load ``weights`` (default ``ckpt.init_from``) rank-locally, or initialise
+    from ``train.seed`` when there are none."""
+    source = weights or cfg.ckpt.init_from
+
+    def fill(model: nn.Module) -> None:
+        if source:
+            from ..upcycle.weights import load_model_weights
+
+            load_model_weights(model, source)
+        else:
+            init_weights(model, cfg.train.seed)
+
+    return fill
