@@ -22,3 +22,14 @@ def slow_bf16_note(device: torch.device, dtype: str) -> Optional[str]:
         return None
     return (f"warning: train.dtype=bf16 on a CPU with {torch.backends.cpu.get_cpu_capability()} (no AVX-512): "
             "bf16 matmuls run far slower than fp32 here; train.dtype=fp32 is the faster choice on this machine")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (Linux and macOS; 0 where unknown)."""
+    try:
+        import resource
+        import sys
+    except ImportError:  # not POSIX
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux

@@ -6,13 +6,19 @@ import os
 
 from .cmd_common import add_overrides_argument, user_errors
 
-HELP = "evaluate a checkpoint of a run on the validation split (perplexity vs a unigram baseline)"
+HELP = "evaluate a checkpoint on the validation split (perplexity vs a unigram baseline)"
 LAUNCHABLE = True
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--run-dir", required=True, metavar="DIR", help="a run directory written by `moe-dist train`")
-    parser.add_argument("--checkpoint", metavar="PATH", help="checkpoint directory (default: the latest in DIR/checkpoints)")
+    parser.add_argument("--run-dir", metavar="DIR", help="a run directory written by `moe-dist train` (its config.yaml; "
+                        "results go to DIR/eval.json)")
+    parser.add_argument("--checkpoint", metavar="PATH", help="a training checkpoint (default: the latest in "
+                        "DIR/checkpoints) or a model directory written by `moe-dist upcycle` / `convert` (config.yaml "
+                        "next to the safetensors weights; then --run-dir is not needed), e.g. the step-0 perplexity of "
+                        "an upcycled model")
+    parser.add_argument("--json", metavar="FILE", help="also write the result (perplexities, tokens, layout, peak "
+                        "memory of every rank) to FILE")
     parser.add_argument("--k", metavar="K[,K...]", help="evaluate once per number of experts per token (routers with "
                         "an inference k: hyper, smoe_dropout), e.g. --k 1,2,4; results also in DIR/eval_k.json")
     add_overrides_argument(parser)
@@ -24,13 +30,31 @@ def _router_option_names(router: str) -> list[str]:
     return router_options(router)
 
 
-def _config(args):
+def _config_path(args) -> str:
+    """The config of what is evaluated: the run directory's, else the model directory's."""
+    if args.run_dir:
+        path = os.path.join(args.run_dir, "config.yaml")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"--run-dir {args.run_dir!r} has no config.yaml (is it a moe-dist run directory?)")
+        return path
+    if not args.checkpoint:
+        raise ValueError("eval: give --run-dir DIR (a training run) or --checkpoint DIR (a model directory written by "
+                         "`moe-dist upcycle` or `moe-dist convert`)")
+    path = os.path.join(args.checkpoint, "config.yaml")
+    if not os.path.isdir(args.checkpoint):
+        raise FileNotFoundError(f"--checkpoint {args.checkpoint!r}: no such directory")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--checkpoint {args.checkpoint!r} has no config.yaml; a training checkpoint needs "
+                                "--run-dir (its run's config), a model directory needs the config.yaml that "
+                                "`moe-dist upcycle` / `convert` write next to the weights")
+    return path
+
+
+def _config(args, *extra: str):
     from ..config import load_config
 
-    config_path = os.path.join(args.run_dir, "config.yaml")
-    if not os.path.exists(config_path):
-        raise FileNotFoundError(f"--run-dir {args.run_dir!r} has no config.yaml (is it a moe-dist run directory?)")
-    return load_config(config_path, [f"run.dir={args.run_dir}", *args.overrides])
+    run_dir = [f"run.dir={args.run_dir}"] if args.run_dir else []
+    return load_config(_config_path(args), [*run_dir, *args.overrides, *extra])
 
 
 def preflight(args, world_size: int) -> int:
@@ -48,30 +72,40 @@ def _k_values(text: str) -> list[int]:
     return ks
 
 
+def _write_json(path, result) -> None:
+    from .cmd_common import is_rank0
+
+    if path and is_rank0():
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+
+
 def run(args) -> int:
     def go() -> int:
         from .trainer import evaluate_run
 
+        write = bool(args.run_dir)  # a bare model directory is only read
         if not args.k:
-            evaluate_run(_config(args), args.checkpoint)
+            _write_json(args.json, evaluate_run(_config(args), args.checkpoint, write_json=write))
             return 0
         ks = _k_values(args.k)
         cfg = _config(args)
         if "eval_k" not in _router_option_names(cfg.model.moe.router):
             raise ValueError(f"--k: router {cfg.model.moe.router!r} has no inference k (routers with one: hyper, smoe_dropout)")
-        from ..config import load_config
         from .trainer import setup_runtime, shutdown
 
         rt = setup_runtime(cfg)
         try:
             results = []
             for k in ks:
-                cfg_k = load_config(os.path.join(args.run_dir, "config.yaml"),
-                                    [f"run.dir={args.run_dir}", *args.overrides, f"model.moe.router_options.eval_k={k}"])
-                results.append({"k": k, **evaluate_run(cfg_k, args.checkpoint, rt)})
-            if rt.is_main:
+                cfg_k = _config(args, f"model.moe.router_options.eval_k={k}")
+                results.append({"k": k, **evaluate_run(cfg_k, args.checkpoint, rt, write_json=write)})
+            if rt.is_main and write:
                 with open(os.path.join(args.run_dir, "eval_k.json"), "w", encoding="utf-8") as f:
                     json.dump(results, f, indent=2)
+            _write_json(args.json, results)
+            if rt.is_main:
                 print("k  val_ppl  (unigram_ppl)")
                 for r in results:
                     print(f"{r['k']:<2} {r['val_ppl']:8.2f}  ({r['unigram_ppl']:.2f})")

@@ -23,7 +23,7 @@ from ..config import Config, ConfigError, save_config
 from ..data import PreparedData, TrainSampler, load_prepared, prepare_data
 from ..diagnostics import RoutingDiagnostics
 from ..dist.bootstrap import Runtime, init_distributed, shutdown
-from ..hardware import slow_bf16_note
+from ..hardware import peak_rss_bytes, slow_bf16_note
 from ..model import count_parameters
 from ..moe import collect_aux_loss, moe_layers
 from .checkpoint import TrainingCheckpoints, latest_checkpoint, load_checkpoint
@@ -306,6 +306,16 @@ def train(cfg: Config, rt: Optional[Runtime] = None) -> dict:
         trainer.close()
 
 
+def _gather_peak_rss(rt: Runtime) -> list[int]:
+    """Every rank's peak resident memory (bytes), in rank order (collective)."""
+    mine = peak_rss_bytes()
+    if not rt.distributed:
+        return [mine]
+    out = [0] * rt.world_size
+    dist.all_gather_object(out, mine)
+    return out
+
+
 def evaluate_run(cfg: Config, checkpoint: Optional[str] = None, rt: Optional[Runtime] = None,
                  write_json: bool = True) -> dict:
     """Validation perplexity of a saved model next to the unigram baseline's (collective).
@@ -335,13 +345,15 @@ def evaluate_run(cfg: Config, checkpoint: Optional[str] = None, rt: Optional[Run
         baseline = unigram_baseline(data, cfg.train.seq_len, cfg.eval)
         result = {"checkpoint": path, "step": meta.get("step"), "val_loss": val["loss"], "val_ppl": val["ppl"],
                   "unigram_loss": baseline["loss"], "unigram_ppl": baseline["ppl"], "val_tokens": val["tokens"],
-                  "world_size": rt.world_size, "ep": rt.groups.ep_size}
+                  "world_size": rt.world_size, "ep": rt.groups.ep_size,
+                  "peak_rss_gib": [round(b / 2**30, 3) for b in _gather_peak_rss(rt)]}
         if rt.is_main:
             if write_json:
                 os.makedirs(cfg.run.dir, exist_ok=True)
                 with open(os.path.join(cfg.run.dir, "eval.json"), "w", encoding="utf-8") as f:
                     json.dump(result, f, indent=2)
-            log(f"checkpoint {path} (step {meta.get('step')}), {rt.world_size} process(es), ep={rt.groups.ep_size}")
+            log(f"checkpoint {path} (step {meta.get('step')}), {rt.world_size} process(es), ep={rt.groups.ep_size}, "
+                f"peak memory per process {max(result['peak_rss_gib']):.2f} GiB")
             log(format_report(val, baseline))
         return result
     finally:
