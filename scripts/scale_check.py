@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESET = os.path.join(ROOT, "configs", "tinyllama-upcycle-8x2.yaml")
 HF_CONFIG = os.path.join(ROOT, "configs", "hf", "tinyllama-1.1b.json")
 # small data: the committed corpus slice and a small tokenizer (model.vocab_size stays 32000)
-DATA = ["data.corpus=" + os.path.join(ROOT, "tests", "data", "python-docs"), "data.vocab_size=512"]
+DATA = ["data.corpus=" + os.path.join(ROOT, "tests", "data", "python-docs"), "data.vocab_size=512", "data.val_fraction=0.2"]
 EVAL = ["train.dtype=fp32", "train.seq_len=128", "eval.max_sequences=4", "eval.batch=2", "run.progress=false"]
 PROBE_TOKENS = 64
 

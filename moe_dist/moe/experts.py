@@ -15,6 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from ..dist.shards import local_rows
+
 ACTIVATIONS = ("swiglu", "gelu")
 KERNELS = ("auto", "loop", "bmm", "grouped_mm")
 
@@ -189,15 +191,26 @@ class GroupedExperts(nn.Module):
     def expert_parameters(self):
         return [p for p in (self.w1, self.w3, self.w2) if p is not None]
 
+    def held(self, t: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """``(global expert index, view)`` of every expert of ``t`` (a weight of this module, or a
+        tensor shaped like one, e.g. its optimizer state) that this rank holds: all local experts,
+        or, when the weights are sharded over the expert-data-parallel ranks (a DTensor split
+        along the expert dimension), this rank's share of them."""
+        part = local_rows(t)
+        return [(self.offset + i, part.local[i - part.start]) for i in range(part.start, part.stop)]
+
     @torch.no_grad()
     def reset_parameters(self, base_seed: int) -> None:
         """Initialise each expert from a generator seeded by (base_seed, global expert index),
-        so the values do not depend on how experts are split across ranks."""
-        for i in range(self.num_experts):
-            gen = torch.Generator().manual_seed(base_seed * 1009 + self.offset + i)
-            for w, std in ((self.w1, self.init_std), (self.w3, self.init_std), (self.w2, self.out_init_std)):
-                if w is not None:
-                    w[i].copy_(torch.randn(w.shape[1:], generator=gen) * std)
+        so the values do not depend on how experts are split across ranks; a rank fills only
+        the experts it holds."""
+        weights = [(w, std) for w, std in ((self.w1, self.init_std), (self.w3, self.init_std), (self.w2, self.out_init_std))
+                   if w is not None]
+        held = [self.held(w) for w, _ in weights]
+        for row, (g, _) in enumerate(held[0]):
+            gen = torch.Generator().manual_seed(base_seed * 1009 + g)
+            for (w, std), views in zip(weights, held):
+                views[row][1].copy_(torch.randn(tuple(w.shape[1:]), generator=gen) * std)
 
     @torch.no_grad()
     def load_dense(self, w_gate: torch.Tensor, w_down: torch.Tensor, w_up: Optional[torch.Tensor] = None,

@@ -91,8 +91,8 @@ def expert_keyed_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
                 continue
             key = f"{prefix}.{pname}"
             del sd[key]
-            for i in range(experts.num_experts):
-                sd[f"{key}.expert_{experts.offset + i}"] = w.data[i]
+            for g, view in experts.held(w.data):
+                sd[f"{key}.expert_{g}"] = view
     return sd
 
 
@@ -121,8 +121,8 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
                 if value.shape != p.shape:
                     raise ValueError(f"optimizer state {name!r} of expert parameter {fqn} has shape {list(value.shape)}, "
                                      f"not the parameter's {list(p.shape)}")
-                for i in range(experts.num_experts):
-                    out[f"{key}.expert_{experts.offset + i}"] = value[i]
+                for g, view in experts.held(value):
+                    out[f"{key}.expert_{g}"] = view
             else:
                 out[key] = value
     return out

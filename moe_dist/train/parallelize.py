@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from ..dist.bootstrap import Runtime
 from ..model.init import is_meta, materialize
+from ..moe import moe_layers
 from ..moe.routers.hyper import synchronize_frozen_routers
 from ..parallel import apply_expert_parallel, dense_parameters, expert_parameters, sync_gradients
 
@@ -27,6 +28,7 @@ class Parallelized:
     def __init__(self, model: nn.Module, rt: Runtime, dense: str):
         self.model, self.rt, self.dense = model, rt, dense
         self.fsdp = dense == "fsdp" and rt.distributed
+        self.sharded_experts = shards_experts(rt, dense)
 
     def set_gradient_sync(self, enabled: bool) -> None:
         """FSDP2: skip the reduce-scatter on micro-batches before the last one of a step."""
@@ -36,8 +38,8 @@ class Parallelized:
     def finish_gradients(self) -> None:
         """After the last backward of a step: sum what FSDP did not already reduce."""
         groups = self.rt.groups
-        if self.fsdp:  # dense gradients were reduce-scattered by FSDP; experts still need their edp sum
-            sync_gradients(self.model, dataclasses.replace(groups, dp=None))
+        if self.fsdp:  # dense gradients were reduce-scattered by FSDP; experts too when sharded over edp
+            sync_gradients(self.model, dataclasses.replace(groups, dp=None, edp=None if self.sharded_experts else groups.edp))
         else:
             sync_gradients(self.model, groups)
 
@@ -47,7 +49,9 @@ class Parallelized:
         expert_sq = _sum_of_squares(expert_parameters(self.model), self.rt.device)
         if self.fsdp:  # each rank holds a different shard of the dense gradients
             dist.all_reduce(dense_sq, group=self.rt.groups.dp)
-        if self.rt.groups.ep_size > 1:  # an expert-parallel group holds every expert exactly once
+        if self.sharded_experts:  # each expert's gradient is split over its edp ranks: every rank holds a distinct part
+            dist.all_reduce(expert_sq, group=self.rt.groups.dp)
+        elif self.rt.groups.ep_size > 1:  # an expert-parallel group holds every expert exactly once
             dist.all_reduce(expert_sq, group=self.rt.groups.ep)
         return (dense_sq + expert_sq).sqrt()
 
@@ -72,10 +76,23 @@ def _sum_of_squares(params, device: torch.device) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(grads)).double().square().sum()
 
 
+def shards_experts(rt: Runtime, dense: str) -> bool:
+    """Whether expert weights are sharded over the expert-data-parallel ranks (FSDP2 on the
+    ``edp`` mesh): with FSDP2 for the dense weights, whenever several ranks hold the same experts."""
+    return dense == "fsdp" and rt.distributed and rt.groups.edp_size > 1
+
+
 def _fully_shard(model: nn.Module, rt: Runtime, reshard_after_forward: bool) -> None:
+    """FSDP2 units: each MoE layer's experts over the ``edp`` ranks (the replicas of those experts:
+    weights, gradients and optimizer state split edp ways, gradients reduce-scattered during
+    backward), then each block and the root over every data-parallel rank for the rest."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     experts = set(expert_parameters(model))
+    if shards_experts(rt, "fsdp"):
+        for layer in moe_layers(model):
+            fully_shard(layer.experts, mesh=rt.mesh["edp"], reshard_after_forward=reshard_after_forward)
+        experts = set()  # managed by their own units now
     units = list(getattr(model, "blocks", []))
     for unit in units:
         fully_shard(unit, mesh=rt.dp_mesh, reshard_after_forward=reshard_after_forward,

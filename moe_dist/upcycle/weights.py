@@ -97,7 +97,8 @@ def load_model_weights(model: nn.Module, directory: str) -> dict:
             if ckpt.shape(name) != full:
                 raise HFFormatError(f"{directory}: {name!r} has shape {list(ckpt.shape(name))}, the model expects "
                                     f"{list(full)} (all experts of the layer)")
-            copy_rows_(target, ckpt.get_rows(name, module.offset, module.offset + module.num_experts))
+            part = local_rows(target)  # this rank's experts (a share of them when sharded over edp)
+            copy_rows_(target, ckpt.get_rows(name, module.offset + part.start, module.offset + part.stop), start=part.start)
             continue
         if ckpt.shape(name) != tuple(target.shape):
             raise HFFormatError(f"{directory}: {name!r} has shape {list(ckpt.shape(name))}, the model expects "
