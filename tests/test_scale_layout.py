@@ -112,3 +112,55 @@ def test_four_ranks_at_ep2_hold_half_the_expert_optimizer_state_of_two(tmp_path)
     # and the step is the same: loss and global gradient norm (every expert counted once)
     assert abs(four[0]["loss"] - two[0]["loss"]) <= 1e-5 * abs(two[0]["loss"])
     assert abs(four[0]["grad_norm"] - two[0]["grad_norm"]) <= 1e-4 * two[0]["grad_norm"]
+
+
+def _gathered_bytes(rank, world, tmp, dtype):
+    import torch.distributed as dist
+
+    from moe_dist.train.trainer import Trainer
+
+    trainer = Trainer(cfg_for(tmp, "parallel.ep=2", f"train.dtype={dtype}", "train.steps=2",
+                              f"run.dir={tmp}/run-{world}-{dtype}"))
+    counted = {"bytes": 0, "calls": 0}
+    # FSDP2's gather: dist.all_gather_single in torch 2.13, all_gather_into_tensor before
+    names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
+    real = {n: getattr(dist, n) for n in names}
+
+    def counting(name):
+        def call(output, *args, **kwargs):
+            counted["bytes"] += output.numel() * output.element_size()
+            counted["calls"] += 1
+            return real[name](output, *args, **kwargs)
+        return call
+
+    try:
+        losses = [trainer.train_step()["loss"]]
+        for n in names:
+            setattr(dist, n, counting(n))
+        try:
+            losses.append(trainer.train_step()["loss"])
+        finally:
+            for n in names:
+                setattr(dist, n, real[n])
+        masters = {p.dtype for p in trainer.model.parameters()}
+        return {**counted, "losses": losses, "masters": sorted(str(d) for d in masters)}
+    finally:
+        trainer.close()
+
+
+def test_bf16_gathers_half_the_bytes_keeps_fp32_masters_and_the_layout_invariance(tmp_path):
+    fp32 = run_ranks(_gathered_bytes, 2, args=(str(tmp_path), "fp32"), timeout=240)[0]
+    bf16 = run_ranks(_gathered_bytes, 2, args=(str(tmp_path), "bf16"), timeout=240)[0]
+    assert fp32["calls"] > 0 and bf16["calls"] > 0  # bf16 has more calls: each router is its own fp32 unit
+    ratio = bf16["bytes"] / fp32["bytes"]
+    print(f"all-gathered per step: fp32 {fp32['bytes']} B, bf16 {bf16['bytes']} B ({ratio:.3f}x; routers stay fp32)")
+    assert 0.45 <= ratio <= 0.55, ratio
+    assert bf16["masters"] == ["torch.float32"]  # master weights (and so the optimizer state) stay fp32
+    from moe_dist.train.trainer import Trainer  # one process, autocast over fp32 weights
+
+    one = Trainer(cfg_for(tmp_path, "parallel.ep=1", "train.dtype=bf16", "train.steps=2", f"run.dir={tmp_path}/one"))
+    try:
+        ref = [one.train_step()["loss"] for _ in range(2)]
+    finally:
+        one.close()
+    torch.testing.assert_close(torch.tensor(bf16["losses"]), torch.tensor(ref), rtol=1e-2, atol=0)

@@ -216,7 +216,8 @@ class TrainConfig:
     beta1: float = knob(0.9, "AdamW beta1", min=0, max=1)
     beta2: float = knob(0.95, "AdamW beta2", min=0, max=1)
     grad_clip: Optional[float] = knob(1.0, "clip the global gradient norm to this (null = no clipping)", gt=0)
-    dtype: Literal["fp32", "bf16"] = knob("fp32", "bf16 = autocast matmuls to bfloat16 (weights and router stay fp32)")
+    dtype: Literal["fp32", "bf16"] = knob("fp32", "bf16 = autocast matmuls to bfloat16 (fp32 master weights; FSDP2 gathers "
+                                                 "bf16 copies and reduces gradients in fp32; router math stays fp32)")
     activation_checkpointing: bool = knob(False, "recompute each block in backward (non-reentrant)")
     engine: Literal["native", "deepspeed"] = knob("native", "who reduces gradients and steps the optimizer: native "
                                                    "(parallel.dense) or deepspeed (ZeRO-1/2, deepspeed.* keys; needs "

@@ -82,22 +82,39 @@ def shards_experts(rt: Runtime, dense: str) -> bool:
     return dense == "fsdp" and rt.distributed and rt.groups.edp_size > 1
 
 
-def _fully_shard(model: nn.Module, rt: Runtime, reshard_after_forward: bool) -> None:
-    """FSDP2 units: each MoE layer's experts over the ``edp`` ranks (the replicas of those experts:
-    weights, gradients and optimizer state split edp ways, gradients reduce-scattered during
-    backward), then each block and the root over every data-parallel rank for the rest."""
+def mixed_precision(dtype: str):
+    """FSDP2's policy for ``train.dtype``: bf16 gathers bf16 copies of the fp32 master weights
+    (half the bytes of fp32) and reduces gradients in fp32; fp32 changes nothing."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if dtype == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def _fully_shard(model: nn.Module, rt: Runtime, reshard_after_forward: bool, dtype: str = "fp32") -> None:
+    """FSDP2 units: each router alone (its math stays fp32, so it is gathered in fp32 whatever
+    ``train.dtype``), each MoE layer's experts over the ``edp`` ranks (the replicas of those
+    experts: weights, gradients and optimizer state split edp ways, gradients reduce-scattered
+    during backward), then each block and the root over every data-parallel rank for the rest."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
+    policy, fp32 = mixed_precision(dtype), mixed_precision("fp32")
     experts = set(expert_parameters(model))
+    for layer in moe_layers(model):
+        if dtype != "fp32" and any(p.requires_grad for p in layer.router.parameters()):
+            fully_shard(layer.router, mesh=rt.dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=fp32)
+        if shards_experts(rt, "fsdp"):
+            fully_shard(layer.experts, mesh=rt.mesh["edp"], reshard_after_forward=reshard_after_forward,
+                        mp_policy=policy)
     if shards_experts(rt, "fsdp"):
-        for layer in moe_layers(model):
-            fully_shard(layer.experts, mesh=rt.mesh["edp"], reshard_after_forward=reshard_after_forward)
         experts = set()  # managed by their own units now
     units = list(getattr(model, "blocks", []))
     for unit in units:
-        fully_shard(unit, mesh=rt.dp_mesh, reshard_after_forward=reshard_after_forward,
+        fully_shard(unit, mesh=rt.dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
                     ignored_params={p for p in unit.parameters() if p in experts})
-    fully_shard(model, mesh=rt.dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=experts)
+    fully_shard(model, mesh=rt.dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
+                ignored_params=experts)
     for m in model.modules():
         if isinstance(m, FSDPModule):  # SUM, not mean; gloo has no PREMUL_SUM, so force plain sums
             m.set_gradient_divide_factor(1.0)
@@ -105,13 +122,14 @@ def _fully_shard(model: nn.Module, rt: Runtime, reshard_after_forward: bool) -> 
 
 
 def parallelize(model: nn.Module, rt: Runtime, parallel_cfg,
-                fill: Optional[Callable[[nn.Module], None]] = None) -> Parallelized:
+                fill: Optional[Callable[[nn.Module], None]] = None, dtype: str = "fp32") -> Parallelized:
     """Expert parallelism, then FSDP2 or replication for the dense weights (in place).
 
     A model built on the meta device (``build_model(..., device="meta")``) is split first and
     then only this rank's part is allocated on ``rt.device`` and filled by ``fill(model)``
     (:func:`moe_dist.model.init.init_weights` or a checkpoint's rows): no rank ever holds the
-    whole model. A model built for real is moved to ``rt.device`` and sliced (small models)."""
+    whole model. A model built for real is moved to ``rt.device`` and sliced (small models).
+    ``dtype``: ``train.dtype``; with FSDP2, bf16 gathers bf16 weights (:func:`mixed_precision`)."""
     meta = is_meta(model)
     if meta and fill is None:
         raise ValueError("parallelize: a model on the meta device needs fill= (how to set its weights)")
@@ -120,7 +138,7 @@ def parallelize(model: nn.Module, rt: Runtime, parallel_cfg,
     apply_expert_parallel(model, rt.groups)
     fsdp = parallel_cfg.dense == "fsdp" and rt.distributed
     if fsdp:
-        _fully_shard(model, rt, parallel_cfg.reshard_after_forward)
+        _fully_shard(model, rt, parallel_cfg.reshard_after_forward, dtype)
     if meta:
         fill(materialize(model, rt.device))
     if rt.distributed:  # frozen routers (HyperRouter, SMoE-Dropout): broadcast from rank 0, hash-checked

@@ -147,7 +147,8 @@ class Trainer:
 
     # ---- the engine: how the model is spread and updated (train.engine=deepspeed overrides these) ----
     def build_engine(self) -> None:
-        self.par = parallelize(self.model, self.rt, self.cfg.parallel, fill=weights_filler(self.cfg))
+        self.par = parallelize(self.model, self.rt, self.cfg.parallel, fill=weights_filler(self.cfg),
+                               dtype=self.cfg.train.dtype)
         self.optimizer = build_optimizer(self.model, self.cfg.train)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -335,7 +336,7 @@ def evaluate_run(cfg: Config, checkpoint: Optional[str] = None, rt: Optional[Run
         vocab = resolve_vocab(cfg, data)
         model = build_meta_model(cfg, vocab)
         weights = is_weights_directory(path)
-        parallelize(model, rt, cfg.parallel, fill=weights_filler(cfg, path if weights else None))
+        parallelize(model, rt, cfg.parallel, fill=weights_filler(cfg, path if weights else None), dtype=cfg.train.dtype)
         meta = {"step": 0} if weights else load_checkpoint(model, path)
         if meta.get("tokenizer_sha256") not in (None, data.tokenizer.sha256):
             raise ValueError(f"{path} was trained with another tokenizer (sha256 {meta['tokenizer_sha256'][:12]}...) than "
