@@ -64,7 +64,9 @@ def make_dense(work: str) -> str:
     model.save_pretrained(dense, safe_serialization=True)
     print(f"dense TinyLlama-shaped model: {sum(p.numel() for p in model.parameters()):,} parameters, bf16, "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
-    model = model.float().eval()  # the bf16 weights, computed in fp32
+    del model  # the reference reads the saved bf16 weights back in fp32: converting the model in memory would
+    # also round its rotary inv_freq buffer to bf16 (a 3e-3 logits error in the reference itself)
+    model = LlamaForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
     tokens = torch.randint(0, config.vocab_size, (1, PROBE_TOKENS), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = model(tokens).logits

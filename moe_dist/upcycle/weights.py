@@ -99,6 +99,7 @@ def load_model_weights(model: nn.Module, directory: str) -> dict:
                                     f"{list(full)} (all experts of the layer)")
             part = local_rows(target)  # this rank's experts (a share of them when sharded over edp)
             copy_rows_(target, ckpt.get_rows(name, module.offset + part.start, module.offset + part.stop), start=part.start)
+            ckpt.close()
             continue
         if ckpt.shape(name) != tuple(target.shape):
             raise HFFormatError(f"{directory}: {name!r} has shape {list(ckpt.shape(name))}, the model expects "
@@ -108,6 +109,7 @@ def load_model_weights(model: nn.Module, directory: str) -> dict:
             copy_rows_(target, ckpt.get(name))
         else:
             copy_rows_(target, ckpt.get_rows(name, part.start, part.stop), start=part.start)
+        ckpt.close()  # unmap the file after each tensor: mapped pages read so far count as this process's memory
     ckpt.close()
     return {"loaded": len(wanted)}
 
