@@ -1,10 +1,11 @@
 """Apply parallelism to a model (built on the meta device, or for one process), and finish its gradients.
 
-Experts: expert parallelism keeps each rank's slice (global init kept); replicas of the same
-experts (the expert-data-parallel group) sum their gradients. Dense weights: FSDP2
-``fully_shard`` over all data-parallel ranks (one unit per block plus the root), with the
-gradient reduction set to a plain SUM, or replicated with summed gradients. Summing matches
-the loss-shares convention (each rank's loss is its share of the global loss).
+Experts: expert parallelism keeps each rank's slice (global init kept); the replicas of the
+same experts (the expert-data-parallel group) shard them with FSDP2 when the dense weights
+use FSDP2 (gradients reduce-scattered), else sum their gradients. Dense weights: FSDP2
+``fully_shard`` over all data-parallel ranks (one unit per block plus the root), or
+replicated with summed gradients. Every reduction is a plain SUM, which matches the
+loss-shares convention (each rank's loss is its share of the global loss).
 """
 from __future__ import annotations
 
