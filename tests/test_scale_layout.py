@@ -164,3 +164,35 @@ def test_bf16_gathers_half_the_bytes_keeps_fp32_masters_and_the_layout_invarianc
     finally:
         one.close()
     torch.testing.assert_close(torch.tensor(bf16["losses"]), torch.tensor(ref), rtol=1e-2, atol=0)
+
+
+def test_eval_of_an_upcycled_model_directory_at_any_layout(tmp_path):
+    """`moe-dist eval --checkpoint DIR` reads an upcycled model directory (no run directory):
+    1 process and 2 ranks at ep=2 (each reading its rows) give the same perplexity."""
+    pytest.importorskip("transformers")
+    import json
+
+    from hf_cases import add_sentencepiece, build_dense
+    from moe_dist.cli import main
+    from moe_dist.upcycle import upcycle
+
+    corpus = os.path.join(ROOT, "tests", "data", "python-docs")
+    dense, up = str(tmp_path / "dense"), str(tmp_path / "up")
+    os.makedirs(dense)
+    texts = [open(os.path.join(corpus, "tutorial", "introduction.rst.txt"), encoding="utf-8").read()]
+    add_sentencepiece(dense, texts, vocab_size=300)
+    build_dense("llama", dense, vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    upcycle(dense, up, ["model.moe.num_experts=4", "model.moe.layers=every", "model.moe.router_options={normalize: true}"],
+            log=lambda _: None)
+    common = [f"data.corpus={corpus}", f"data.cache_dir={tmp_path}/cache", "data.val_fraction=0.2",
+              "train.seq_len=32", "eval.max_sequences=8", "eval.batch=4", "run.progress=false"]
+    assert main(["eval", "--checkpoint", up, "--json", str(tmp_path / "one.json"), "parallel.ep=1", *common]) == 0
+    assert main(["eval", "--checkpoint", up, "--json", str(tmp_path / "two.json"), "--nproc", "2",
+                 "parallel.ep=2", *common]) == 0
+    one, two = (json.load(open(tmp_path / f"{n}.json", encoding="utf-8")) for n in ("one", "two"))
+    assert (one["world_size"], two["world_size"], two["ep"]) == (1, 2, 2)
+    assert len(two["peak_rss_gib"]) == 2 and all(g > 0 for g in two["peak_rss_gib"])
+    assert abs(one["val_ppl"] - two["val_ppl"]) <= 1e-5 * one["val_ppl"], (one, two)
+    assert not os.path.exists(os.path.join(up, "eval.json"))  # the model directory is only read
+    # a training checkpoint without its run directory is refused with the reason
+    assert main(["eval", "--checkpoint", str(tmp_path / "nowhere")]) == 2
