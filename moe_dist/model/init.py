@@ -24,8 +24,6 @@ through uninitialised.
 from __future__ import annotations
 
 import hashlib
-from typing import Optional
-
 import torch
 import torch.nn as nn
 
@@ -107,14 +105,10 @@ def _copy_router(layer: MoELayer, seed: int) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, seed: int, skip: Optional[set] = None) -> None:
-    """Fill every parameter and buffer of ``model`` (this rank's part of each) from ``seed``.
-
-    ``skip``: names (``model.state_dict()`` keys) to leave alone, e.g. loaded from a checkpoint."""
-    skip = skip or set()
+def init_weights(model: nn.Module, seed: int) -> None:
+    """Fill every parameter and buffer of ``model`` (this rank's part of each) from ``seed``."""
     done: set[int] = set()
     routers: list[str] = []
-    names = {id(t): n for n, t in model.state_dict(keep_vars=True).items()}
     for fqn, module in model.named_modules():
         if any(fqn.startswith(r + ".") for r in routers):
             continue  # a router's submodules: filled with the router
@@ -122,32 +116,23 @@ def init_weights(model: nn.Module, seed: int, skip: Optional[set] = None) -> Non
                if id(t) not in done]
         if isinstance(module, MoELayer):
             routers.append(f"{fqn}.router" if fqn else "router")
-            if not all(names.get(id(t)) in skip for t in _router_tensors(module)):
-                done.update(id(t) for t in _copy_router(module, key(seed, routers[-1])))
-            done.update(id(t) for t in _router_tensors(module))
+            done.update(id(t) for t in _copy_router(module, key(seed, routers[-1])))
             continue
         if not own:
             continue
         if isinstance(module, GroupedExperts):
-            if not all(names.get(id(t)) in skip for t in own):
-                module.reset_parameters(key(seed, fqn) % (2**31 - 1))
+            module.reset_parameters(key(seed, fqn) % (2**31 - 1))
         elif isinstance(module, RMSNorm):
-            if names.get(id(module.weight)) not in skip:
-                local_rows(module.weight).local.fill_(1.0)
+            local_rows(module.weight).local.fill_(1.0)
         elif isinstance(module, (nn.Linear, nn.Embedding)) and hasattr(module, "init_std"):
-            if names.get(id(module.weight)) not in skip:
-                normal_rows_(module.weight, module.init_std, key(seed, f"{fqn}.weight"))
-            bias = getattr(module, "bias", None)
-            if bias is not None and names.get(id(bias)) not in skip:
-                local_rows(bias).local.zero_()
+            normal_rows_(module.weight, module.init_std, key(seed, f"{fqn}.weight"))
+            if getattr(module, "bias", None) is not None:
+                local_rows(module.bias).local.zero_()
         else:
             raise RuntimeError(f"init_weights: no initialisation recipe for {fqn or 'the model'} "
                                f"({type(module).__name__}); add one in moe_dist/model/init.py")
         done.update(id(t) for t in own)
-    left = [n for t, n in ((t, names.get(id(t))) for t in _tensors(model)) if id(t) not in done]
+    names = {id(t): n for n, t in model.state_dict(keep_vars=True).items()}
+    left = [names.get(id(t), "?") for t in _tensors(model) if id(t) not in done]
     if left:
         raise RuntimeError(f"init_weights: tensors without a recipe: {left[:8]}")
-
-
-def _router_tensors(layer: MoELayer) -> list[torch.Tensor]:
-    return list(layer.router.parameters()) + list(layer.router.buffers())
