@@ -196,3 +196,17 @@ def test_eval_of_an_upcycled_model_directory_at_any_layout(tmp_path):
     assert not os.path.exists(os.path.join(up, "eval.json"))  # the model directory is only read
     # a training checkpoint without its run directory is refused with the reason
     assert main(["eval", "--checkpoint", str(tmp_path / "nowhere")]) == 2
+
+
+def test_a_module_without_an_initialisation_recipe_is_refused(tmp_path):
+    from moe_dist.model.init import init_weights, materialize
+
+    cfg = cfg_for(tmp_path)
+    model = build_model(cfg.model, VOCAB, device="meta")
+    assert is_meta(model)
+    with torch.device("meta"):
+        model.blocks[0].extra = torch.nn.Conv1d(4, 4, 3)
+    materialize(model, "cpu")
+    assert model.lm_head.weight is model.embed.weight or not cfg.model.tie_embeddings  # ties survive to_empty
+    with pytest.raises(RuntimeError, match=r"blocks\.0\.extra \(Conv1d\)"):
+        init_weights(model, 0)
