@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..config import Config, ConfigError, save_config
+from ..config.load import config_to_dict
 from ..data import PreparedData, TrainSampler, load_prepared, prepare_data
 from ..diagnostics import RoutingDiagnostics
 from ..dist.bootstrap import Runtime, init_distributed, shutdown
@@ -102,9 +103,11 @@ class Trainer:
         self.sampler = TrainSampler(self.data.train.array(), cfg.train.seq_len, cfg.train.global_batch,
                                     cfg.train.grad_accum, groups.dp_rank, groups.dp_size, cfg.train.seed)
         self.val_batches = validation_batches(self.data, cfg.train.seq_len, cfg.eval, groups.dp_rank, groups.dp_size)
-        self.step = 0
-        self.checkpoints = TrainingCheckpoints(self)  # ckpt.* keys
-        self.checkpoints.resume()  # resume=auto|<path>: model, optimizer, step, sampler, RNG; tidies metrics.jsonl
+        self.checkpoints = TrainingCheckpoints(  # ckpt.* keys
+            self.run_dir, config_to_dict(cfg), runtime=self.rt, model=self.model, optimizer=self.optimizer,
+            sampler=self.sampler, diagnostics=self.diagnostics, tokenizer_sha256=self.data.tokenizer.sha256,
+            lr_schedule=lambda step: lr_at(step, cfg.train), log=self.log)
+        self.step = self.checkpoints.resume()  # resume=auto|<path>: model, optimizer, sampler, RNG; tidies metrics.jsonl
         self.metrics = MetricsLogger(self.run_dir if self.is_main else None, cfg.run.tensorboard)
         self.preemption = PreemptionHandler(self.rt.device)  # SIGUSR1/SIGTERM: checkpoint and exit 75
         if self.is_main:
@@ -211,7 +214,7 @@ class Trainer:
         return evaluate(self.model, self.val_batches, self.rt.device, self.cfg.train.dtype, self.rt.groups.dp)
 
     def save(self) -> str:
-        return self.checkpoints.save()
+        return self.checkpoints.save(self.step)
 
     # ---- the loop -------------------------------------------------------------------------
     def fit(self) -> dict:
