@@ -75,6 +75,9 @@ def resolve_vocab(cfg: Config, data: PreparedData) -> int:
 
 
 class Trainer:
+    """The training loop around a model it builds, an engine (``train.engine``: how the model is spread
+    and updated) and the checkpoints (``ckpt.*``, ``resume``), both given their parts explicitly."""
+
     def __init__(self, cfg: Config, rt: Optional[Runtime] = None):
         self.cfg = cfg
         self._owns_runtime = rt is None
@@ -109,9 +112,9 @@ class Trainer:
             self.run_dir, config_to_dict(cfg), runtime=self.rt, model=self.model, optimizer=self.engine.optimizer,
             sampler=self.sampler, diagnostics=self.diagnostics, tokenizer_sha256=self.data.tokenizer.sha256,
             lr_schedule=lambda step: lr_at(step, cfg.train), log=self.log)
-        self.step = self.checkpoints.resume()  # resume=auto|<path>: model, optimizer, sampler, RNG; tidies metrics.jsonl
+        self.step = self.checkpoints.resume()  # resume=auto|<path>: model, optimizer, sampler, RNG; tidies the run dir
         if self.checkpoints.resumed_from:
-            self.engine.state_loaded()
+            self.engine.state_loaded()  # DeepSpeed: the loaded state into its ZeRO partitions
         self.metrics = MetricsLogger(self.run_dir if self.is_main else None, cfg.run.tensorboard)
         self.preemption = PreemptionHandler(self.rt.device)  # SIGUSR1/SIGTERM: checkpoint and exit 75
         if self.is_main:

@@ -365,7 +365,7 @@ class DeepSpeedEngine(Engine):
         return float(norm) if norm is not None else float("nan")
 
     def zero_grad(self) -> None:
-        """Nothing left to do: ``engine.step()`` zeroes the gradients at the accumulation boundary."""
+        """Nothing left to do: ``ds_engine.step()`` zeroes the gradients at the accumulation boundary."""
 
     @contextlib.contextmanager
     def state_for_save(self) -> Iterator[None]:
