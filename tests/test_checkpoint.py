@@ -27,7 +27,7 @@ import torch
 from dist_harness import run_ranks
 from moe_dist.config import load_config
 from moe_dist.train.checkpoint import IncompleteCheckpoint, latest_checkpoint, load_checkpoint, step_dir
-from moe_dist.train.ckpt_files import SafeFileSystemReader
+from moe_dist.train.checkpoint.files import SafeFileSystemReader
 
 pytestmark = pytest.mark.slow  # real gloo ranks and the CLI
 
@@ -179,19 +179,19 @@ def crash_config(root, name, *extra):
 
 
 def _uninterrupted_then_killed_while_saving(rank, world, root):
-    from moe_dist.train import checkpoint
+    from moe_dist.train.checkpoint import checkpointer
     from moe_dist.train.trainer import train
 
     train(crash_config(root, "uninterrupted"))
     if rank == 1:  # dies while hashing the files it wrote for step 4, before the checkpoint is complete
-        real = checkpoint.file_record
+        real = checkpointer.file_record
 
         def die_while_saving(path):
             if "step_000004.partial" in path:
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(path)
 
-        checkpoint.file_record = die_while_saving
+        checkpointer.file_record = die_while_saving
     train(crash_config(root, "killed"))
 
 

@@ -18,7 +18,8 @@ from moe_dist.model import build_model
 from moe_dist.train import checkpoint as ck
 from moe_dist.train.checkpoint import (CheckpointError, Checkpointer, IncompleteCheckpoint, latest_checkpoint,
                                        load_checkpoint, step_dir)
-from moe_dist.train.ckpt_files import SafeFileSystemReader, read_manifest, sha256_file
+from moe_dist.train.checkpoint import checkpointer as ck_save
+from moe_dist.train.checkpoint.files import SafeFileSystemReader, read_manifest, sha256_file
 from moe_dist.train.optim import build_optimizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -164,25 +165,25 @@ def test_other_shapes_and_missing_experts_are_refused(tmp_path):
         load_checkpoint(other_router, path)
 
     # a writer that drops an expert never produces a complete checkpoint (and nothing older is pruned)
-    real = ck.expert_keyed_state_dict
+    real = ck_save.expert_keyed_state_dict  # what the checkpointer saves
 
     def lossy(m):
         sd = real(m)
         del sd["blocks.1.ffn.experts.w2.expert_3"]
         return sd
 
-    ck.expert_keyed_state_dict = lossy
+    ck_save.expert_keyed_state_dict = lossy
     try:
         with pytest.raises(CheckpointError, match=r"lacks 1 tensor\(s\).*blocks.1.ffn.experts.w2.expert_3"):
             Checkpointer(str(tmp_path / "run"), keep=1).save(2, model, opt)
     finally:
-        ck.expert_keyed_state_dict = real
+        ck_save.expert_keyed_state_dict = real
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["step_000001", "step_000002.partial"]
     assert latest_checkpoint(str(tmp_path / "run")) == path
 
     # a checkpoint that lacks an expert (written by something else, with a valid manifest) is refused by name
     import torch.distributed.checkpoint as dcp
-    from moe_dist.train.ckpt_files import file_record, write_json_durably
+    from moe_dist.train.checkpoint.files import file_record, write_json_durably
 
     odd = str(tmp_path / "odd")
     sd = real(model)

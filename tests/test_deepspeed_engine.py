@@ -18,7 +18,7 @@ import os
 import pytest
 
 from moe_dist.config import ConfigError, load_config
-from moe_dist.train.deepspeed_engine import build_ds_config, deepspeed_available
+from moe_dist.train.engines.deepspeed import build_ds_config, deepspeed_available
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 5

@@ -98,7 +98,7 @@ def _optimizer_state(rank, world, tmp, ep):
     try:
         row = trainer.train_step()
         experts = set(expert_parameters(trainer.model))
-        state = [v for p, s in trainer.optimizer.state.items() if p in experts for v in s.values() if v.dim() > 0]
+        state = [v for p, s in trainer.engine.optimizer.state.items() if p in experts for v in s.values() if v.dim() > 0]
         return {"expert_state_numel": _local_numel(state), "loss": row["loss"], "grad_norm": row["grad_norm"]}
     finally:
         trainer.close()

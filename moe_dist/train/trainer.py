@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..config import Config, ConfigError, save_config
+from ..config.load import config_to_dict
 from ..data import PreparedData, TrainSampler, load_prepared, prepare_data
 from ..diagnostics import RoutingDiagnostics
 from ..dist.bootstrap import Runtime, init_distributed, shutdown
@@ -27,10 +28,11 @@ from ..hardware import peak_rss_bytes, slow_bf16_note
 from ..model import count_parameters
 from ..moe import collect_aux_loss, moe_layers
 from .checkpoint import TrainingCheckpoints, latest_checkpoint, load_checkpoint
+from .engines import create_engine
 from .evaluate import autocast, evaluate, format_report, unigram_baseline, validation_batches
 from .metrics import MetricsLogger, MoEStepStats
 from .model_setup import build_meta_model, is_weights_directory, weights_filler
-from .optim import build_optimizer, lr_at, set_lr
+from .optim import lr_at, set_lr
 from .parallelize import parallelize
 from .preemption import PreemptionHandler, stop_if_requested
 
@@ -74,6 +76,9 @@ def resolve_vocab(cfg: Config, data: PreparedData) -> int:
 
 
 class Trainer:
+    """The training loop around a model it builds, an engine (``train.engine``: how the model is spread
+    and updated) and the checkpoints (``ckpt.*``, ``resume``), both given their parts explicitly."""
+
     def __init__(self, cfg: Config, rt: Optional[Runtime] = None):
         self.cfg = cfg
         self._owns_runtime = rt is None
@@ -92,7 +97,8 @@ class Trainer:
         self.model = build_meta_model(cfg, vocab)
         self.params = count_parameters(self.model)
         self.model.set_activation_checkpointing(cfg.train.activation_checkpointing)
-        self.build_engine()  # self.par, self.optimizer
+        self.engine = create_engine(cfg, self.rt, log=self.log)  # train.engine: native | deepspeed
+        self.engine.prepare(self.model, fill=weights_filler(cfg))  # split, allocate this rank's part, fill it; optimizer
         self.moe = moe_layers(self.model)
         self.moe_stats = MoEStepStats(self.model)
         self.diagnostics = RoutingDiagnostics()  # load balance, probe-set fluctuation, Symphony graphs
@@ -101,9 +107,13 @@ class Trainer:
         self.sampler = TrainSampler(self.data.train.array(), cfg.train.seq_len, cfg.train.global_batch,
                                     cfg.train.grad_accum, groups.dp_rank, groups.dp_size, cfg.train.seed)
         self.val_batches = validation_batches(self.data, cfg.train.seq_len, cfg.eval, groups.dp_rank, groups.dp_size)
-        self.step = 0
-        self.checkpoints = TrainingCheckpoints(self)  # ckpt.* keys
-        self.checkpoints.resume()  # resume=auto|<path>: model, optimizer, step, sampler, RNG; tidies metrics.jsonl
+        self.checkpoints = TrainingCheckpoints(  # ckpt.* keys
+            self.run_dir, config_to_dict(cfg), runtime=self.rt, model=self.model, optimizer=self.engine.optimizer,
+            sampler=self.sampler, diagnostics=self.diagnostics, tokenizer_sha256=self.data.tokenizer.sha256,
+            lr_schedule=lambda step: lr_at(step, cfg.train), log=self.log)
+        self.step = self.checkpoints.resume()  # resume=auto|<path>: model, optimizer, sampler, RNG; tidies the run dir
+        if self.checkpoints.resumed_from:
+            self.engine.state_loaded()  # DeepSpeed: the loaded state into its ZeRO partitions
         self.metrics = MetricsLogger(self.run_dir if self.is_main else None, cfg.run.tensorboard)
         self.preemption = PreemptionHandler(self.rt.device)  # SIGUSR1/SIGTERM: checkpoint and exit 75
         if self.is_main:
@@ -119,13 +129,9 @@ class Trainer:
         else:
             print(msg, flush=True)
 
-    def dense_layout(self) -> str:
-        """How the dense (non-expert) weights are spread, for logs and ``run.json``."""
-        return self.cfg.parallel.dense if self.rt.distributed else "local"
-
     def _write_run_info(self) -> None:
         info = {
-            "world_size": self.rt.world_size, "ep": self.rt.groups.ep_size, "dense": self.dense_layout(),
+            "world_size": self.rt.world_size, "ep": self.rt.groups.ep_size, "dense": self.engine.dense_layout(),
             "launcher": self.rt.launch.launcher, "backend": self.rt.backend, "device": str(self.rt.device),
             "threads_per_process": torch.get_num_threads(), "parameters": self.params,
             "data": {"directory": self.data.directory, "source": self.data.manifest["source"],
@@ -145,26 +151,6 @@ class Trainer:
 
         return tqdm(total=self.cfg.train.steps, desc="train", unit="step", dynamic_ncols=True, leave=True)
 
-    # ---- the engine: how the model is spread and updated (train.engine=deepspeed overrides these) ----
-    def build_engine(self) -> None:
-        self.par = parallelize(self.model, self.rt, self.cfg.parallel, fill=weights_filler(self.cfg),
-                               dtype=self.cfg.train.dtype)
-        self.optimizer = build_optimizer(self.model, self.cfg.train)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model(tokens)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
-    def update(self) -> float:
-        """Finish and clip the gradients, step the optimizer; returns the gradient norm before clipping."""
-        self.par.finish_gradients()
-        grad_norm = self.par.clip_gradients(self.cfg.train.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
-
     # ---- one step -------------------------------------------------------------------------
     def _set_context(self, micro_step: int) -> None:
         for layer in self.moe:
@@ -174,23 +160,24 @@ class Trainer:
     def train_step(self) -> dict:
         cfg, dev = self.cfg.train, self.rt.device
         lr = lr_at(self.step, cfg)
-        set_lr(self.optimizer, lr)
+        set_lr(self.engine.optimizer, lr)
         micro_batches = self.sampler.next_step()
         step_tokens = cfg.global_batch * cfg.seq_len
         sums = torch.zeros(2, dtype=torch.float64, device=dev)  # [LM loss sum, aux loss share]
         self.moe_stats.reset()
         for m, batch in enumerate(micro_batches):
             self._set_context(m)
-            self.par.set_gradient_sync(m == len(micro_batches) - 1)
+            self.engine.set_gradient_sync(m == len(micro_batches) - 1)
             x = torch.from_numpy(batch).to(dev)
             with autocast(dev, cfg.dtype):
-                logits = self.forward(x[:, :-1])
+                logits = self.engine.forward(x[:, :-1])
             lm_sum = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten(), reduction="sum")
             aux = collect_aux_loss(self.model).to(dev) / len(micro_batches)
-            self.backward(lm_sum / step_tokens + aux)
+            self.engine.backward(lm_sum / step_tokens + aux)
             self.moe_stats.add()
             sums += torch.stack([lm_sum.detach().double(), aux.detach().double()])
-        grad_norm = self.update()
+        grad_norm = self.engine.step()  # reduce, clip, update
+        self.engine.zero_grad()
         for layer in self.moe:
             layer.router.after_optimizer_step(layer.context)
         if self.rt.distributed:
@@ -211,7 +198,8 @@ class Trainer:
         return evaluate(self.model, self.val_batches, self.rt.device, self.cfg.train.dtype, self.rt.groups.dp)
 
     def save(self) -> str:
-        return self.checkpoints.save()
+        with self.engine.state_for_save():
+            return self.checkpoints.save(self.step)
 
     # ---- the loop -------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -223,7 +211,7 @@ class Trainer:
                  f"router {cfg.model.moe.router}")
         self.log(f"parallel: {self.rt.world_size} process(es) [{self.rt.launch.launcher}, {self.rt.backend or 'no backend'}, "
                  f"{self.rt.device}, {torch.get_num_threads()} thread(s) each], ep={self.rt.groups.ep_size}, "
-                 f"dense={self.dense_layout()}; data: "
+                 f"dense={self.engine.dense_layout()}; data: "
                  f"{self.data.train.count:,} train tokens, {cfg.train.global_batch}x{cfg.train.seq_len} tokens per step")
         slow = slow_bf16_note(self.rt.device, cfg.train.dtype)
         if slow:
@@ -286,21 +274,19 @@ class Trainer:
         return summary
 
     def close(self) -> None:
-        self.checkpoints.wait()  # an async save in flight
-        self.preemption.restore()
-        self.metrics.close()
-        if self._owns_runtime:
-            shutdown(self.rt)
+        try:
+            self.checkpoints.wait()  # an async save in flight
+            self.preemption.restore()
+            self.metrics.close()
+            if self._owns_runtime:
+                shutdown(self.rt)
+        finally:
+            self.engine.close()
 
 
 def train(cfg: Config, rt: Optional[Runtime] = None) -> dict:
     """Train as configured; returns the summary (same on every rank)."""
-    if cfg.train.engine == "deepspeed":
-        from .deepspeed_engine import DeepSpeedTrainer
-
-        trainer = DeepSpeedTrainer(cfg, rt)
-    else:
-        trainer = Trainer(cfg, rt)
+    trainer = Trainer(cfg, rt)
     try:
         return trainer.fit()
     finally:

@@ -31,6 +31,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 MARKER = "COMPLETE"
+META = "meta.json"
 PARTIAL = ".partial"
 FORMAT = "moe_dist.checkpoint"
 FORMAT_VERSION = 1

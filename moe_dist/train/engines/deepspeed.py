@@ -36,25 +36,25 @@ between the engines, world sizes and expert-parallel sizes. DeepSpeed's own
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import json
 import logging
 import os
 import socket
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..config import ConfigError
-from ..moe import moe_layers
-from ..parallel import apply_expert_parallel, expert_parameters
-from ..model.init import is_meta, materialize
-from .model_setup import weights_filler
-from .optim import build_optimizer
-from .trainer import Trainer
+from ...config import ConfigError
+from ...model.init import is_meta, materialize
+from ...moe import moe_layers
+from ...parallel import apply_expert_parallel, expert_parameters
+from ..optim import build_optimizer
+from .base import Engine
 
 ZERO_STAGES = (1, 2)
 REFUSED_KEYS = {
@@ -243,7 +243,7 @@ class ZeroStateView:
     """The per-parameter face of a ZeRO-1/2 optimizer, for the trainer and the checkpoint code.
 
     ``param_groups``: one group of the model's trainable parameters; the trainer sets its
-    ``lr`` and :meth:`DeepSpeedTrainer.update` copies it to DeepSpeed's groups before a step.
+    ``lr`` and :meth:`DeepSpeedEngine.step` copies it to DeepSpeed's groups before a step.
     ``state[p]``: full AdamW tensors of parameter ``p`` (as the native engine keeps them), filled
     by :meth:`gather` (collective) for a save, or by the checkpoint loader and then pushed into
     DeepSpeed's partitions by :meth:`scatter` (collective) after a resume.
@@ -321,16 +321,6 @@ class ZeroStateView:
         self.release()
 
 
-class _AccumulationBoundary:
-    """The trainer's ``par``: gradient sync on the last micro-batch = DeepSpeed's accumulation boundary."""
-
-    def __init__(self, engine):
-        self.engine = engine
-
-    def set_gradient_sync(self, enabled: bool) -> None:
-        self.engine.set_gradient_accumulation_boundary(enabled)
-
-
 def _single_process_group(rt) -> bool:
     """DeepSpeed needs torch.distributed even for one process: start a 1-rank gloo group."""
     if dist.is_initialized():
@@ -343,54 +333,60 @@ def _single_process_group(rt) -> bool:
     return True
 
 
-class DeepSpeedTrainer(Trainer):
-    """:class:`~moe_dist.train.trainer.Trainer` with DeepSpeed ZeRO-1/2 doing the update."""
+class DeepSpeedEngine(Engine):
+    """DeepSpeed ZeRO-1/2 doing the gradient reduction, clipping and the update."""
 
-    def __init__(self, cfg, rt=None):
+    def __init__(self, cfg, rt, log: Callable[[str], None] = print):
+        super().__init__(cfg, rt, log)
         self._owns_single_group = False
-        super().__init__(cfg, rt)
-        if self.checkpoints.resumed_from:
-            self.optimizer.scatter()
 
-    def build_engine(self) -> None:
+    def prepare(self, model: nn.Module, fill: Callable[[nn.Module], None]) -> None:
+        self.model = model
         self._owns_single_group = _single_process_group(self.rt)
-        self.engine = build_deepspeed_engine(self.model, self.rt, self.cfg, log=self.log, fill=weights_filler(self.cfg))
-        self.par = _AccumulationBoundary(self.engine)
-        self.optimizer = ZeroStateView(self.engine, self.model)
+        self.ds_engine = build_deepspeed_engine(model, self.rt, self.cfg, log=self.log, fill=fill)
+        self.optimizer = ZeroStateView(self.ds_engine, model)
         # DeepSpeed divides every gradient by the data-parallel world size; our loss shares want sums
         self._loss_factor = float(dist.get_world_size())
 
     def dense_layout(self) -> str:
-        return f"deepspeed-zero{self.engine.zero_optimization_stage()}"  # parallel.dense is not used by this engine
+        return f"deepspeed-zero{self.ds_engine.zero_optimization_stage()}"  # parallel.dense is not used by this engine
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.engine(tokens)
+        return self.ds_engine(tokens)
+
+    def set_gradient_sync(self, enabled: bool) -> None:
+        """Gradient sync on the last micro-batch = DeepSpeed's accumulation boundary."""
+        self.ds_engine.set_gradient_accumulation_boundary(enabled)
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.engine.backward(loss * self._loss_factor, scale_wrt_gas=False)
+        self.ds_engine.backward(loss * self._loss_factor, scale_wrt_gas=False)
 
-    def update(self) -> float:
+    def step(self) -> float:
         lr = self.optimizer.param_groups[0]["lr"]
-        for group in self.engine.optimizer.param_groups:
+        for group in self.ds_engine.optimizer.param_groups:
             group["lr"] = lr
-        self.engine.step()  # reduce (stage 1), clip, step, zero the gradients
-        norm = self.engine.get_global_grad_norm()
+        self.ds_engine.step()  # reduce (stage 1), clip, step, zero the gradients
+        norm = self.ds_engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 
-    def save(self) -> str:
+    def zero_grad(self) -> None:
+        """Nothing left to do: ``ds_engine.step()`` zeroes the gradients at the accumulation boundary."""
+
+    @contextlib.contextmanager
+    def state_for_save(self) -> Iterator[None]:
         self.optimizer.gather()
         try:
-            return super().save()
+            yield
         finally:
             self.optimizer.release()
 
+    def state_loaded(self) -> None:
+        self.optimizer.scatter()
+
     def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            if self._owns_single_group and dist.is_initialized():
-                dist.destroy_process_group()
+        if self._owns_single_group and dist.is_initialized():
+            dist.destroy_process_group()
 
 
-__all__ = ["DeepSpeedTrainer", "ZeroStateView", "build_deepspeed_engine", "build_ds_config", "deepspeed_available",
+__all__ = ["DeepSpeedEngine", "ZeroStateView", "build_deepspeed_engine", "build_ds_config", "deepspeed_available",
            "expert_group_name", "ZERO_STAGES"]

@@ -1,0 +1,26 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP), independent of the parallel layout.
+
+One module per concept, each importing only the ones listed before it:
+
+* :mod:`.files`: the directory of one checkpoint and its crash safety (partial directory,
+  manifest, atomic rename, checksums, the safe metadata reader), finding the latest one, pruning;
+* :mod:`.collective`: small collectives of host objects (a failure on one rank fails all);
+* :mod:`.rng`: every rank's RNG states as tensors;
+* :mod:`.state`: the model and optimizer state keyed by global expert (layout-independent);
+* :mod:`.checkpointer`: :class:`Checkpointer`, the collective save (also async) and the checked load;
+* :mod:`.resume`: :class:`TrainingCheckpoints`, what the trainer saves and the resume policy.
+
+What a checkpoint holds: one DCP state dict (the model's weights with experts keyed by global
+index, ``optim.<parameter>.<state>``, ``rng.rank_<r>.<generator>``), ``meta.json`` (step, data
+sampler position, learning-rate schedule, layout, the resolved config) and ``COMPLETE`` (the
+manifest).
+"""
+from .checkpointer import Checkpointer, config_sha256, load_checkpoint, save_checkpoint
+from .files import META, CheckpointError, IncompleteCheckpoint, latest_checkpoint, read_manifest, step_dir
+from .files import MARKER as COMPLETE  # the completion marker's file name (kept for callers of the first version)
+from .resume import TrainingCheckpoints, model_differences
+from .state import expert_keyed_state_dict, optimizer_state_dict
+
+__all__ = ["COMPLETE", "META", "CheckpointError", "IncompleteCheckpoint", "Checkpointer", "TrainingCheckpoints",
+           "config_sha256", "expert_keyed_state_dict", "latest_checkpoint", "load_checkpoint", "model_differences",
+           "optimizer_state_dict", "read_manifest", "save_checkpoint", "step_dir"]

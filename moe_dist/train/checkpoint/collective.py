@@ -1,0 +1,76 @@
+"""Small collectives of host objects for checkpointing, with a single-process path.
+
+Every rank calls them; without torch.distributed they act on the one process. A check that
+fails on one rank fails on all (:func:`collectively`, :func:`agree`), so no rank is left
+waiting in a later collective.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+from .files import CheckpointError, IncompleteCheckpoint
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def quiet_single_process():
+    """DCP warns that it 'assumes a single process' when torch.distributed is not started: we mean it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process")
+        yield
+
+
+def all_gather(obj, group) -> list:
+    if not distributed():
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def collectively(fn: Callable, group):
+    """``fn()`` on every rank; if it raises on any rank, a CheckpointError with that message is raised
+    on all, so no rank waits in a later collective."""
+    result, error = None, None
+    try:
+        result = fn()
+    except Exception as e:  # noqa: BLE001 - reported to every rank
+        error = e
+        if not isinstance(e, CheckpointError):
+            error = CheckpointError(f"{type(e).__name__}: {e}")
+            error.__cause__ = e
+    report = None if error is None else (isinstance(error, IncompleteCheckpoint), str(error))
+    reports = [r for r in all_gather(report, group) if r]
+    if error is not None:
+        raise error
+    if reports:
+        incomplete, message = reports[0]
+        raise (IncompleteCheckpoint if incomplete else CheckpointError)(message)
+    return result
+
+
+def agree(error: Optional[str], group) -> None:
+    """Raise the same CheckpointError on every rank if any rank reports an error."""
+    errors = [e for e in all_gather(error, group) if e]
+    if errors:
+        raise CheckpointError(errors[0] if len(set(errors)) == 1 else " | ".join(dict.fromkeys(errors)))
+
+
+def barrier(group) -> None:
+    if distributed():
+        dist.barrier(group=group)
+
+
+def broadcast(obj, group):
+    if not distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return box[0]

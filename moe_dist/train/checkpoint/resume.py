@@ -1,0 +1,220 @@
+"""The trainer's checkpoints: what is saved at a step boundary, and the resume policy.
+
+``resume=auto | none | <checkpoint or run directory>`` picks a checkpoint (rank 0 decides, the
+others follow); before any tensor is read the checkpoint must be of the same model (the
+structural ``model.*`` keys), tokenizer and data order; after a resume the run directory is
+tidied (metrics rows after the resumed step, checkpoints of another timeline set aside).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from ...config import ConfigError
+from .checkpointer import Checkpointer
+from .collective import barrier, broadcast
+from .files import META, CheckpointError, latest_checkpoint, scan
+
+if TYPE_CHECKING:
+    from ...dist.bootstrap import Runtime
+
+# model settings that decide the tensors' names and shapes: a checkpoint of another value is refused
+STRUCTURAL_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings", "qkv_bias",
+                   "moe.layers", "moe.router", "moe.num_experts", "moe.d_ff", "moe.activation")
+SCHEDULE_KEYS = ("lr", "min_lr_ratio", "warmup_steps", "steps")
+
+
+def model_differences(saved: dict, current: dict) -> tuple[list[str], list[str]]:
+    """``(structural, other)`` differences between two ``model`` config sections, as
+    ``"model.<key>: checkpoint X, config Y"``."""
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, dict) and k != "router_options":
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[prefix + k] = v
+        return out
+
+    a, b = flat(saved), flat(current)
+    structural, other = [], []
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) != b.get(key):
+            line = f"model.{key}: checkpoint {a.get(key)!r}, config {b.get(key)!r}"
+            (structural if key in STRUCTURAL_KEYS else other).append(line)
+    return structural, other
+
+
+class TrainingCheckpoints:
+    """What the trainer saves at a step boundary and how it resumes (``ckpt.*`` and ``resume``).
+
+    Its parts, given explicitly: ``model`` and ``optimizer`` (a per-parameter optimizer; both
+    loaded in place), ``sampler`` and ``diagnostics`` (``state_dict`` / ``load_state_dict``, kept
+    in ``meta.json``), ``config`` (the resolved config as a dict: ``ckpt.*``, ``resume``, the
+    model checks, saved in ``meta.json``), the tokenizer's SHA-256, ``lr_schedule`` (step ->
+    learning rate), ``runtime`` (ranks, device, data-parallel group) and ``log``. The step is an
+    argument of :meth:`save` and the result of :meth:`resume`.
+    """
+
+    def __init__(self, run_dir: str, config: dict, *, runtime: "Runtime", model: nn.Module,
+                 optimizer: torch.optim.Optimizer, sampler, tokenizer_sha256: str, lr_schedule: Callable[[int], float],
+                 diagnostics=None, log: Callable[[str], None] = print):
+        self.run_dir, self.config, self.rt = run_dir, config, runtime
+        self.model, self.optimizer, self.sampler, self.diagnostics = model, optimizer, sampler, diagnostics
+        self.tokenizer_sha256, self.lr_schedule, self.log = tokenizer_sha256, lr_schedule, log
+        ckpt = config["ckpt"]
+        self.checkpointer = Checkpointer(run_dir, keep=ckpt["keep"], async_save=ckpt["async_save"],
+                                         verify=ckpt["verify"], log=log)
+        self.resumed_from: Optional[str] = None
+
+    # ---- save ------------------------------------------------------------------------------------------
+    def meta(self, step: int) -> dict:
+        rt, config = self.rt, self.config
+        return {"sampler": self.sampler.state_dict(), "world_size": rt.world_size, "ep": rt.groups.ep_size,
+                "vocab_size": config["model"]["vocab_size"], "tokenizer_sha256": self.tokenizer_sha256,
+                "lr": self.lr_schedule(max(step - 1, 0)),
+                "schedule": {k: config["train"][k] for k in SCHEDULE_KEYS},
+                "config": config, "diagnostics": self._diagnostics_state()}
+
+    def _diagnostics_state(self) -> Optional[dict]:
+        """The routing diagnostics' histories and the probe set's last assignments (JSON; gathered
+        over the data-parallel ranks, so the first probe evaluation after a resume, in any
+        layout, compares with them)."""
+        if self.diagnostics is None:
+            return None
+        return self.diagnostics.state_dict(self.rt.groups.dp if self.rt.distributed else None)
+
+    def save(self, step: int) -> str:
+        """Collective: the checkpoint of the state after ``step`` optimizer steps; returns its directory."""
+        return self.checkpointer.save(step, self.model, self.optimizer, meta=self.meta(step), config=self.config,
+                                      rng_device=self.rt.device)
+
+    def wait(self) -> None:
+        self.checkpointer.wait()
+
+    # ---- resume ----------------------------------------------------------------------------------------
+    def _resolve(self) -> tuple[Optional[str], list[str], Optional[str]]:
+        """(checkpoint to load or None, notes, error) for the ``resume`` setting; rank 0 only."""
+        choice, notes = self.config["resume"], []
+        if choice == "none":
+            return None, notes, None
+        if choice == "auto":
+            path = latest_checkpoint(self.run_dir, log=notes.append)
+            if path is None:
+                notes.append(f"resume=auto: no complete checkpoint in {os.path.join(self.run_dir, 'checkpoints')}; "
+                             "starting from step 0")
+            return path, notes, None
+        if not os.path.isdir(choice):
+            return None, notes, (f"resume: {choice!r} is not a directory; allowed: auto, none, a checkpoint directory "
+                                 "(<run>/checkpoints/step_NNNNNN) or a run directory (its latest checkpoint)")
+        if not os.path.exists(os.path.join(choice, META)) and os.path.isdir(os.path.join(choice, "checkpoints")):
+            path = latest_checkpoint(choice, log=notes.append)
+            if path is None:
+                return None, notes, f"resume: run directory {choice!r} has no complete checkpoint"
+            return path, notes, None
+        return choice, notes, None
+
+    def _check_compatible(self, path: str, meta: dict, manifest: dict) -> None:
+        saved_model = (meta.get("config") or {}).get("model")
+        if saved_model is not None:
+            structural, other = model_differences(saved_model, self.config["model"])
+            if structural:
+                raise CheckpointError(f"checkpoint {path} is of another model, nothing was loaded: "
+                                      + "; ".join(structural))
+            if other:
+                self.log(f"resume: settings changed since the checkpoint: {'; '.join(other)}")
+        if meta.get("tokenizer_sha256") not in (None, self.tokenizer_sha256):
+            raise CheckpointError(f"checkpoint {path} was trained with another tokenizer (sha256 "
+                                  f"{meta['tokenizer_sha256'][:12]}...) than the data settings give now "
+                                  f"({self.tokenizer_sha256[:12]}...); check the data.* keys")
+        try:
+            self.sampler.load_state_dict(meta["sampler"])
+        except (KeyError, ValueError) as e:
+            raise CheckpointError(f"checkpoint {path}: cannot continue its data order: {e}") from None
+
+    def resume(self) -> int:
+        """Collective. Apply ``resume`` (auto | a path | none): restore model, optimizer, sampler
+        position and RNG states, then tidy the run directory (metrics rows after the resumed
+        step, checkpoints of another timeline). Returns the step to continue from (0 when
+        nothing was loaded); :attr:`resumed_from` is the checkpoint loaded, or None."""
+        group = self.checkpointer.group
+        decision = self._resolve() if self.rt.is_main else None
+        path, notes, error = broadcast(decision, group)
+        for note in notes:
+            self.log(note)
+        if error:
+            raise ConfigError(error)
+        step = 0
+        if path is not None:
+            meta, manifest = self.checkpointer.load(path, self.model, self.optimizer, rng_device=self.rt.device,
+                                                    before_load=lambda m, man: self._check_compatible(path, m, man))
+            step = int(meta["step"])
+            if meta.get("diagnostics") and self.diagnostics is not None:
+                self.diagnostics.load_state_dict(meta["diagnostics"])
+            self.resumed_from = os.path.abspath(path)
+            self._report(path, step, meta, manifest)
+        if self.rt.is_main:
+            self._tidy(path, step)
+        barrier(group)
+        return step
+
+    def _report(self, path: str, step: int, meta: dict, manifest: dict) -> None:
+        train = self.config["train"]
+        saved, now = manifest.get("layout", {}), {"world_size": self.rt.world_size, "ep": self.rt.groups.ep_size}
+        self.log(f"resumed from {path} at step {step} (saved by {saved.get('world_size')} rank(s), ep="
+                 f"{saved.get('ep')}, dense={saved.get('dense')}; now {now['world_size']} rank(s), ep={now['ep']}): "
+                 f"model, optimizer state, sampler position ({meta['sampler']['consumed']} windows), step")
+        schedule = meta.get("schedule") or {}
+        changed = [f"train.{k}: {schedule[k]} -> {train[k]}" for k in schedule if schedule[k] != train[k]]
+        if changed:
+            self.log(f"resume: the learning-rate schedule differs from the checkpoint's ({'; '.join(changed)}); "
+                     "it continues on the new schedule")
+        w_saved = saved.get("world_size", 0)
+        if "rng" not in manifest.get("contents", []):
+            self.log("resume: the checkpoint has no RNG states; every rank keeps its fresh state")
+        elif w_saved == now["world_size"]:
+            self.log("resume: every rank restored the RNG states saved by the rank of the same index")
+        else:
+            kept = min(w_saved, now["world_size"])
+            self.log(f"resume: RNG states restored on ranks 0..{kept - 1} (saved by {w_saved} ranks"
+                     + (f"; the states of ranks {kept}..{w_saved - 1} are unused" if w_saved > kept else
+                        f"; ranks {kept}..{now['world_size'] - 1} keep their fresh state")
+                     + "). The data order and routing noise depend only on (train.seed, step, global token index), "
+                       "not on RNG states or the number of ranks, so training continues the same at any layout")
+
+    def _tidy(self, path: Optional[str], step: int) -> None:
+        """Rank 0, after a successful resume (or a fresh start): metrics.jsonl keeps the rows up to
+        the resumed step; checkpoints of another timeline (newer than the resumed step, or all of
+        them on a fresh start / a resume from elsewhere) are moved to checkpoints.superseded-<time>."""
+        metrics = os.path.join(self.run_dir, "metrics.jsonl")
+        if path is None and os.path.exists(metrics):
+            os.remove(metrics)
+        elif path is not None and os.path.exists(metrics):
+            with open(metrics, encoding="utf-8") as f:
+                rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+            with open(metrics + ".tmp", "w", encoding="utf-8") as f:
+                f.writelines(rows)
+            os.replace(metrics + ".tmp", metrics)
+        own_root = os.path.realpath(os.path.join(self.run_dir, "checkpoints"))
+        inside = path is not None and os.path.realpath(os.path.dirname(os.path.normpath(path))) == own_root
+        limit = step if inside else -1
+        complete, incomplete = scan(self.run_dir)
+        stale = [p for saved, p in complete if saved > limit]
+        for saved, p, _why in incomplete:
+            if saved > limit and p.endswith(".partial"):
+                shutil.rmtree(p, ignore_errors=True)
+        if stale:
+            stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+            aside = os.path.join(self.run_dir, f"checkpoints.superseded-{stamp}")
+            os.makedirs(aside, exist_ok=True)
+            for p in stale:
+                os.rename(p, os.path.join(aside, os.path.basename(p)))
+            names = ", ".join(os.path.basename(p) for p in stale)
+            self.log(f"checkpoint: moved {len(stale)} checkpoint(s) of an earlier run ({names}) to {aside}, "
+                     "so that resume=auto never mixes two runs")

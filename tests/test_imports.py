@@ -1,0 +1,118 @@
+"""The import structure of moe_dist.train: every module imports on its own, and the trainer, the
+engines and the checkpoint package do not import each other in a cycle.
+
+Two checks: (1) the static graph of import statements (module level and inside functions,
+so lazy imports count too) of the whole moe_dist package; (2) each module of moe_dist.train
+imported first in a process of its own (a fork of an interpreter that has loaded torch but
+no moe_dist module), so an import cycle that only breaks in some order shows up.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+import moe_dist
+
+PACKAGE_DIR = os.path.dirname(os.path.abspath(moe_dist.__file__))
+ROOT = os.path.dirname(PACKAGE_DIR)
+TRAINER = "moe_dist.train.trainer"
+LAYERS_BELOW_TRAINER = ("moe_dist.train.engines", "moe_dist.train.checkpoint")
+
+
+def _modules() -> dict[str, str]:
+    """Dotted name -> file of every module of moe_dist (a package by its ``__init__.py``)."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(PACKAGE_DIR):
+        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+        for name in filenames:
+            if name.endswith(".py"):
+                rel = os.path.relpath(os.path.join(dirpath, name), ROOT)[:-3].split(os.sep)
+                if rel[-1] == "__init__":
+                    rel = rel[:-1]
+                out[".".join(rel)] = os.path.join(dirpath, name)
+    return out
+
+
+def _imports(name: str, path: str, modules: dict[str, str]) -> set[str]:
+    """The moe_dist modules that ``name``'s import statements name (a ``from X import y`` names
+    ``X.y`` when that is a module, else ``X``)."""
+    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parent = ".".join(parts[: len(parts) - node.level + 1])
+                base = f"{parent}.{base}" if base else parent
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        found.update(t for t in targets if t in modules and t != name)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_engines_and_checkpoints_do_not_import_the_trainer():
+    graph = _graph()
+    below = [m for m in graph if m.startswith(LAYERS_BELOW_TRAINER)]
+    assert "moe_dist.train.engines.deepspeed" in below and "moe_dist.train.checkpoint.resume" in below
+    for module in below:
+        assert TRAINER not in _reachable(graph, module), f"{module} imports {TRAINER} (directly or through others)"
+    # and the trainer reaches both (it holds an engine and the checkpoints)
+    assert {"moe_dist.train.engines", "moe_dist.train.checkpoint"} <= _reachable(graph, TRAINER)
+
+
+def test_no_import_cycle_in_train():
+    graph = _graph()
+    train = {m for m in graph if m.startswith("moe_dist.train")}
+    cycles = [m for m in sorted(train) if m in _reachable(graph, m)]
+    assert not cycles, f"modules of moe_dist.train that import themselves through others: {cycles}"
+
+
+_FRESH_IMPORTS = r"""
+import importlib, os, sys, traceback
+import torch, numpy  # loaded once; every module below is imported in a fork that has no moe_dist module yet
+assert not any(m == "moe_dist" or m.startswith("moe_dist.") for m in sys.modules)
+failed = []
+for name in sys.argv[1:]:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            importlib.import_module(name)
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    if status != 0:
+        failed.append(name)
+print("failed:", failed)
+sys.exit(1 if failed else 0)
+"""
+
+
+def test_each_train_module_imports_first():
+    names = sorted(m for m in _modules() if m.startswith("moe_dist.train"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _FRESH_IMPORTS, *names], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
