@@ -19,11 +19,13 @@ Transients on top of those states (the peak is the largest of them):
 * forward and backward: activations, plus what FSDP2 holds gathered (:func:`fsdp_gathered_bytes`:
   the root unit, two blocks, the running layer's experts unit when experts are sharded; 2
   bytes per parameter under bf16, whose MixedPrecisionPolicy gathers bf16 copies, else 4) and
-  the root's unsharded gradients (the output head's exist from the start of backward; the root
-  unit reduce-scatters last); replicated weights under bf16 autocast keep a bf16 copy of every
-  weight for backward (2 bytes per parameter held whole);
-* the end of backward: the root unit's reduce-scatter (its unsharded gradients plus the fp32
-  flat buffer they are copied into);
+  the output head's unsharded gradient (computed first, reduced with the root unit, last);
+  replicated weights under bf16 autocast keep a bf16 copy of every weight for backward (2
+  bytes per parameter held whole);
+* a unit's gradient reduction in backward (:func:`fsdp_reduce_peak_bytes`): its unsharded
+  gradients, the fp32 flat buffer FSDP2 copies them into and, with gloo, the reduce-scatter's
+  own copy of that buffer, next to what is still gathered (the experts unit of the running MoE
+  layer, or the root unit at the end of backward);
 * the optimizer step: foreach AdamW makes one fp32 temporary (sqrt of the second moment) the
   size of its largest parameter group on this rank.
 
@@ -146,20 +148,36 @@ def fsdp_gathered_bytes(units: Units, world: int, dtype: str) -> float:
     return (units.root + 2 * units.block + units.experts) * gathered_bytes_per_param(dtype)
 
 
-def fsdp_root_grad_bytes(units: Units, world: int, dtype: str) -> float:
-    """The root's unsharded gradients during backward (the output head's; the embedding's
-    arrives at the very end, when the blocks' gathers are gone)."""
+def fsdp_head_grad_bytes(units: Units, world: int, dtype: str) -> float:
+    """The output head's unsharded gradient: computed first in backward, reduce-scattered only with
+    the root unit, last."""
     if world == 1:
         return 0.0
     return units.output_head * gathered_bytes_per_param(dtype)
 
 
-def fsdp_root_reduce_bytes(units: Units, world: int, dtype: str) -> float:
-    """The end of backward: the root unit's unsharded gradients and the fp32 flat buffer its
-    reduce-scatter copies them into (its gathered weights are already freed)."""
+def reduce_scatter_bytes(unit_params: int, dtype: str, backend: str, grads_counted: bool) -> float:
+    """One unit's gradient reduction: its unsharded gradients (unless already counted: under
+    grad_accum > 1 they are the state's gradients), the fp32 flat buffer FSDP2 copies them into,
+    and with gloo the copy its reduce-scatter makes (an all-reduce of the whole buffer underneath;
+    measured: +1x the input)."""
+    per_param = (0 if grads_counted else gathered_bytes_per_param(dtype)) + 4 + (4 if backend == "gloo" else 0)
+    return unit_params * per_param
+
+
+def fsdp_reduce_peak_bytes(units: Units, world: int, dtype: str, backend: str, grads_counted: bool) -> float:
+    """The largest moment of gradient reduction in backward: the running MoE layer's experts unit
+    (resharded, its gradients being reduced, while the root and two blocks stay gathered and the
+    head's gradient waits) or the root unit at the very end (everything else already resharded)."""
     if world == 1:
         return 0.0
-    return units.root * (gathered_bytes_per_param(dtype) + 4)
+    rs = lambda n: reduce_scatter_bytes(n, dtype, backend, grads_counted)  # noqa: E731
+    at_root = rs(units.root)
+    at_experts = (fsdp_gathered_bytes(units, world, dtype) - units.experts * gathered_bytes_per_param(dtype)
+                  + fsdp_head_grad_bytes(units, world, dtype) + rs(units.experts)) if units.experts else 0.0
+    at_block = (fsdp_gathered_bytes(units, world, dtype) - units.block * gathered_bytes_per_param(dtype)
+                + fsdp_head_grad_bytes(units, world, dtype) + rs(units.block))
+    return max(at_root, at_experts, at_block)
 
 
 def autocast_copy_bytes(unsharded_params_local: int, dtype: str) -> float:

@@ -17,7 +17,7 @@ import yaml
 from ..config import ConfigError, apply_overrides, config_from_dict, load_config
 from ..hf.config import HFModelSpec, config_path, hf_model_spec, is_hf_config
 from .memory import (GIB, STAGES, Units, Workload, activation_bytes, all_to_all_bytes, autocast_copy_bytes,
-                     engine_state_bytes, fsdp_gathered_bytes, fsdp_root_grad_bytes, fsdp_root_reduce_bytes,
+                     engine_state_bytes, fsdp_gathered_bytes, fsdp_head_grad_bytes, fsdp_reduce_peak_bytes,
                      grad_sync_bytes, optimizer_step_bytes, state_bytes, uses_fsdp)
 from .params import block_shape, count_params
 
@@ -40,6 +40,7 @@ class PlanInput:
     dense_mode: str
     configured_ep: Optional[int]
     notes: list[str]
+    backend: str = "nccl"  # "gloo" (parallel.backend=gloo) adds the copy its reduce-scatter makes
 
 
 def _read_mapping(path: str) -> dict:
@@ -84,7 +85,8 @@ def load_plan_input(path: str, overrides: Iterable[str] = (), seq_len: Optional[
     return PlanInput(source=path, kind="moe_dist", model=cfg.model,
                      moe_blocks=cfg.model.moe.layer_indices(cfg.model.n_layers), seq_len=seq_len or cfg.train.seq_len,
                      global_batch=cfg.train.global_batch, grad_accum=cfg.train.grad_accum, dtype=cfg.train.dtype,
-                     dense_mode=cfg.parallel.dense, configured_ep=cfg.parallel.ep, notes=[])
+                     dense_mode=cfg.parallel.dense, configured_ep=cfg.parallel.ep,
+                     backend="gloo" if cfg.parallel.backend == "gloo" else "nccl", notes=[])
 
 
 def _divisors(n: int) -> list[int]:
@@ -118,16 +120,16 @@ def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int
                   output_head=counts["lm_head"] or counts["embedding"])
     engine = engine_state_bytes(dense, experts_local, world, ep, inp.dense_mode, inp.grad_accum)
     gathered = fsdp_gathered_bytes(units, world, inp.dtype) if fsdp else 0.0
-    root_grads = fsdp_root_grad_bytes(units, world, inp.dtype) if fsdp else 0.0
-    root_reduce = fsdp_root_reduce_bytes(units, world, inp.dtype) if fsdp else 0.0
+    head_grad = fsdp_head_grad_bytes(units, world, inp.dtype) if fsdp else 0.0
+    reduce = fsdp_reduce_peak_bytes(units, world, inp.dtype, inp.backend, inp.grad_accum > 1) if fsdp else 0.0
     whole = (0 if sharded_experts else experts_local) + (0 if fsdp else dense)  # weights FSDP2 does not gather
     autocast = autocast_copy_bytes(whole, inp.dtype)
     largest_group = max(dense / (world if fsdp else 1), experts_local / (world // ep if sharded_experts else 1))
     opt_step = optimizer_step_bytes(largest_group)
     states = sum(engine.values())
 
-    def peak(activations: float) -> float:  # forward/backward, the root's reduce-scatter, or the optimizer step
-        return states + max(activations + gathered + root_grads + autocast, root_reduce, opt_step)
+    def peak(activations: float) -> float:  # forward/backward, a gradient reduction, or the optimizer step
+        return states + max(activations + gathered + head_grad + autocast, reduce, opt_step)
 
     stages = {}
     for stage in STAGES:
@@ -142,7 +144,7 @@ def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int
         "ep": ep, "edp": world // ep, "dp": world, "experts_sharded_over_edp": sharded_experts, "micro_batch": micro_batch, "ep_within_node": ep <= gpus_per_node,
         "memory_gib": {
             "weights": _gib(engine["weights"]), "grads": _gib(engine["grads"]), "optimizer": _gib(engine["optimizer"]),
-            "fsdp_gather": _gib(gathered), "fsdp_root_grads": _gib(root_grads), "fsdp_root_reduce": _gib(root_reduce),
+            "fsdp_gather": _gib(gathered), "fsdp_head_grad": _gib(head_grad), "fsdp_reduce": _gib(reduce),
             "autocast_copies": _gib(autocast), "optimizer_step": _gib(opt_step),
             "activations": _gib(act), "activations_checkpointed": _gib(act_ckpt),
             "total": _gib(peak(act)), "total_with_activation_checkpointing": _gib(peak(act_ckpt)),
