@@ -196,3 +196,24 @@ def test_weight_and_gradient_traffic():
     # edp = 1: experts are not synchronised at all; replicated: all-reduces (2 ring passes of fp32)
     assert grad_sync_bytes(dense, experts, 4, 4, "fsdp", 1) == pytest.approx(dense * 3 / 4 * 12)
     assert grad_sync_bytes(dense, experts, 4, 2, "replicate", 1) == pytest.approx(dense * 3 / 4 * 8 + experts * 1 / 2 * 8)
+
+
+def test_gradient_reduction_transient():
+    from moe_dist.plan.memory import Units, fsdp_reduce_peak_bytes
+
+    units = Units(root=100, block=10, experts=60, output_head=50)
+    # fp32 over NCCL: the experts unit's reduction (grads 4 + flat buffer 4 bytes) next to root + 2 blocks
+    # gathered and the head's gradient waiting, which is above the root's own reduction at the end (100 x 8)
+    assert fsdp_reduce_peak_bytes(units, 2, "fp32", "nccl", False) == (100 + 2 * 10) * 4 + 50 * 4 + 60 * 8
+    # gloo's reduce-scatter copies its input (4 more bytes per parameter); bf16 grads are 2 bytes
+    assert fsdp_reduce_peak_bytes(units, 2, "fp32", "gloo", False) == (100 + 2 * 10) * 4 + 50 * 4 + 60 * 12
+    assert fsdp_reduce_peak_bytes(units, 2, "bf16", "nccl", False) == (100 + 2 * 10) * 2 + 50 * 2 + 60 * 6
+    # grad_accum > 1: the unsharded grads are the state's gradients already, only the buffers are extra
+    assert fsdp_reduce_peak_bytes(units, 2, "fp32", "nccl", True) == (100 + 2 * 10) * 4 + 50 * 4 + 60 * 4
+    # a large root: its reduction at the end of backward is the peak
+    big_root = Units(root=1000, block=10, experts=60, output_head=500)
+    assert fsdp_reduce_peak_bytes(big_root, 2, "fp32", "gloo", False) == 1000 * 12
+    assert fsdp_reduce_peak_bytes(big_root, 1, "fp32", "gloo", False) == 0  # one process: no FSDP2
+    _, nccl = _layouts(["train.dtype=fp32"], 4)
+    _, gloo = _layouts(["train.dtype=fp32", "parallel.backend=gloo"], 4)
+    assert all(gloo[ep]["memory_gib"]["fsdp_reduce"] > nccl[ep]["memory_gib"]["fsdp_reduce"] for ep in (1, 2, 4))
