@@ -202,18 +202,20 @@ def test_gradient_reduction_transient():
     from moe_dist.plan.memory import Units, fsdp_reduce_peak_bytes
 
     units = Units(root=100, block=10, experts=60, output_head=50)
-    # fp32 over NCCL: the experts unit's reduction (grads 4 + flat buffer 4 bytes) next to root + 2 blocks
-    # gathered and the head's gradient waiting, which is above the root's own reduction at the end (100 x 8)
-    assert fsdp_reduce_peak_bytes(units, 2, "fp32", "nccl", False) == (100 + 2 * 10) * 4 + 50 * 4 + 60 * 8
-    # gloo's reduce-scatter copies its input (4 more bytes per parameter); bf16 grads are 2 bytes
-    assert fsdp_reduce_peak_bytes(units, 2, "fp32", "gloo", False) == (100 + 2 * 10) * 4 + 50 * 4 + 60 * 12
+    # fp32: the experts unit's reduction (flat fp32 buffer + its fp32 grads or gloo's copy of the buffer) next to
+    # root + 2 blocks gathered and the head's gradient waiting, which is above the root's own reduction (100 x 8)
+    for backend in ("nccl", "gloo"):
+        assert fsdp_reduce_peak_bytes(units, 2, "fp32", backend, False) == (100 + 2 * 10) * 4 + 50 * 4 + 60 * 8
+    # bf16: 2-byte grads and gathers; gloo's 4-byte copy of the buffer outweighs the bf16 grads it replaces
     assert fsdp_reduce_peak_bytes(units, 2, "bf16", "nccl", False) == (100 + 2 * 10) * 2 + 50 * 2 + 60 * 6
+    assert fsdp_reduce_peak_bytes(units, 2, "bf16", "gloo", False) == (100 + 2 * 10) * 2 + 50 * 2 + 60 * 8
     # grad_accum > 1: the unsharded grads are the state's gradients already, only the buffers are extra
     assert fsdp_reduce_peak_bytes(units, 2, "fp32", "nccl", True) == (100 + 2 * 10) * 4 + 50 * 4 + 60 * 4
+    assert fsdp_reduce_peak_bytes(units, 2, "fp32", "gloo", True) == (100 + 2 * 10) * 4 + 50 * 4 + 60 * 8
     # a large root: its reduction at the end of backward is the peak
     big_root = Units(root=1000, block=10, experts=60, output_head=500)
-    assert fsdp_reduce_peak_bytes(big_root, 2, "fp32", "gloo", False) == 1000 * 12
+    assert fsdp_reduce_peak_bytes(big_root, 2, "fp32", "gloo", False) == 1000 * 8
     assert fsdp_reduce_peak_bytes(big_root, 1, "fp32", "gloo", False) == 0  # one process: no FSDP2
-    _, nccl = _layouts(["train.dtype=fp32"], 4)
-    _, gloo = _layouts(["train.dtype=fp32", "parallel.backend=gloo"], 4)
+    _, nccl = _layouts(["train.dtype=bf16"], 4)
+    _, gloo = _layouts(["train.dtype=bf16", "parallel.backend=gloo"], 4)
     assert all(gloo[ep]["memory_gib"]["fsdp_reduce"] > nccl[ep]["memory_gib"]["fsdp_reduce"] for ep in (1, 2, 4))

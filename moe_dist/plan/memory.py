@@ -22,9 +22,9 @@ Transients on top of those states (the peak is the largest of them):
   the output head's unsharded gradient (computed first, reduced with the root unit, last);
   replicated weights under bf16 autocast keep a bf16 copy of every weight for backward (2
   bytes per parameter held whole);
-* a unit's gradient reduction in backward (:func:`fsdp_reduce_peak_bytes`): its unsharded
-  gradients, the fp32 flat buffer FSDP2 copies them into and, with gloo, the reduce-scatter's
-  own copy of that buffer, next to what is still gathered (the experts unit of the running MoE
+* a unit's gradient reduction in backward (:func:`fsdp_reduce_peak_bytes`): the fp32 flat
+  buffer FSDP2 copies its unsharded gradients into, next to those gradients or, with gloo, the
+  reduce-scatter's own copy of that buffer, while the rest stays gathered (the experts unit of the running MoE
   layer, or the root unit at the end of backward);
 * the optimizer step: foreach AdamW makes one fp32 temporary (sqrt of the second moment) the
   size of its largest parameter group on this rank.
@@ -157,12 +157,14 @@ def fsdp_head_grad_bytes(units: Units, world: int, dtype: str) -> float:
 
 
 def reduce_scatter_bytes(unit_params: int, dtype: str, backend: str, grads_counted: bool) -> float:
-    """One unit's gradient reduction: its unsharded gradients (unless already counted: under
-    grad_accum > 1 they are the state's gradients), the fp32 flat buffer FSDP2 copies them into,
-    and with gloo the copy its reduce-scatter makes (an all-reduce of the whole buffer underneath;
-    measured: +1x the input)."""
-    per_param = (0 if grads_counted else gathered_bytes_per_param(dtype)) + 4 + (4 if backend == "gloo" else 0)
-    return unit_params * per_param
+    """One unit's gradient reduction (torch's FSDP2 ``foreach_reduce``): its unsharded gradients
+    (unless already counted: under grad_accum > 1 they are the state's gradients) are copied
+    into an fp32 flat buffer and freed; with gloo the reduce-scatter then copies that buffer
+    once more (an all-reduce of the whole buffer underneath; measured: +1x the input). Peak:
+    the buffer plus the larger of the gradients and gloo's copy."""
+    grads = 0 if grads_counted else gathered_bytes_per_param(dtype)
+    copy = 4 if backend == "gloo" else 0
+    return unit_params * (4 + max(grads, copy))
 
 
 def fsdp_reduce_peak_bytes(units: Units, world: int, dtype: str, backend: str, grads_counted: bool) -> float:
