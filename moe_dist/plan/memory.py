@@ -24,8 +24,8 @@ Transients on top of those states (the peak is the largest of them):
   bytes per parameter held whole);
 * a unit's gradient reduction in backward (:func:`fsdp_reduce_peak_bytes`): the fp32 flat
   buffer FSDP2 copies its unsharded gradients into, next to those gradients or, with gloo, the
-  reduce-scatter's own copy of that buffer, while the rest stays gathered (the experts unit of the running MoE
-  layer, or the root unit at the end of backward);
+  reduce-scatter's own copy of that buffer, while the rest stays gathered (the experts unit of
+  the running MoE layer, or the root unit at the end of backward);
 * the optimizer step: foreach AdamW makes one fp32 temporary (sqrt of the second moment) the
   size of its largest parameter group on this rank.
 
@@ -173,7 +173,9 @@ def fsdp_reduce_peak_bytes(units: Units, world: int, dtype: str, backend: str, g
     head's gradient waits) or the root unit at the very end (everything else already resharded)."""
     if world == 1:
         return 0.0
-    rs = lambda n: reduce_scatter_bytes(n, dtype, backend, grads_counted)  # noqa: E731
+    def rs(unit_params: int) -> float:
+        return reduce_scatter_bytes(unit_params, dtype, backend, grads_counted)
+
     at_root = rs(units.root)
     at_experts = (fsdp_gathered_bytes(units, world, dtype) - units.experts * gathered_bytes_per_param(dtype)
                   + fsdp_head_grad_bytes(units, world, dtype) + rs(units.experts)) if units.experts else 0.0

@@ -141,7 +141,8 @@ def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int
     a2a = all_to_all_bytes(s, work, ep, gpus_per_node, checkpointing=False)
     a2a_ckpt = all_to_all_bytes(s, work, ep, gpus_per_node, checkpointing=True)
     return {
-        "ep": ep, "edp": world // ep, "dp": world, "experts_sharded_over_edp": sharded_experts, "micro_batch": micro_batch, "ep_within_node": ep <= gpus_per_node,
+        "ep": ep, "edp": world // ep, "dp": world, "experts_sharded_over_edp": sharded_experts,
+        "micro_batch": micro_batch, "ep_within_node": ep <= gpus_per_node,
         "memory_gib": {
             "weights": _gib(engine["weights"]), "grads": _gib(engine["grads"]), "optimizer": _gib(engine["optimizer"]),
             "fsdp_gather": _gib(gathered), "fsdp_head_grad": _gib(head_grad), "fsdp_reduce": _gib(reduce),
@@ -176,8 +177,8 @@ def _micro_batch(inp: PlanInput, world: int, override: Optional[int]) -> tuple[i
 def recommend(layouts: list[dict], usable_gib: float) -> tuple[Optional[dict], str]:
     """The layout to use, and why: without activation checkpointing if one fits (no recompute),
     EP groups inside a node, then the fewest bytes sent per GPU per step (expert all-to-alls
-    plus weight/gradient synchronisation: a larger ep sends more all-to-all traffic but
-    replicates, and so all-reduces, fewer expert gradients)."""
+    plus weight/gradient synchronisation: a larger ep sends more all-to-all traffic but has
+    fewer expert replicas to gather and reduce-scatter over, or all-reduce when replicated)."""
     def traffic(l: dict, ckpt: bool) -> int:
         a2a = l["all_to_all"]["bytes_per_gpu_per_step_checkpointed" if ckpt else "bytes_per_gpu_per_step"]
         return a2a + l["weight_and_grad_sync_bytes_per_gpu_per_step"]
@@ -222,9 +223,10 @@ def _floor(inp: PlanInput, counts: dict, nodes: int, gpus_per_node: int, usable:
     text = (f"even {nodes} nodes leave {g['total_with_activation_checkpointing']:.1f} GiB per GPU (ep={far['ep']}, "
             f"activation checkpointing), more than the {usable:.1f} usable; ")
     if uses_fsdp(inp.dense_mode, world):
+        experts = ", one MoE layer's experts" if far["experts_sharded_over_edp"] else ""
         return text + (f"what does not shrink with more GPUs is what FSDP2 gathers ({g['fsdp_gather']:.1f} GiB: the root "
-                       f"unit, two blocks{', one MoE layer' + chr(39) + 's experts' if far['experts_sharded_over_edp'] else ''}"
-                       f") and the activations of one micro-batch ({g['activations_checkpointed']:.1f} GiB)")
+                       f"unit, two blocks{experts}) and the activations of one micro-batch "
+                       f"({g['activations_checkpointed']:.1f} GiB)")
     return text + (f"parallel.dense={inp.dense_mode} replicates the dense weights, their gradients and AdamW state "
                    f"({g['weights'] + g['grads'] + g['optimizer']:.1f} GiB with the experts); parallel.dense=fsdp shards them")
 
