@@ -83,7 +83,10 @@ def test_memory_and_traffic_move_the_right_way():
     layouts = {l["ep"]: l for l in p["layouts"]}
     assert sorted(layouts) == [1, 2, 4, 8]
     mem = [layouts[ep]["memory_gib"] for ep in (1, 2, 4, 8)]
-    assert all(a["weights"] > b["weights"] for a, b in zip(mem, mem[1:]))  # more ep, fewer experts per GPU
+    # experts are FSDP-sharded over their edp replicas: a GPU holds 1/32 of every expert weight whatever ep,
+    # but a larger ep gathers fewer experts (E / ep) for the running MoE layer
+    assert len({m["weights"] for m in mem}) == 1 and all(l["experts_sharded_over_edp"] for l in layouts.values())
+    assert all(a["fsdp_gather"] > b["fsdp_gather"] for a, b in zip(mem, mem[1:]))
     assert all(m["activations_checkpointed"] < m["activations"] for m in mem)
     a2a = [layouts[ep]["all_to_all"]["bytes_per_gpu_per_step"] for ep in (1, 2, 4, 8)]
     assert a2a[0] == 0 and a2a[1] < a2a[2] < a2a[3]  # a larger ep sends a larger share of tokens away
@@ -93,8 +96,17 @@ def test_memory_and_traffic_move_the_right_way():
         assert totals == sorted(totals, reverse=True)
     # hand check of one all-to-all figure: 32 layers x 4 passes x 4096 tokens x 2 copies x 4096 x 2 bytes x 7/8
     assert layouts[8]["all_to_all"]["bytes_per_gpu_per_step"] == int(32 * 4 * 4096 * 2 * 4096 * 2 * 7 / 8)
-    # the same with 16 GPUs and 8 x 7B experts: nothing fits moe_dist's engine, and the reason says why
-    assert p["recommended"] is None and "more nodes do not help" in p["reason"] and "train.engine=deepspeed deepspeed.zero_stage=" in p["reason"]
+    # 32 x 80 GiB train Mixtral with moe_dist's engine: its 46.7B parameters' fp32 state is sharded over all 32 ranks
+    assert p["recommended"] is not None and p["recommended"]["memory_gib"]["weights"] == pytest.approx(
+        46_702_792_704 * 4 / 32 / 2**30, abs=1e-3)
+    # 4 GiB GPUs: what FSDP2 gathers and the activations do not shrink with more GPUs, and the reason says so
+    tiny_gpus = plan(os.path.join(HF, "mixtral-8x7b.json"), 4, 8, 4)
+    assert tiny_gpus["recommended"] is None and "more nodes do not help" in tiny_gpus["reason"]
+    assert "what FSDP2 gathers" in tiny_gpus["reason"]
+    # replicated dense weights do not shrink either; DeepSpeed ZeRO-2 or parallel.dense=fsdp would fit
+    replicated = plan(os.path.join(ROOT, "configs", "phi3-mini-upcycle-4x2.yaml"), 1, 8, 40, ["parallel.dense=replicate"])
+    assert replicated["recommended"] is None and "parallel.dense=replicate replicates" in replicated["reason"]
+    assert "train.engine=deepspeed deepspeed.zero_stage=" in replicated["reason"]
 
 
 def test_recommendation_fits_and_fallbacks():
@@ -126,3 +138,84 @@ def test_plan_command(tmp_path, capsys):
     assert "model_type='qwen2_moe'" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="--nodes"):
         plan(os.path.join(HF, "mixtral-8x7b.json"), 0, 8, 80)
+
+
+def _layouts(overrides, world, gpu_mem_gib=1000):
+    p = plan(os.path.join(ROOT, "configs", "tinyllama-upcycle-8x2.yaml"), 1, world, gpu_mem_gib,
+             ["model.n_layers=4", "train.global_batch=8", "train.grad_accum=1", "train.seq_len=64"] + overrides)
+    return p["params"], {l["ep"]: l for l in p["layouts"]}
+
+
+def test_fsdp_shards_experts_over_their_replicas():
+    counts, four = _layouts(["train.dtype=fp32"], 4)
+    dense, experts = counts["dense_params"], counts["experts"]  # 2 MoE layers x 8 experts
+    # ep=2, edp=2: each rank holds 4 experts per layer, FSDP2 splits them over the 2 replicas; dense over all 4
+    mem = four[2]["memory_gib"]
+    assert four[2]["experts_sharded_over_edp"] and not four[4]["experts_sharded_over_edp"]  # edp = 1: whole
+    for key, per_param in (("weights", 4), ("grads", 4), ("optimizer", 8)):
+        assert mem[key] == pytest.approx((dense / 4 + experts / 2 / 2) * per_param / 2**30, abs=1e-3)
+    # the expert state per rank is the same at ep=1, 2 and 4 (1/4 of it either way) ...
+    assert four[1]["memory_gib"]["weights"] == four[2]["memory_gib"]["weights"] == four[4]["memory_gib"]["weights"]
+    # ... but the running layer's experts unit is gathered whole (E / ep experts, fp32) on top of root + 2 blocks
+    per_layer = experts / 2
+    base = four[4]["memory_gib"]["fsdp_gather"]  # no expert unit at edp = 1
+    assert four[2]["memory_gib"]["fsdp_gather"] == pytest.approx(base + per_layer / 2 * 4 / 2**30, abs=2e-3)
+    assert four[1]["memory_gib"]["fsdp_gather"] == pytest.approx(base + per_layer * 4 / 2**30, abs=2e-3)
+    # replicated dense weights: no FSDP2, experts whole on their ranks
+    _, rep = _layouts(["train.dtype=fp32", "parallel.dense=replicate"], 4)
+    assert rep[2]["memory_gib"]["weights"] == pytest.approx((dense + experts / 2) * 4 / 2**30, abs=1e-3)
+    assert rep[2]["memory_gib"]["fsdp_gather"] == 0 and not rep[2]["experts_sharded_over_edp"]
+
+
+def test_bf16_gathers_half_the_bytes_and_accumulation_keeps_unsharded_grads():
+    _, fp32 = _layouts(["train.dtype=fp32"], 4)
+    _, bf16 = _layouts(["train.dtype=bf16"], 4)
+    for ep in (1, 2, 4):
+        assert bf16[ep]["memory_gib"]["fsdp_gather"] == pytest.approx(fp32[ep]["memory_gib"]["fsdp_gather"] / 2, abs=1e-3)
+        assert bf16[ep]["memory_gib"]["weights"] == fp32[ep]["memory_gib"]["weights"]  # fp32 masters either way
+    # bf16 with replicated weights: autocast keeps a bf16 copy of every weight for backward
+    counts, rep = _layouts(["train.dtype=bf16", "parallel.dense=replicate"], 4)
+    assert rep[4]["memory_gib"]["autocast_copies"] == pytest.approx(
+        (counts["dense_params"] + counts["experts"] / 4) * 2 / 2**30, abs=1e-3)
+    # grad_accum > 1: FSDP2 keeps unsharded gradients between micro-batches (4 bytes x everything the rank gathers)
+    counts, accum = _layouts(["train.dtype=fp32", "train.grad_accum=2"], 4)
+    assert accum[2]["memory_gib"]["grads"] == pytest.approx(
+        (counts["dense_params"] + counts["experts"] / 2) * 4 / 2**30, abs=1e-3)
+    assert accum[2]["memory_gib"]["weights"] == fp32[2]["memory_gib"]["weights"]
+
+
+def test_weight_and_gradient_traffic():
+    from moe_dist.plan.memory import grad_sync_bytes
+
+    dense, experts = 1000, 600
+    # FSDP2, 4 ranks, ep=2 (edp=2), fp32, one micro-batch: gather (fwd + bwd) and reduce-scatter, ring shares
+    assert grad_sync_bytes(dense, experts, 4, 2, "fsdp", 1) == pytest.approx(dense * 3 / 4 * 12 + experts * 1 / 2 * 12)
+    # bf16 gathers 2-byte copies; gradients are reduced in fp32; accumulation repeats the gathers only
+    assert grad_sync_bytes(dense, experts, 4, 2, "fsdp", 3, "bf16") == pytest.approx(
+        dense * 3 / 4 * (3 * 2 * 2 + 4) + experts * 1 / 2 * (3 * 2 * 2 + 4))
+    # edp = 1: experts are not synchronised at all; replicated: all-reduces (2 ring passes of fp32)
+    assert grad_sync_bytes(dense, experts, 4, 4, "fsdp", 1) == pytest.approx(dense * 3 / 4 * 12)
+    assert grad_sync_bytes(dense, experts, 4, 2, "replicate", 1) == pytest.approx(dense * 3 / 4 * 8 + experts * 1 / 2 * 8)
+
+
+def test_gradient_reduction_transient():
+    from moe_dist.plan.memory import Units, fsdp_reduce_peak_bytes
+
+    units = Units(root=100, block=10, experts=60, output_head=50)
+    # fp32: the experts unit's reduction (flat fp32 buffer + its fp32 grads or gloo's copy of the buffer) next to
+    # root + 2 blocks gathered and the head's gradient waiting, which is above the root's own reduction (100 x 8)
+    for backend in ("nccl", "gloo"):
+        assert fsdp_reduce_peak_bytes(units, 2, "fp32", backend, False) == (100 + 2 * 10) * 4 + 50 * 4 + 60 * 8
+    # bf16: 2-byte grads and gathers; gloo's 4-byte copy of the buffer outweighs the bf16 grads it replaces
+    assert fsdp_reduce_peak_bytes(units, 2, "bf16", "nccl", False) == (100 + 2 * 10) * 2 + 50 * 2 + 60 * 6
+    assert fsdp_reduce_peak_bytes(units, 2, "bf16", "gloo", False) == (100 + 2 * 10) * 2 + 50 * 2 + 60 * 8
+    # grad_accum > 1: the unsharded grads are the state's gradients already, only the buffers are extra
+    assert fsdp_reduce_peak_bytes(units, 2, "fp32", "nccl", True) == (100 + 2 * 10) * 4 + 50 * 4 + 60 * 4
+    assert fsdp_reduce_peak_bytes(units, 2, "fp32", "gloo", True) == (100 + 2 * 10) * 4 + 50 * 4 + 60 * 8
+    # a large root: its reduction at the end of backward is the peak
+    big_root = Units(root=1000, block=10, experts=60, output_head=500)
+    assert fsdp_reduce_peak_bytes(big_root, 2, "fp32", "gloo", False) == 1000 * 8
+    assert fsdp_reduce_peak_bytes(big_root, 1, "fp32", "gloo", False) == 0  # one process: no FSDP2
+    _, nccl = _layouts(["train.dtype=bf16"], 4)
+    _, gloo = _layouts(["train.dtype=bf16", "parallel.backend=gloo"], 4)
+    assert all(gloo[ep]["memory_gib"]["fsdp_reduce"] > nccl[ep]["memory_gib"]["fsdp_reduce"] for ep in (1, 2, 4))

@@ -81,6 +81,7 @@ def test_run_directory_has_everything(run):
     info = json.load(open(os.path.join(d, "run.json")))
     assert info["world_size"] == 1 and info["parameters"]["total"] == summary["parameters"]["total"]
     assert json.load(open(os.path.join(d, "summary.json")))["val_ppl"] == pytest.approx(summary["val_ppl"])
+    assert len(summary["peak_rss_gib"]) == 1 and 0.05 < summary["peak_rss_gib"][0] < 64  # one rank's peak memory
 
 
 def test_schedule_and_optimizer_groups(tmp_path):

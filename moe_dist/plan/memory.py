@@ -1,15 +1,33 @@
 """Per-GPU memory and communication of one training layout, from the model's shapes.
 
-Conventions (those of moe_dist's trainer): weights, gradients and AdamW's two moments are
-fp32 (4 + 4 + 8 bytes per parameter; the same 16 bytes as bf16 weights + grads + fp32
-master/moments). Every rank holds distinct tokens (data-parallel size = world size); each
-MoE layer's experts are split over ``ep`` ranks and replicated over ``edp = world / ep``.
+Conventions (those of moe_dist's trainer): master weights, gradients and AdamW's two moments
+are fp32 (4 + 4 + 8 bytes per parameter) whatever ``train.dtype``. Every rank holds distinct
+tokens (data-parallel size = world size); each MoE layer's experts are split over ``ep`` ranks
+and replicated over ``edp = world / ep``.
 
 ZeRO stages shard over the ranks that hold a copy: dense weights over all ``world`` ranks,
 experts over their ``edp`` replicas. Stage 1 shards the optimizer state, 2 also the
-gradients, 3 also the weights. moe_dist's own engine (``parallel.dense=fsdp``) is stage 3
-for dense weights and stage 0 for experts (they are already split by expert parallelism);
-``parallel.dense=replicate`` is stage 0 for both.
+gradients, 3 also the weights. moe_dist's own engine (``parallel.dense=fsdp``) is stage 3 for
+both: FSDP2 shards the dense weights over all ranks and each MoE layer's experts over its
+``edp`` replicas (one FSDP2 unit per layer's experts on the edp mesh; with edp = 1 they are
+whole). ``parallel.dense=replicate`` is stage 0 for both. With ``train.grad_accum > 1`` FSDP2
+keeps each unit's *unsharded* gradient between micro-batches (it reduce-scatters only on the
+last one), so gradients take their unsharded size.
+
+Transients on top of those states (the peak is the largest of them):
+
+* forward and backward: activations, plus what FSDP2 holds gathered (:func:`fsdp_gathered_bytes`:
+  the root unit, two blocks, the running layer's experts unit when experts are sharded; 2
+  bytes per parameter under bf16, whose MixedPrecisionPolicy gathers bf16 copies, else 4) and
+  the output head's unsharded gradient (computed first, reduced with the root unit, last);
+  replicated weights under bf16 autocast keep a bf16 copy of every weight for backward (2
+  bytes per parameter held whole);
+* a unit's gradient reduction in backward (:func:`fsdp_reduce_peak_bytes`): the fp32 flat
+  buffer FSDP2 copies its unsharded gradients into, next to those gradients or, with gloo, the
+  reduce-scatter's own copy of that buffer, while the rest stays gathered (the experts unit of
+  the running MoE layer, or the root unit at the end of backward);
+* the optimizer step: foreach AdamW makes one fp32 temporary (sqrt of the second moment) the
+  size of its largest parameter group on this rank.
 
 Activations are estimated from the tensors each block keeps for backward (elements per
 token, activation dtype of ``e`` bytes): attention ``2d + (2H + 3KV) hd`` (norm in/out, q, k,
@@ -18,6 +36,9 @@ MoE ``2d + k (2d + 3 ff_e)`` plus fp32 router scores, and ``V (e + 8)`` for logi
 cross-entropy. Routers that read attention probabilities add an fp32 ``H x S`` row per token.
 With activation checkpointing each block keeps only its input (``d`` per token) and one block
 is recomputed at a time.
+
+Not modelled: the framework's own memory (CUDA context / the CPU runtime and libraries),
+allocator caching and fragmentation, communication library buffers, and the data pipeline.
 """
 from __future__ import annotations
 
@@ -57,12 +78,31 @@ def state_bytes(dense_params: int, expert_params_local: int, world: int, ep: int
     return {"weights": part(4, stage >= 3), "grads": part(4, stage >= 2), "optimizer": part(8, stage >= 1)}
 
 
-def engine_state_bytes(dense_params: int, expert_params_local: int, world: int, dense_mode: str) -> dict[str, float]:
-    """moe_dist's trainer: FSDP2 (dense sharded over all ranks, experts whole) or replicated."""
-    shard = world if dense_mode == "fsdp" else 1
-    return {"weights": (dense_params * 4) / shard + expert_params_local * 4,
-            "grads": (dense_params * 4) / shard + expert_params_local * 4,
-            "optimizer": (dense_params * 8) / shard + expert_params_local * 8}
+def gathered_bytes_per_param(dtype: str) -> int:
+    """Bytes of one gathered (or autocast) weight copy: bf16 copies under ``train.dtype=bf16``, fp32 otherwise."""
+    return 2 if dtype == "bf16" else 4
+
+
+def uses_fsdp(dense_mode: str, world: int) -> bool:
+    """FSDP2 is applied only across several ranks (one process holds everything whole)."""
+    return dense_mode == "fsdp" and world > 1
+
+
+def engine_state_bytes(dense_params: int, expert_params_local: int, world: int, ep: int, dense_mode: str,
+                       grad_accum: int = 1) -> dict[str, float]:
+    """moe_dist's trainer: with FSDP2, dense weights sharded over all ranks and experts over
+    their ``edp = world / ep`` replicas (whole when edp = 1); replicated otherwise.
+    ``grad_accum > 1`` under FSDP2: unsharded gradients are kept between micro-batches."""
+    fsdp = uses_fsdp(dense_mode, world)
+    dense_shard = world if fsdp else 1
+    expert_shard = world // ep if fsdp else 1
+
+    def part(bytes_per_param: int, dense_shard: int, expert_shard: int) -> float:
+        return dense_params * bytes_per_param / dense_shard + expert_params_local * bytes_per_param / expert_shard
+
+    grads = part(4, 1, 1) if fsdp and grad_accum > 1 else part(4, dense_shard, expert_shard)
+    return {"weights": part(4, dense_shard, expert_shard), "grads": grads,
+            "optimizer": part(8, dense_shard, expert_shard)}
 
 
 def block_activation_elems(s: BlockShape, is_moe: bool, act_bytes: int, seq_len: int, attention_probs: bool) -> float:
@@ -90,12 +130,69 @@ def activation_bytes(s: BlockShape, w: Workload, checkpointing: bool) -> float:
     return elems * w.tokens * w.act_bytes
 
 
-def fsdp_transient_bytes(dense_block_params: int, root_params: int, world: int) -> float:
-    """Full fp32 copies FSDP2 gathers at once: the root unit (embeddings, head) and two blocks
-    (the running one and the prefetched next)."""
+@dataclass
+class Units:
+    """Parameter counts of the FSDP2 units a rank gathers (whole, before sharding)."""
+
+    root: int  # embeddings, output head, final norm: gathered for the whole forward and backward
+    block: int  # the largest block's dense part (attention, norms, dense FFN or router)
+    experts: int  # one MoE layer's experts on this rank (ep-local) when they are an FSDP2 unit, else 0
+    output_head: int  # the head's weight: its gradient exists from the start of backward
+
+
+def fsdp_gathered_bytes(units: Units, world: int, dtype: str) -> float:
+    """Weights FSDP2 holds gathered at once: the root unit, two blocks (the running one and the
+    one prefetched in backward) and, with experts sharded, the running MoE layer's experts."""
     if world == 1:
         return 0.0
-    return (root_params + 2 * dense_block_params) * 4.0
+    return (units.root + 2 * units.block + units.experts) * gathered_bytes_per_param(dtype)
+
+
+def fsdp_head_grad_bytes(units: Units, world: int, dtype: str) -> float:
+    """The output head's unsharded gradient: computed first in backward, reduce-scattered only with
+    the root unit, last."""
+    if world == 1:
+        return 0.0
+    return units.output_head * gathered_bytes_per_param(dtype)
+
+
+def reduce_scatter_bytes(unit_params: int, dtype: str, backend: str, grads_counted: bool) -> float:
+    """One unit's gradient reduction (torch's FSDP2 ``foreach_reduce``): its unsharded gradients
+    (unless already counted: under grad_accum > 1 they are the state's gradients) are copied
+    into an fp32 flat buffer and freed; with gloo the reduce-scatter then copies that buffer
+    once more (an all-reduce of the whole buffer underneath; measured: +1x the input). Peak:
+    the buffer plus the larger of the gradients and gloo's copy."""
+    grads = 0 if grads_counted else gathered_bytes_per_param(dtype)
+    copy = 4 if backend == "gloo" else 0
+    return unit_params * (4 + max(grads, copy))
+
+
+def fsdp_reduce_peak_bytes(units: Units, world: int, dtype: str, backend: str, grads_counted: bool) -> float:
+    """The largest moment of gradient reduction in backward: the running MoE layer's experts unit
+    (resharded, its gradients being reduced, while the root and two blocks stay gathered and the
+    head's gradient waits) or the root unit at the very end (everything else already resharded)."""
+    if world == 1:
+        return 0.0
+    def rs(unit_params: int) -> float:
+        return reduce_scatter_bytes(unit_params, dtype, backend, grads_counted)
+
+    at_root = rs(units.root)
+    at_experts = (fsdp_gathered_bytes(units, world, dtype) - units.experts * gathered_bytes_per_param(dtype)
+                  + fsdp_head_grad_bytes(units, world, dtype) + rs(units.experts)) if units.experts else 0.0
+    at_block = (fsdp_gathered_bytes(units, world, dtype) - units.block * gathered_bytes_per_param(dtype)
+                + fsdp_head_grad_bytes(units, world, dtype) + rs(units.block))
+    return max(at_root, at_experts, at_block)
+
+
+def autocast_copy_bytes(unsharded_params_local: int, dtype: str) -> float:
+    """bf16 autocast copies of weights FSDP2 does not gather (replicated dense weights, whole
+    experts): kept for backward, 2 bytes each."""
+    return unsharded_params_local * 2.0 if dtype == "bf16" else 0.0
+
+
+def optimizer_step_bytes(largest_group_local: float) -> float:
+    """foreach AdamW's fp32 temporary (sqrt of the second moment) over its largest parameter group."""
+    return largest_group_local * 4.0
 
 
 def all_to_all_bytes(s: BlockShape, w: Workload, ep: int, gpus_per_node: int, checkpointing: bool) -> dict[str, float]:
@@ -114,15 +211,22 @@ def all_to_all_bytes(s: BlockShape, w: Workload, ep: int, gpus_per_node: int, ch
 
 
 def grad_sync_bytes(dense_params: int, expert_params_local: int, world: int, ep: int, dense_mode: str,
-                    grad_accum: int) -> float:
-    """Bytes one GPU sends for weights and gradients per step (ring collectives): FSDP2
-    gathers dense weights in forward and backward of each micro-batch and reduce-scatters the
-    gradients once; replicated weights all-reduce their gradients; experts all-reduce over edp."""
+                    grad_accum: int, dtype: str = "fp32") -> float:
+    """Bytes one GPU sends for weights and gradients per step (ring collectives). FSDP2 gathers
+    weights in forward and backward of each micro-batch (bf16 copies under bf16) and
+    reduce-scatters the fp32 gradients once: the dense weights over all ranks, the experts over
+    their edp replicas. Replicated weights all-reduce their gradients; so do whole experts over
+    edp when FSDP2 does not shard them."""
     edp = world // ep
-    ring = (world - 1) / world if world > 1 else 0.0
-    if dense_mode == "fsdp":
-        dense = dense_params * 4 * ring * (2 * grad_accum + 1)
+
+    def ring(n: int) -> float:
+        return (n - 1) / n if n > 1 else 0.0
+
+    gather = gathered_bytes_per_param(dtype)
+    if uses_fsdp(dense_mode, world):
+        dense = dense_params * ring(world) * (2 * grad_accum * gather + 4)
+        experts = expert_params_local * ring(edp) * (2 * grad_accum * gather + 4)
     else:
-        dense = dense_params * 4 * 2 * ring
-    experts = expert_params_local * 4 * 2 * ((edp - 1) / edp if edp > 1 else 0.0)
+        dense = dense_params * 4 * 2 * ring(world)
+        experts = expert_params_local * 4 * 2 * ring(edp)
     return dense + experts

@@ -16,8 +16,9 @@ import yaml
 
 from ..config import ConfigError, apply_overrides, config_from_dict, load_config
 from ..hf.config import HFModelSpec, config_path, hf_model_spec, is_hf_config
-from .memory import (GIB, STAGES, Workload, activation_bytes, all_to_all_bytes, engine_state_bytes,
-                     fsdp_transient_bytes, grad_sync_bytes, state_bytes)
+from .memory import (GIB, STAGES, Units, Workload, activation_bytes, all_to_all_bytes, autocast_copy_bytes,
+                     engine_state_bytes, fsdp_gathered_bytes, fsdp_head_grad_bytes, fsdp_reduce_peak_bytes,
+                     grad_sync_bytes, optimizer_step_bytes, state_bytes, uses_fsdp)
 from .params import block_shape, count_params
 
 USABLE_FRACTION = 0.9  # leave 10% of each GPU for the framework, allocator fragmentation and buffers
@@ -39,6 +40,7 @@ class PlanInput:
     dense_mode: str
     configured_ep: Optional[int]
     notes: list[str]
+    backend: str = "nccl"  # "gloo" (parallel.backend=gloo) adds the copy its reduce-scatter makes
 
 
 def _read_mapping(path: str) -> dict:
@@ -83,7 +85,8 @@ def load_plan_input(path: str, overrides: Iterable[str] = (), seq_len: Optional[
     return PlanInput(source=path, kind="moe_dist", model=cfg.model,
                      moe_blocks=cfg.model.moe.layer_indices(cfg.model.n_layers), seq_len=seq_len or cfg.train.seq_len,
                      global_batch=cfg.train.global_batch, grad_accum=cfg.train.grad_accum, dtype=cfg.train.dtype,
-                     dense_mode=cfg.parallel.dense, configured_ep=cfg.parallel.ep, notes=[])
+                     dense_mode=cfg.parallel.dense, configured_ep=cfg.parallel.ep,
+                     backend="gloo" if cfg.parallel.backend == "gloo" else "nccl", notes=[])
 
 
 def _divisors(n: int) -> list[int]:
@@ -109,25 +112,43 @@ def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int
                     moe_blocks=inp.moe_blocks, attention_probs=bool(n_moe and getattr(router_cls, "needs_attention", False)))
     act = activation_bytes(s, work, checkpointing=False)
     act_ckpt = activation_bytes(s, work, checkpointing=True)
-    root = counts["embedding"] + counts["lm_head"] + s.d_model
-    engine = engine_state_bytes(dense, experts_local, world, inp.dense_mode)
-    gather = fsdp_transient_bytes(counts["largest_dense_block"], root, world)
-    transient = gather if inp.dense_mode == "fsdp" else 0.0
+    fsdp = uses_fsdp(inp.dense_mode, world)
+    sharded_experts = fsdp and world // ep > 1
+    experts_per_layer = (s.num_experts // ep) * counts["per_expert"] if n_moe else 0
+    units = Units(root=counts["embedding"] + counts["lm_head"] + s.d_model, block=counts["largest_dense_block"],
+                  experts=experts_per_layer if sharded_experts else 0,
+                  output_head=counts["lm_head"] or counts["embedding"])
+    engine = engine_state_bytes(dense, experts_local, world, ep, inp.dense_mode, inp.grad_accum)
+    gathered = fsdp_gathered_bytes(units, world, inp.dtype) if fsdp else 0.0
+    head_grad = fsdp_head_grad_bytes(units, world, inp.dtype) if fsdp else 0.0
+    reduce = fsdp_reduce_peak_bytes(units, world, inp.dtype, inp.backend, inp.grad_accum > 1) if fsdp else 0.0
+    whole = (0 if sharded_experts else experts_local) + (0 if fsdp else dense)  # weights FSDP2 does not gather
+    autocast = autocast_copy_bytes(whole, inp.dtype)
+    largest_group = max(dense / (world if fsdp else 1), experts_local / (world // ep if sharded_experts else 1))
+    opt_step = optimizer_step_bytes(largest_group)
     states = sum(engine.values())
+
+    def peak(activations: float) -> float:  # forward/backward, a gradient reduction, or the optimizer step
+        return states + max(activations + gathered + head_grad + autocast, reduce, opt_step)
+
     stages = {}
     for stage in STAGES:
         st = state_bytes(dense, experts_local, world, ep, stage)
+        gather = fsdp_gathered_bytes(units, world, inp.dtype) if stage == 3 else 0.0
         stages[f"zero{stage}"] = {k: _gib(v) for k, v in st.items()} | {
-            "total": _gib(sum(st.values()) + act + (gather if stage == 3 else 0.0)),
-            "total_with_activation_checkpointing": _gib(sum(st.values()) + act_ckpt + (gather if stage == 3 else 0.0))}
+            "total": _gib(sum(st.values()) + act + gather),
+            "total_with_activation_checkpointing": _gib(sum(st.values()) + act_ckpt + gather)}
     a2a = all_to_all_bytes(s, work, ep, gpus_per_node, checkpointing=False)
     a2a_ckpt = all_to_all_bytes(s, work, ep, gpus_per_node, checkpointing=True)
     return {
-        "ep": ep, "edp": world // ep, "dp": world, "micro_batch": micro_batch, "ep_within_node": ep <= gpus_per_node,
+        "ep": ep, "edp": world // ep, "dp": world, "experts_sharded_over_edp": sharded_experts,
+        "micro_batch": micro_batch, "ep_within_node": ep <= gpus_per_node,
         "memory_gib": {
             "weights": _gib(engine["weights"]), "grads": _gib(engine["grads"]), "optimizer": _gib(engine["optimizer"]),
-            "fsdp_gather": _gib(transient), "activations": _gib(act), "activations_checkpointed": _gib(act_ckpt),
-            "total": _gib(states + transient + act), "total_with_activation_checkpointing": _gib(states + transient + act_ckpt),
+            "fsdp_gather": _gib(gathered), "fsdp_head_grad": _gib(head_grad), "fsdp_reduce": _gib(reduce),
+            "autocast_copies": _gib(autocast), "optimizer_step": _gib(opt_step),
+            "activations": _gib(act), "activations_checkpointed": _gib(act_ckpt),
+            "total": _gib(peak(act)), "total_with_activation_checkpointing": _gib(peak(act_ckpt)),
         },
         "zero_stages_gib": stages,
         "all_to_all": {"bytes_per_gpu_per_step": int(a2a["per_gpu"]),
@@ -136,7 +157,7 @@ def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int
                        "bytes_per_step_all_gpus": int(a2a["per_gpu"] * world),
                        "collectives_per_step": a2a["collectives"]},
         "weight_and_grad_sync_bytes_per_gpu_per_step": int(grad_sync_bytes(dense, experts_local, world, ep,
-                                                                           inp.dense_mode, inp.grad_accum)),
+                                                                           inp.dense_mode, inp.grad_accum, inp.dtype)),
     }
 
 
@@ -156,8 +177,8 @@ def _micro_batch(inp: PlanInput, world: int, override: Optional[int]) -> tuple[i
 def recommend(layouts: list[dict], usable_gib: float) -> tuple[Optional[dict], str]:
     """The layout to use, and why: without activation checkpointing if one fits (no recompute),
     EP groups inside a node, then the fewest bytes sent per GPU per step (expert all-to-alls
-    plus weight/gradient synchronisation: a larger ep sends more all-to-all traffic but
-    replicates, and so all-reduces, fewer expert gradients)."""
+    plus weight/gradient synchronisation: a larger ep sends more all-to-all traffic but has
+    fewer expert replicas to gather and reduce-scatter over, or all-reduce when replicated)."""
     def traffic(l: dict, ckpt: bool) -> int:
         a2a = l["all_to_all"]["bytes_per_gpu_per_step_checkpointed" if ckpt else "bytes_per_gpu_per_step"]
         return a2a + l["weight_and_grad_sync_bytes_per_gpu_per_step"]
@@ -190,6 +211,26 @@ def recommend(layouts: list[dict], usable_gib: float) -> tuple[Optional[dict], s
                   f"{mem['fsdp_gather']:.1f}) but {usable_gib:.1f} GiB are usable")
 
 
+def _floor(inp: PlanInput, counts: dict, nodes: int, gpus_per_node: int, usable: float,
+           micro_batch: Optional[int]) -> str:
+    """Why even ``nodes`` nodes do not fit: the part of a GPU's memory that does not shrink with more GPUs."""
+    world = nodes * gpus_per_node
+    mb, _ = _micro_batch(inp, world, micro_batch)
+    E = inp.model.moe.num_experts if inp.moe_blocks else 1
+    far = min((evaluate_layout(inp, counts, world, gpus_per_node, ep, mb) for ep in _divisors(E) if world % ep == 0),
+              key=lambda l: l["memory_gib"]["total_with_activation_checkpointing"])
+    g = far["memory_gib"]
+    text = (f"even {nodes} nodes leave {g['total_with_activation_checkpointing']:.1f} GiB per GPU (ep={far['ep']}, "
+            f"activation checkpointing), more than the {usable:.1f} usable; ")
+    if uses_fsdp(inp.dense_mode, world):
+        experts = ", one MoE layer's experts" if far["experts_sharded_over_edp"] else ""
+        return text + (f"what does not shrink with more GPUs is what FSDP2 gathers ({g['fsdp_gather']:.1f} GiB: the root "
+                       f"unit, two blocks{experts}) and the activations of one micro-batch "
+                       f"({g['activations_checkpointed']:.1f} GiB)")
+    return text + (f"parallel.dense={inp.dense_mode} replicates the dense weights, their gradients and AdamW state "
+                   f"({g['weights'] + g['grads'] + g['optimizer']:.1f} GiB with the experts); parallel.dense=fsdp shards them")
+
+
 def _alternatives(inp: PlanInput, counts: dict, layouts: list[dict], nodes: int, gpus_per_node: int, usable: float,
                   micro_batch: Optional[int], max_nodes: int = 1024) -> str:
     """What would fit instead: more nodes (same GPUs), or ZeRO sharding of the experts too."""
@@ -212,11 +253,7 @@ def _alternatives(inp: PlanInput, counts: dict, layouts: list[dict], nodes: int,
             lo, hi = (lo, mid) if fits(mid) else (mid, hi)
         text += f"; {hi} nodes of {gpus_per_node} GPUs would fit"
     else:
-        experts_floor = len(inp.moe_blocks) * counts["per_expert"] * 16 / GIB  # one expert per MoE layer (ep = E)
-        text += (f"; more nodes do not help: even {max_nodes} nodes leave more than {usable:.1f} GiB per GPU"
-                 + (f" (expert parallelism stops at ep = model.moe.num_experts={inp.model.moe.num_experts}, so a GPU "
-                    f"keeps at least one expert per MoE layer: {experts_floor:.1f} GiB of weights, grads and AdamW "
-                    "state)" if inp.moe_blocks else ""))
+        text += "; more nodes do not help: " + _floor(inp, counts, max_nodes, gpus_per_node, usable, micro_batch)
     def fitting(stages: tuple[str, ...]) -> list[tuple[float, int, str]]:
         return sorted((v["total_with_activation_checkpointing"], l["ep"], k) for l in layouts
                       for k, v in l["zero_stages_gib"].items()
@@ -229,8 +266,8 @@ def _alternatives(inp: PlanInput, counts: dict, layouts: list[dict], nodes: int,
                  f"activation checkpointing) would need {need:.1f} GiB")
     elif zero3:
         need, ep, _ = zero3[0]
-        text += (f"; ZeRO-3 over the expert replicas (ep={ep}, activation checkpointing) would need {need:.1f} GiB, but "
-                 "no engine here runs it for MoE models (DeepSpeed refuses MoE with ZeRO-3)")
+        text += (f"; ZeRO-3 over the expert replicas (ep={ep}, activation checkpointing) would need {need:.1f} GiB: "
+                 f"moe_dist's engine runs it with parallel.dense=fsdp parallel.ep={ep} (DeepSpeed refuses MoE with ZeRO-3)")
     return text
 
 

@@ -29,15 +29,18 @@ def format_plan(p: dict) -> str:
     lines.append(f"workload: {w['micro_batch_per_gpu']} x {w['seq_len']} tokens per GPU per micro-batch, "
                  f"grad_accum {w['grad_accum']}, {w['activation_dtype']} activations, dense weights {w['dense_weights']}")
     lines.append("")
-    lines.append("per-GPU memory (GiB) by expert-parallel size, moe_dist engine "
-                 "(weights+grads+AdamW fp32; dense FSDP-sharded over all ranks, experts split over ep):")
-    head = f"  {'ep':>4} {'edp':>4} {'weights':>8} {'grads':>8} {'optim':>8} {'gather':>7} {'act':>8} {'act(ckpt)':>9} " \
-           f"{'total':>8} {'total(ckpt)':>11} {'a2a/GPU/step':>13}"
+    sharding = ("dense FSDP-sharded over all ranks, experts split over ep and FSDP-sharded over edp"
+                if w["dense_weights"] == "fsdp" else "dense replicated, experts split over ep")
+    lines.append(f"per-GPU memory (GiB) by expert-parallel size, moe_dist engine (weights+grads+AdamW fp32; {sharding}; "
+                 "gather: FSDP2's gathered weights; opt: AdamW's step temporary; total: states + the largest transient):")
+    head = f"  {'ep':>4} {'edp':>4} {'weights':>8} {'grads':>8} {'optim':>8} {'gather':>7} {'opt':>6} {'act':>8} " \
+           f"{'act(ckpt)':>9} {'total':>8} {'total(ckpt)':>11} {'a2a/GPU/step':>13}"
     lines.append(head)
     for l in p["layouts"]:
         g = l["memory_gib"]
         lines.append(f"  {l['ep']:>4} {l['edp']:>4} {g['weights']:>8.2f} {g['grads']:>8.2f} {g['optimizer']:>8.2f} "
-                     f"{g['fsdp_gather']:>7.2f} {g['activations']:>8.2f} {g['activations_checkpointed']:>9.2f} "
+                     f"{g['fsdp_gather']:>7.2f} {g['optimizer_step']:>6.2f} {g['activations']:>8.2f} "
+                     f"{g['activations_checkpointed']:>9.2f} "
                      f"{g['total']:>8.2f} {g['total_with_activation_checkpointing']:>11.2f} "
                      f"{_bytes(l['all_to_all']['bytes_per_gpu_per_step']):>13}")
     lines.append("")

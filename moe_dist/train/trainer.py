@@ -258,7 +258,8 @@ class Trainer:
         wall = time.perf_counter() - t_start
         summary = {"steps": self.step, "train_loss": row["loss"], "val_loss": last_val["loss"], "val_ppl": last_val["ppl"],
                    "unigram_loss": baseline["loss"], "unigram_ppl": baseline["ppl"], "val_tokens": last_val["tokens"],
-                   "train_seconds": round(wall, 1), "tokens": tokens_seen, "parameters": self.params}
+                   "train_seconds": round(wall, 1), "tokens": tokens_seen, "parameters": self.params,
+                   "peak_rss_gib": [round(b / 2**30, 3) for b in _gather_peak_rss(self.rt)]}  # every rank's, in order
         self.metrics.close()
         if self.is_main:
             with open(os.path.join(self.run_dir, "summary.json"), "w", encoding="utf-8") as f:
