@@ -40,7 +40,7 @@ def _code_line() -> str:
     """``file:line code`` of the innermost frame outside torch and this module: the line that read."""
     for frame in reversed(traceback.extract_stack()[:-2]):
         name = frame.filename.replace("\\", "/")
-        if "/torch/" not in name and not name.endswith("host_sync.py") and "contextlib" not in name:
+        if "/torch/" not in name and not name.endswith("/host_sync.py") and "contextlib" not in name:
             return f"{'/'.join(name.split('/')[-3:])}:{frame.lineno} {frame.line}"
     return "unknown"
 

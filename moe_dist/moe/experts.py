@@ -236,7 +236,8 @@ class GroupedExperts(nn.Module):
             return x.new_zeros((0, self.d_model))
         counts_t = torch.tensor(counts, device=x.device)
         starts = torch.cumsum(counts_t, 0) - counts_t
-        expert_of_row = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts_t)
+        expert_of_row = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts_t,
+                                                output_size=x.shape[0])  # (a size from the host: no device read)
         slot = expert_of_row * cap + (torch.arange(x.shape[0], device=x.device) - starts[expert_of_row])
         xp = x.new_zeros((len(counts) * cap, self.d_model)).index_copy(0, slot, x).view(len(counts), cap, self.d_model)
         h = self._act(torch.bmm(xp, self.w1), torch.bmm(xp, self.w3) if self.w3 is not None else None)
@@ -289,7 +290,8 @@ class GroupedExperts(nn.Module):
         if kernel == "loop":
             return self._loop(x, counts, segments)
         expert_of_row = torch.repeat_interleave(torch.tensor([e for e, _ in segments], device=x.device),
-                                                torch.tensor([c for _, c in segments], device=x.device))
+                                                torch.tensor([c for _, c in segments], device=x.device),
+                                                output_size=x.shape[0])
         group = torch.argsort(expert_of_row, stable=True)
         ungroup = inverse_permutation(group)
         y = self.run_kernel(kernel, PermuteRows.apply(x, group, ungroup), counts)
