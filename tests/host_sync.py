@@ -52,13 +52,21 @@ def _bool_index(args) -> bool:
 
 @dataclass
 class SyncLog:
-    events: list = field(default_factory=list)  # (kind, where)
+    events: list = field(default_factory=list)  # (kind, where, tag)
+    tag: str = ""  # set by the caller to label the events of a phase (e.g. "update")
+
+    def record(self, kind: str) -> None:
+        self.events.append((kind, _code_line(), self.tag))
 
     def __len__(self) -> int:
         return len(self.events)
 
-    def describe(self) -> str:
-        return "\n".join(f"  {kind}: {where}" for kind, where in self.events) or "  (none)"
+    def tagged(self, tag: str) -> list:
+        return [e for e in self.events if e[2] == tag]
+
+    def describe(self, events=None) -> str:
+        events = self.events if events is None else events
+        return "\n".join(f"  {kind}: {where}" + (f" [{tag}]" if tag else "") for kind, where, tag in events) or "  (none)"
 
 
 class _SyncMode(TorchDispatchMode):
@@ -69,12 +77,12 @@ class _SyncMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in SCALAR_READS:
-            self.log.events.append(("scalar read", _code_line()))
+            self.log.record("scalar read")
         elif func in SIZE_READS:
             if not (func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is not None):
-                self.log.events.append((f"data-dependent size ({func.__name__})", _code_line()))
+                self.log.record(f"data-dependent size ({func.__name__})")
         elif func is aten.index.Tensor and _bool_index(args):
-            self.log.events.append(("boolean-mask index", _code_line()))
+            self.log.record("boolean-mask index")
         return func(*args, **kwargs)
 
 
@@ -88,7 +96,7 @@ def count_host_syncs():
         original = getattr(torch.Tensor, name)
 
         def counted(self, *args, **kwargs):
-            log.events.append((f"Tensor.{name}", _code_line()))
+            log.record(f"Tensor.{name}")
             return original(self, *args, **kwargs)
 
         wrapped[name] = original

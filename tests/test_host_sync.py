@@ -164,7 +164,7 @@ def test_counter_sees_a_sync_inside_a_layer(monkeypatch):
     with count_host_syncs() as after:
         layer(x)
     assert len(after) == len(before) + 1, after.describe()
-    assert any("test_host_sync.py" in where and "1e9" in where for _, where in after.events), after.describe()
+    assert any("test_host_sync.py" in where and "1e9" in where for _, where, _ in after.events), after.describe()
 
 
 def test_layer_budget_one_process():
@@ -173,3 +173,97 @@ def test_layer_budget_one_process():
 
 def test_layer_budget_two_ranks_expert_parallel():
     _check(run_ranks(measure, 2), 2)
+
+
+# ---- a training step through the trainer ----------------------------------------------------------
+def _trainer(tmp, *extra):
+    from moe_dist.config import load_config
+    from moe_dist.train.trainer import Trainer
+
+    cfg = load_config(os.path.join(ROOT, "configs/test.yaml"), [
+        f"run.dir={tmp}/run", f"data.cache_dir={tmp}/cache", f"data.corpus={ROOT}/tests/data/python-docs",
+        "parallel.ep=1", "run.tensorboard=false", "run.progress=false", "run.plots=false", *extra])
+    return Trainer(cfg)
+
+
+def step_syncs(trainer):
+    """Host syncs of one ``train_step`` (after a warm-up step), with ``update()`` (gradient norm,
+    optimizer) tagged "update"."""
+    trainer.train_step()  # warm-up: first-call work is not the steady state
+    update = trainer.update
+    with count_host_syncs() as log:
+        def tagged_update():
+            log.tag = "update"
+            try:
+                return update()
+            finally:
+                log.tag = ""
+        trainer.update = tagged_update
+        try:
+            trainer.train_step()
+        finally:
+            del trainer.update
+    return log
+
+
+def _old_style_summary(per_micro: list) -> dict:
+    """The step figures the way the statistics were aggregated before (host numbers per micro-batch)."""
+    out = {}
+    for snap in per_micro:
+        for idx, s in snap.items():
+            acc = out.setdefault(idx, {"n": 0, "tokens": 0, "counts": None, "pairs": 0, "dropped": 0.0, "aux": 0.0,
+                                       "z": 0.0, "entropy": 0.0})
+            pairs = sum(s["expert_counts"])
+            acc["n"] += 1
+            acc["tokens"] += s["tokens"]
+            acc["counts"] = s["expert_counts"] if acc["counts"] is None else [a + b for a, b in zip(acc["counts"], s["expert_counts"])]
+            acc["pairs"] += pairs
+            acc["dropped"] += s["dropped_fraction"] * pairs
+            acc["aux"] += s["aux_loss"]
+            acc["z"] += s["z_loss"]
+            acc["entropy"] += s["entropy"] * s["tokens"]
+    return {str(i): {"expert_counts": a["counts"], "dropped_fraction": a["dropped"] / max(a["pairs"], 1),
+                     "aux_loss": a["aux"] / a["n"], "z_loss": a["z"] / a["n"], "entropy": a["entropy"] / max(a["tokens"], 1)}
+            for i, a in out.items()}
+
+
+def test_train_step_reads_no_statistics_per_micro_batch(tmp_path):
+    """Per micro-batch only the MoE layers' dispatch reads; per step the summed losses (one read in
+    train_step) and the gradient norm (in update). torch's AdamW (foreach, not capturable) keeps its
+    step counters on the host, so its .item() calls in optimizer.step() read host memory, not the
+    device, and are left out. The step's statistics are read by MoEStepStats.summary, once, and
+    equal what per-micro-batch host aggregation gave."""
+    trainer = _trainer(tmp_path, "train.grad_accum=2", "model.moe.capacity_factor=1.0")
+    per_micro = []
+    add = trainer.moe_stats.add
+
+    def recording_add():  # the reference figures, taken outside the counted phases
+        add()
+        per_micro.append({m.context.layer_idx: m.stats.as_dict() for m in trainer.moe})
+
+    try:
+        log = step_syncs(trainer)
+        trainer.moe_stats.add = recording_add
+        trainer.train_step()
+        with count_host_syncs() as summary_log:
+            summary = trainer.moe_stats.summary(trainer.rt.groups.dp, trainer.rt.device)
+    finally:
+        trainer.close()
+    micro, layers = trainer.cfg.train.grad_accum, len(trainer.moe)
+    assert micro == 2 and layers == 2
+    in_step = [e for e in log.events if not e[2]]
+    dispatch_reads = [e for e in in_step if "dispatch.py" in e[1]]
+    assert len(dispatch_reads) == micro * layers, log.describe()
+    others = [e for e in in_step if "dispatch.py" not in e[1]]
+    assert len(others) == 1 and "trainer.py" in others[0][1] and "sums.tolist()" in others[0][1], log.describe(others)
+    update = [e for e in log.tagged("update") if "optimizer.step()" not in e[1]]
+    assert len(update) == 1 and "grad_norm" in update[0][1], log.describe(update)
+    assert len(summary_log) == 1, summary_log.describe()
+    reference = _old_style_summary(per_micro)
+    for idx, ref in reference.items():
+        got = summary[idx]
+        assert got["expert_counts"] == ref["expert_counts"], idx
+        for key in ("dropped_fraction", "aux_loss", "z_loss", "entropy"):
+            assert got[key] == pytest.approx(ref[key], rel=1e-6, abs=1e-12), (idx, key)
+        assert got["capacity"] == per_micro[-1][int(idx)]["capacity"]
+    assert any(r["dropped_fraction"] > 0 for r in reference.values())  # the capacity case is exercised
