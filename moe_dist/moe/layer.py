@@ -14,10 +14,10 @@ import torch.nn as nn
 from ..dist.collectives import all_gather_tensor, group_rank, group_size, subgroup_rows
 from ..dist.groups import ParallelGroups
 from .capacity import CAPACITY_SCOPES, DROP_POLICIES, expert_capacity, keep_by_position, keep_by_probs
+from .counting import count_values
 from .dispatch import combine, dispatch
 from .experts import GroupedExperts
 from .losses import LOSS_SCOPES, load_balance_share, load_balance_value, z_loss_share
-from .counting import count_values
 from .routers import build_router
 from .routers.base import count_nonfinite, nonfinite_logits_error
 from .routing import Routing, RoutingContext
