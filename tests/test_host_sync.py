@@ -267,3 +267,25 @@ def test_train_step_reads_no_statistics_per_micro_batch(tmp_path):
             assert got[key] == pytest.approx(ref[key], rel=1e-6, abs=1e-12), (idx, key)
         assert got["capacity"] == per_micro[-1][int(idx)]["capacity"]
     assert any(r["dropped_fraction"] > 0 for r in reference.values())  # the capacity case is exercised
+
+
+def _nonfinite_on_one_rank(rank, world):
+    groups = build_parallel_groups(world, E)
+    layer = apply_expert_parallel(_layer("topk"), groups)
+    layer.context.layer_idx = 3
+    x = torch.randn(5, 16)
+    if rank == 0:
+        x[2, 1] = float("nan")
+    try:
+        layer(x)
+    except FloatingPointError as e:
+        return str(e)
+    return "no error"
+
+
+def test_nonfinite_logits_raise_on_every_rank_without_a_read_of_their_own():
+    """The non-finite count rides on the gathered statistics and the dispatch's read: a NaN on one
+    rank raises the same error, naming the layer, on every rank (no rank left in a collective)."""
+    messages = run_ranks(_nonfinite_on_one_rank, 2)
+    for m in messages:
+        assert m.startswith("layer 3 router: router logits contain 8 NaN/Inf values (of 80)"), m
