@@ -160,7 +160,30 @@ def test_marginals_and_small_xi_stay_finite():
     torch.testing.assert_close(plan.sum(0), torch.full((E,), 256 / E), rtol=1e-3, atol=0.0)
 
 
+def test_stop_test_every_check_every_iterations():
+    """The stop test (a host read) runs every check_every iterations: the solver stops at the first
+    multiple of check_every at which a per-iteration test would already have stopped, a little more
+    converged; check_every=1 is the per-iteration test."""
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(128, E, generator=g) * 2.0
+    every = sinkhorn_dual(scores, max_iters=500, tol=1e-4, check_every=1)
+    eight = sinkhorn_dual(scores, max_iters=500, tol=1e-4, check_every=8)
+    n1, n8 = int(every.iterations), int(eight.iterations)
+    assert n1 > 8 and every.host_reads == n1 and float(every.error) < 1e-4
+    assert n8 % 8 == 0 and n1 <= n8 < n1 + 8 and eight.host_reads == n8 // 8
+    assert float(eight.error) <= float(every.error)
+    torch.testing.assert_close(transport_plan(scores, eight.dual).sum(0), torch.full((E,), 128 / E), rtol=1e-4, atol=0.0)
+    capped = sinkhorn_dual(scores, max_iters=8, tol=1e-12, check_every=8)  # max_iters ends the loop without a read
+    assert int(capped.iterations) == 8 and capped.host_reads == 0
+    empty = sinkhorn_dual(scores, max_iters=500, row_weight=torch.zeros(128), check_every=8)  # nothing to transport
+    assert int(empty.iterations) == 0 and float(empty.error) == 0.0 and torch.equal(empty.dual, torch.zeros(E))
+    with pytest.raises(ValueError, match="check_every must be >= 1"):
+        sinkhorn_dual(scores, check_every=0)
+
+
 def test_validation_messages():
+    with pytest.raises(ValueError, match="router_options.check_every"):
+        build_router("ssr", 16, E, 2, check_every=0)
     with pytest.raises(ValueError, match="router_options.cost"):
         build_router("ssr", 16, E, 2, cost="quadratic")
     with pytest.raises(ValueError, match="router_options.scope"):

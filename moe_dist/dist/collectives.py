@@ -60,6 +60,8 @@ def subgroup_rows(gathered: torch.Tensor, group: Optional[dist.ProcessGroup],
         idx = [dist.get_group_rank(group, dist.get_global_rank(subgroup, i)) for i in range(group_size(subgroup))]
     except (ValueError, RuntimeError):
         return None
+    if idx == list(range(idx[0], idx[0] + len(idx))):  # consecutive ranks: a view, no index tensor to copy over
+        return gathered[idx[0] : idx[0] + len(idx)]
     return gathered[idx]
 
 

@@ -16,22 +16,31 @@ import torch
 import torch.distributed as dist
 
 from ..dist.collectives import all_gather_tensor, group_size
+from .counting import count_values
 
 DROP_POLICIES = ("position", "probs")
 CAPACITY_SCOPES = ("global", "local")
 
 
-def expert_capacity(capacity_factor: float, tokens: int, top_k: int, num_experts: int, min_capacity: int = 0) -> int:
-    """``max(min_capacity, ceil(capacity_factor * tokens * k / E))`` token slots per expert."""
+def expert_capacity(capacity_factor: float, tokens, top_k: int, num_experts: int, min_capacity: int = 0):
+    """``max(min_capacity, ceil(capacity_factor * tokens * k / E))`` token slots per expert.
+
+    ``tokens`` an int: an int. ``tokens`` a tensor of token counts (e.g. the globally reduced
+    count, still on the device): an int64 tensor of the same shape, computed on the device with
+    the same float64 arithmetic in the same order, so it equals the host value exactly and
+    needs no host read."""
     if not capacity_factor > 0:
         raise ValueError(f"model.moe.capacity_factor must be > 0 (or null for dropless), got {capacity_factor}")
+    if torch.is_tensor(tokens):
+        slots = torch.ceil(tokens.double() * capacity_factor * top_k / num_experts)
+        return slots.clamp_min(int(min_capacity)).long()
     return max(int(min_capacity), math.ceil(capacity_factor * tokens * top_k / num_experts))
 
 
 def _rank_within_expert(expert_flat: torch.Tensor, order: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Given pairs sorted by ``order`` (grouped by expert), each sorted pair's index within its expert."""
     sorted_e = expert_flat[order]
-    counts = torch.bincount(sorted_e, minlength=num_experts)
+    counts = count_values(sorted_e, num_experts)
     starts = torch.cumsum(counts, 0) - counts
     return torch.arange(order.numel(), device=order.device) - starts[sorted_e]
 
@@ -42,12 +51,13 @@ def _scatter_back(order: torch.Tensor, keep_sorted: torch.Tensor) -> torch.Tenso
     return keep
 
 
-def keep_by_position(expert_ids: torch.Tensor, capacity: int, num_experts: int,
+def keep_by_position(expert_ids: torch.Tensor, capacity, num_experts: int,
                      start_positions: Optional[torch.Tensor] = None) -> torch.Tensor:
     """First come, first served: expert e keeps the first ``capacity`` pairs in token order.
 
     ``start_positions[e]``: how many pairs of expert e precede this rank's tokens in the
-    global order (zero for local scope). Returns a ``[T, k]`` bool keep mask.
+    global order (zero for local scope). ``capacity``: an int or a 0-d tensor (no host read).
+    Returns a ``[T, k]`` bool keep mask.
     """
     flat = expert_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # token-major flattening => token order per expert
@@ -57,7 +67,7 @@ def keep_by_position(expert_ids: torch.Tensor, capacity: int, num_experts: int,
     return _scatter_back(order, pos < capacity).view_as(expert_ids)
 
 
-def _keep_by_gate_ranking(flat_e: torch.Tensor, flat_g: torch.Tensor, capacity: int, num_experts: int) -> torch.Tensor:
+def _keep_by_gate_ranking(flat_e: torch.Tensor, flat_g: torch.Tensor, capacity, num_experts: int) -> torch.Tensor:
     # order by expert, then gate descending, then original index (stable sorts applied last-key-first)
     by_gate = torch.argsort(-flat_g, stable=True)
     order = by_gate[torch.argsort(flat_e[by_gate], stable=True)]
@@ -65,26 +75,26 @@ def _keep_by_gate_ranking(flat_e: torch.Tensor, flat_g: torch.Tensor, capacity: 
     return _scatter_back(order, pos < capacity)
 
 
-def keep_by_probs(expert_ids: torch.Tensor, gates: torch.Tensor, capacity: int, num_experts: int,
+def keep_by_probs(expert_ids: torch.Tensor, gates: torch.Tensor, capacity, num_experts: int,
                   group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """Expert e keeps its ``capacity`` pairs of highest gate (ties: earlier token first).
 
-    With a ``group`` the ranking is over the pairs of every rank in it (global scope).
+    With a ``group`` the ranking is over the pairs of every rank in it (global scope); the
+    ranks' pair counts are then read to the host once, to size the gather of every rank's
+    gates (one host synchronisation; none without a group).
     """
     flat_e = expert_ids.reshape(-1)
     flat_g = gates.detach().reshape(-1).float()
     if group_size(group) == 1:
         return _keep_by_gate_ranking(flat_e, flat_g, capacity, num_experts).view_as(expert_ids)
     n_local = flat_e.numel()
-    sizes = all_gather_tensor(torch.tensor([n_local], device=flat_e.device), group).view(-1)
-    n_max = int(sizes.max())
+    sizes = all_gather_tensor(torch.full((1,), n_local, device=flat_e.device), group).view(-1).tolist()  # the one read
+    n_max = max(sizes)
     pad = n_max - n_local
     # expert id as a float is exact for any realistic E (< 2**24)
     packed = torch.stack([torch.nn.functional.pad(flat_g, (0, pad)), torch.nn.functional.pad(flat_e.float(), (0, pad))])
     allp = all_gather_tensor(packed, group)  # [R, 2, n_max]
-    valid = torch.arange(n_max, device=flat_e.device)[None, :] < sizes[:, None]
-    g_all = allp[:, 0][valid]
-    e_all = allp[:, 1][valid].long()
-    keep_all = _keep_by_gate_ranking(e_all, g_all, capacity, num_experts)
-    start = int(sizes[: dist.get_rank(group)].sum())
+    every = torch.cat([allp[r, :, :n] for r, n in enumerate(sizes)], dim=1)  # [2, all pairs], rank-major
+    keep_all = _keep_by_gate_ranking(every[1].long(), every[0], capacity, num_experts)
+    start = sum(sizes[: dist.get_rank(group)])
     return keep_all[start : start + n_local].view_as(expert_ids)

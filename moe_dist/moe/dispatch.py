@@ -8,13 +8,14 @@ expert segment as they arrive, sent back and summed into their tokens weighted b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from ..dist.collectives import all_to_all_rows, group_size
+from .counting import count_values
 
 
 @dataclass
@@ -25,6 +26,7 @@ class DispatchPlan:
     recv_splits: list  # rows received from each ep rank
     local_counts: list  # rows per local expert
     segments: Optional[list] = None  # (local expert, rows) of the received rows in order (ep > 1)
+    read_along: Optional[list] = None  # host values of the caller's ``read_along`` tensor
 
 
 _BLOCK_ROWS = 4096  # rows per temporary: small temporaries are recycled, big ones page-fault
@@ -58,31 +60,51 @@ class _WeightedScatter(torch.autograd.Function):
         return g_y, g_gate, None, None
 
 
+def read_counts(parts: Sequence[torch.Tensor]) -> list[list[int]]:
+    """The layer forward's one device-to-host read: the integer tensors ``parts`` concatenated
+    into one small tensor, read with a single ``tolist()``, split back (each part flattened)."""
+    flat = torch.cat([p.reshape(-1).long() for p in parts])
+    values = flat.tolist()
+    out, pos = [], 0
+    for p in parts:
+        out.append(values[pos:pos + p.numel()])
+        pos += p.numel()
+    return out
+
+
 def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor, keep: Optional[torch.Tensor],
              num_experts: int, ep_group: Optional[dist.ProcessGroup],
-             peer_counts: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, DispatchPlan]:
+             peer_counts: Optional[torch.Tensor] = None,
+             read_along: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, DispatchPlan]:
     """Route rows of ``x`` ``[T, d]`` to their experts. Returns the rows this rank's experts
     compute: grouped by local expert, or with expert parallelism in arrival order
     (``plan.segments``).
 
     ``peer_counts``: ``[ep, E]`` kept pairs per expert of every expert-parallel peer (in
     ``ep_group`` rank order) when the caller knows them already; else they are exchanged.
+    ``read_along``: small integer tensor the caller wants on the host too; it rides on the
+    dispatch's single host read and comes back as ``plan.read_along`` (a list of ints).
+
+    Host synchronisation: exactly one read (the row counts the all-to-all and the expert
+    kernels need, plus ``read_along``), none in backward.
     """
     top_k = expert_ids.shape[1]
     flat_e = expert_ids.reshape(-1)
     flat_g = gates.reshape(-1)
-    pair_idx = keep.reshape(-1).nonzero().squeeze(1) if keep is not None else None
-    sel_e = flat_e if pair_idx is None else flat_e[pair_idx]
-    order = torch.argsort(sel_e, stable=True)
-    if pair_idx is not None:
-        order = pair_idx[order]
-    token_idx = torch.div(order, top_k, rounding_mode="floor")
-    routed = x.index_select(0, token_idx)
-    counts = torch.bincount(sel_e, minlength=num_experts)  # kept pairs per expert
+    # dropped pairs get the key E and sort after every expert; kept pairs come out grouped by
+    # expert, in token order within an expert (stable sort of the token-major flattening)
+    key = flat_e if keep is None else torch.where(keep.reshape(-1), flat_e, num_experts)
+    order = torch.argsort(key, stable=True)
+    counts = count_values(key, num_experts + 1)[:num_experts]  # kept pairs per expert
+    extra = [] if read_along is None else [read_along]
     ep = group_size(ep_group)
     if ep == 1:
-        lc = counts.tolist()
-        plan = DispatchPlan(token_idx, flat_g.index_select(0, order), [routed.shape[0]], [routed.shape[0]], lc)
+        lc, *along = read_counts([counts] + extra)
+        order = order[:sum(lc)]
+        token_idx = torch.div(order, top_k, rounding_mode="floor")
+        routed = x.index_select(0, token_idx)
+        plan = DispatchPlan(token_idx, flat_g.index_select(0, order), [routed.shape[0]], [routed.shape[0]], lc,
+                            read_along=along[0] if along else None)
         return routed, plan
     local = num_experts // ep
     send_counts = counts.view(ep, local)
@@ -92,15 +114,20 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor, kee
     else:  # [source peer, my local expert]
         me = dist.get_rank(ep_group)
         recv_counts = peer_counts.to(device=counts.device, dtype=counts.dtype).view(ep, ep, local)[:, me].contiguous()
-    send_splits = send_counts.sum(1).tolist()
-    recv_splits = recv_counts.sum(1).tolist()
+    sent, received_counts, *along = read_counts([send_counts, recv_counts] + extra)
+    send_splits = [sum(sent[r * local:(r + 1) * local]) for r in range(ep)]
+    rc = [received_counts[r * local:(r + 1) * local] for r in range(ep)]
+    recv_splits = [sum(row) for row in rc]
+    order = order[:sum(send_splits)]
+    token_idx = torch.div(order, top_k, rounding_mode="floor")
+    routed = x.index_select(0, token_idx)
     received = all_to_all_rows(routed, recv_splits, send_splits, ep_group)  # [src rank][local expert] order
     # left in arrival order: the experts run each (source, expert) segment where it is (no
     # regrouping copy of every row, and of its gradient, for the loop kernel)
-    rc = recv_counts.tolist()
     segments = [(e, rc[src][e]) for src in range(ep) for e in range(local)]
     plan = DispatchPlan(token_idx, flat_g.index_select(0, order), send_splits, recv_splits,
-                        [sum(rc[src][e] for src in range(ep)) for e in range(local)], segments)
+                        [sum(rc[src][e] for src in range(ep)) for e in range(local)], segments,
+                        read_along=along[0] if along else None)
     return received, plan
 
 

@@ -21,6 +21,15 @@ ACTIVATIONS = ("swiglu", "gelu")
 KERNELS = ("auto", "loop", "bmm", "grouped_mm")
 
 
+def host_ints(values: Sequence[int], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A small tensor of host integers on ``device`` without a host synchronisation: on an
+    accelerator ``torch.tensor(values, device=...)`` copies from pageable memory and waits for the
+    stream, so the values go through pinned memory with a non-blocking copy instead."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
     # torch._grouped_mm's CPU backward rejects 0-stride (expanded) gradients
     if t.requires_grad:
@@ -248,16 +257,17 @@ class GroupedExperts(nn.Module):
         cap = max(counts) if counts else 0
         if cap == 0:
             return x.new_zeros((0, self.d_model))
-        counts_t = torch.tensor(counts, device=x.device)
+        counts_t = host_ints(counts, x.device)
         starts = torch.cumsum(counts_t, 0) - counts_t
-        expert_of_row = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts_t)
+        expert_of_row = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts_t,
+                                                output_size=x.shape[0])  # (a size from the host: no device read)
         slot = expert_of_row * cap + (torch.arange(x.shape[0], device=x.device) - starts[expert_of_row])
         xp = x.new_zeros((len(counts) * cap, self.d_model)).index_copy(0, slot, x).view(len(counts), cap, self.d_model)
         h = self._act(torch.bmm(xp, self.w1), torch.bmm(xp, self.w3) if self.w3 is not None else None)
         return torch.bmm(h, self.w2).view(-1, self.d_model).index_select(0, slot)
 
     def _grouped(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-        offs = torch.cumsum(torch.tensor(counts, device=x.device, dtype=torch.int32), 0, dtype=torch.int32)
+        offs = torch.cumsum(host_ints(counts, x.device, torch.int32), 0, dtype=torch.int32)
         h1 = _contiguous_grad(torch._grouped_mm(x, self.w1, offs=offs))
         h3 = _contiguous_grad(torch._grouped_mm(x, self.w3, offs=offs)) if self.w3 is not None else None
         return _contiguous_grad(torch._grouped_mm(self._act(h1, h3), self.w2, offs=offs))
@@ -309,8 +319,9 @@ class GroupedExperts(nn.Module):
             return self.run_kernel(kernel, x, counts)
         if kernel == "loop":
             return self._loop(x, counts, segments)
-        expert_of_row = torch.repeat_interleave(torch.tensor([e for e, _ in segments], device=x.device),
-                                                torch.tensor([c for _, c in segments], device=x.device))
+        expert_of_row = torch.repeat_interleave(host_ints([e for e, _ in segments], x.device),
+                                                host_ints([c for _, c in segments], x.device),
+                                                output_size=x.shape[0])
         group = torch.argsort(expert_of_row, stable=True)
         ungroup = inverse_permutation(group)
         y = self.run_kernel(kernel, PermuteRows.apply(x, group, ungroup), counts)

@@ -14,10 +14,12 @@ import torch.nn as nn
 from ..dist.collectives import all_gather_tensor, group_rank, group_size, subgroup_rows
 from ..dist.groups import ParallelGroups
 from .capacity import CAPACITY_SCOPES, DROP_POLICIES, expert_capacity, keep_by_position, keep_by_probs
+from .counting import count_values
 from .dispatch import combine, dispatch
 from .experts import GroupedExperts
 from .losses import LOSS_SCOPES, load_balance_share, load_balance_value, z_loss_share
 from .routers import build_router
+from .routers.base import count_nonfinite, nonfinite_logits_error
 from .routing import Routing, RoutingContext
 from .stats import MoEStats
 
@@ -100,7 +102,19 @@ class MoELayer(nn.Module):
     def _capacity_factor(self) -> Optional[float]:
         return self.capacity_factor if self.training else self.eval_capacity_factor
 
+    def _token_layout(self, n_tok: int, device) -> tuple[int, int]:
+        """(this rank's first token in the concatenated global batch, global tokens): one
+        all-gather of the ranks' token counts, read to the host once."""
+        group = self.context.stats_group
+        sizes = all_gather_tensor(torch.full((1,), n_tok, device=device), group).view(-1).tolist()
+        return sum(sizes[: group_rank(group)]), sum(sizes)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Host synchronisation: one read per call, the dispatch's (split sizes and per-expert
+        row counts, with the global count of non-finite router logits riding along); one more
+        for routers with ``needs_token_layout`` (the ranks' token counts), for the ``probs`` drop
+        policy with global capacity on 2+ ranks (the ranks' pair counts), and whatever the router
+        itself reads (Sinkhorn: its stop test). None in backward."""
         if x.shape[-1] != self.d_model:
             raise ValueError(f"MoELayer expects [..., {self.d_model}] input, got {tuple(x.shape)}")
         shape = x.shape
@@ -112,30 +126,33 @@ class MoELayer(nn.Module):
         me = group_rank(stats_group)
 
         if self.router.needs_token_layout:
-            sizes = all_gather_tensor(torch.tensor([n_tok], device=x.device), stats_group).view(-1)
-            ctx.token_offset, ctx.global_tokens = int(sizes[:me].sum()), int(sizes.sum())
+            ctx.token_offset, ctx.global_tokens = self._token_layout(n_tok, x.device)
         routing = self.router(x2, ctx)
         self.last_routing = routing
         E, k = self.num_experts, routing.top_k
         probs = routing.probs
 
-        # one small collective: every rank's [counts, prob sums, z sum, entropy sum, tokens]
+        # one small collective: every rank's [counts, prob sums, z sum, entropy sum, non-finite logits, tokens]
         with torch.no_grad():
-            counts_local = torch.bincount(routing.expert_ids.reshape(-1), minlength=E).double()
+            counts_local = count_values(routing.expert_ids, E).double()
             lse = torch.logsumexp(routing.logits, -1) if routing.logits is not None else None
             entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
+            nonfinite = count_nonfinite(routing.logits if routing.logits is not None else probs)
             row = torch.cat([counts_local, probs.sum(0).double(),
                              (lse.square().sum() if lse is not None else probs.new_zeros(())).double().view(1),
-                             entropy.sum().double().view(1), counts_local.new_tensor([n_tok])])
-            rows = all_gather_tensor(row, stats_group)  # [R, 2E+3]
+                             entropy.sum().double().view(1), nonfinite.double().view(1),
+                             counts_local.new_full((1,), n_tok)])
+            rows = all_gather_tensor(row, stats_group)  # [R, 2E+4]
             tot = rows.sum(0)
             counts_r, psum_r, tokens_r = rows[:, :E], rows[:, E:2 * E], rows[:, -1]
             counts_g, tokens_g = tot[:E], tot[-1]
+            nonfinite_g = tot[2 * E + 2]
 
-        # auxiliary losses: a differentiable share, a global value
+        # auxiliary losses: a differentiable share, a global value (token counts stay on the device)
         if self.loss_scope == "global":
-            aux_share = load_balance_share(probs, counts_g.float(), float(tokens_g), k)
-            z_share = z_loss_share(routing.logits, float(tokens_g)) if routing.logits is not None else probs.new_zeros(())
+            tokens_f = tokens_g.to(probs.dtype)
+            aux_share = load_balance_share(probs, counts_g.float(), tokens_f, k)
+            z_share = z_loss_share(routing.logits, tokens_f) if routing.logits is not None else probs.new_zeros(())
             aux_value = load_balance_value(counts_g, tot[E:2 * E], tokens_g, k)
             z_value = tot[2 * E] / tokens_g.clamp_min(1)
         else:
@@ -146,29 +163,15 @@ class MoELayer(nn.Module):
             z_value = (rows[:, 2 * E] / tokens_r.clamp_min(1)).mean()
         self.aux_loss = self.aux_loss_coef * aux_share + self.z_loss_coef * z_share
 
-        # capacity: which pairs are kept
-        keep, capacity, dropped = None, None, counts_g.new_zeros(())
-        cf = self._capacity_factor()
-        if cf is not None:
-            if self.capacity_scope == "global":
-                capacity = expert_capacity(cf, int(tokens_g), k, E, self.min_capacity)
-                dropped = (counts_g - capacity).clamp_min(0).sum()
-                if self.drop_policy == "position":
-                    start = counts_r[:me].sum(0).long().to(x.device)
-                    keep = keep_by_position(routing.expert_ids, capacity, E, start)
-                else:
-                    keep = keep_by_probs(routing.expert_ids, routing.gates, capacity, E, stats_group)
-            else:
-                capacity = expert_capacity(cf, n_tok, k, E, self.min_capacity)
-                caps = torch.tensor([expert_capacity(cf, int(t), k, E, self.min_capacity) for t in tokens_r.tolist()],
-                                    dtype=counts_r.dtype, device=counts_r.device)
-                dropped = (counts_r - caps[:, None]).clamp_min(0).sum()
-                keep = (keep_by_position(routing.expert_ids, capacity, E) if self.drop_policy == "position"
-                        else keep_by_probs(routing.expert_ids, routing.gates, capacity, E, None))
+        keep, capacity, dropped = self._capacity_keep(routing, counts_g, counts_r, tokens_g, tokens_r, n_tok, me, x.device)
 
         # dropless: every expert-parallel peer's counts are already here (no count exchange)
         peer_counts = subgroup_rows(counts_r, stats_group, self.groups.ep) if keep is None else None
-        routed, plan = dispatch(x2, routing.expert_ids, routing.gates, keep, E, self.groups.ep, peer_counts)
+        routed, plan = dispatch(x2, routing.expert_ids, routing.gates, keep, E, self.groups.ep, peer_counts,
+                                read_along=torch.stack([nonfinite_g, tokens_g]))
+        bad, global_tokens = plan.read_along
+        if bad:  # the same global count on every rank: all raise here, none waits in a collective
+            raise nonfinite_logits_error(f"layer {ctx.layer_idx} router", bad, global_tokens * E)
         y = self.experts(routed, plan.local_counts, plan.segments)
         out = combine(y, plan, n_tok, self.groups.ep)
 
@@ -176,6 +179,29 @@ class MoELayer(nn.Module):
                               aux_loss=aux_value, z_loss=z_value, entropy=tot[2 * E + 1] / tokens_g.clamp_min(1),
                               capacity=capacity, extras=dict(routing.extras))
         return out.to(x.dtype).reshape(shape)
+
+    def _capacity_keep(self, routing: Routing, counts_g, counts_r, tokens_g, tokens_r, n_tok: int, me: int, device):
+        """``(keep [T, k] bool or None, capacity, dropped pairs)``; the capacity is computed on the
+        device (an int64 tensor) from the reduced token counts for the global scope, no host read."""
+        cf = self._capacity_factor()
+        if cf is None:
+            return None, None, counts_g.new_zeros(())
+        E, k = self.num_experts, routing.top_k
+        if self.capacity_scope == "global":
+            capacity = expert_capacity(cf, tokens_g, k, E, self.min_capacity)
+            dropped = (counts_g - capacity).clamp_min(0).sum()
+            if self.drop_policy == "position":
+                start = counts_r[:me].sum(0).long().to(device)
+                keep = keep_by_position(routing.expert_ids, capacity, E, start)
+            else:
+                keep = keep_by_probs(routing.expert_ids, routing.gates, capacity, E, self.context.stats_group)
+            return keep, capacity, dropped
+        capacity = expert_capacity(cf, n_tok, k, E, self.min_capacity)
+        caps = expert_capacity(cf, tokens_r, k, E, self.min_capacity)  # every rank's, on the device
+        dropped = (counts_r - caps[:, None]).clamp_min(0).sum()
+        keep = (keep_by_position(routing.expert_ids, capacity, E) if self.drop_policy == "position"
+                else keep_by_probs(routing.expert_ids, routing.gates, capacity, E, None))
+        return keep, capacity, dropped
 
 
 def moe_layers(model: nn.Module) -> list[MoELayer]:

@@ -17,7 +17,8 @@ def load_balance_share(probs: torch.Tensor, counts: torch.Tensor, tokens: float,
     """``E * sum_e f_e * P_e`` restricted to this rank's probabilities.
 
     counts: ``[E]`` routed pairs per expert over the reduction scope (no gradient);
-    tokens: tokens in that scope; probs: this rank's ``[T, E]`` probabilities (gradient).
+    tokens: tokens in that scope (a float, or a 0-d tensor in ``probs``' dtype that stays on the
+    device); probs: this rank's ``[T, E]`` probabilities (gradient).
     """
     num_experts = probs.shape[-1]
     f = counts.to(probs.dtype) / (tokens * top_k)

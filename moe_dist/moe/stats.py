@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -15,7 +15,8 @@ class MoEStats:
     dropped: pairs dropped by capacity; pairs: all pairs; tokens: tokens routed.
     aux_loss / z_loss: global loss values (identical on every rank).
     entropy: mean over tokens of the entropy of the full routing distribution.
-    capacity: token slots per expert (None: dropless).
+    capacity: token slots per expert (None: dropless; a 0-d int64 tensor on the device for the
+        global capacity scope, an int for the local one).
     extras: router-specific figures.
     """
 
@@ -26,7 +27,7 @@ class MoEStats:
     aux_loss: torch.Tensor
     z_loss: torch.Tensor
     entropy: torch.Tensor
-    capacity: Optional[int] = None
+    capacity: Optional[Union[int, torch.Tensor]] = None
     extras: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -158,6 +158,10 @@ class Trainer:
             ctx.step, ctx.micro_step, ctx.seed = self.step, micro_step, self.cfg.train.seed
 
     def train_step(self) -> dict:
+        """One optimizer step. Host reads of the step itself: the gradient norm (``update``) and
+        the summed losses (one ``tolist`` of a 2-element tensor), once per step; per micro-batch
+        only the MoE layers' own (one per layer forward, see ``MoELayer.forward``). Statistics
+        stay on the device (``MoEStepStats.add``) until a logged step reads them."""
         cfg, dev = self.cfg.train, self.rt.device
         lr = lr_at(self.step, cfg)
         set_lr(self.engine.optimizer, lr)
@@ -183,7 +187,8 @@ class Trainer:
         if self.rt.distributed:
             dist.all_reduce(sums, group=self.rt.groups.dp)
         self.step += 1
-        return {"loss": float(sums[0]) / step_tokens, "aux_loss": float(sums[1]), "lr": lr, "grad_norm": grad_norm}
+        lm_total, aux_total = sums.tolist()  # the step's one read of the losses
+        return {"loss": lm_total / step_tokens, "aux_loss": aux_total, "lr": lr, "grad_norm": grad_norm}
 
     def probe_fluctuation(self) -> dict:
         """Routing fluctuation of a fixed probe set (each rank's first validation batch) since the

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ...dist.collectives import all_reduce_sum
 from ..routing import Routing, RoutingContext, is_recomputing
-from .base import Router, check_finite_logits, default_normalize, fp32_linear, select_topk
+from .base import Router, default_normalize, fp32_linear, select_topk
 from .registry import register_router
 from .token_stats import SCOPES, check_choice, real_token_weights
 
@@ -171,7 +171,6 @@ class AdaptiveClusteringRouter(Router):
         else:
             router_input = x
         logits = fp32_linear(router_input, self.router_weight())
-        check_finite_logits(logits, f"layer {ctx.layer_idx} router")
         probs = torch.softmax(logits, dim=-1)
         expert_ids, gates = select_topk(logits, probs, self.top_k, self.normalize)
         return Routing(expert_ids=expert_ids, gates=gates, probs=probs, logits=logits, extras=extras)

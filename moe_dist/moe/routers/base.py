@@ -56,13 +56,18 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
 
 
-def check_finite_logits(logits: torch.Tensor, where: str) -> None:
-    if not torch.isfinite(logits).all():
-        bad = (~torch.isfinite(logits)).sum().item()
-        raise FloatingPointError(
-            f"{where}: router logits contain {bad} NaN/Inf values (of {logits.numel()}); "
-            "check the learning rate, the input scale or enable bf16 autocast only outside the router"
-        )
+def count_nonfinite(logits: torch.Tensor) -> torch.Tensor:
+    """NaN/Inf entries of the router logits as a 0-d int64 tensor on their device (no host read:
+    the MoE layer reads it with its split sizes and raises :func:`nonfinite_logits_error`)."""
+    return torch.isfinite(logits).logical_not_().sum()
+
+
+def nonfinite_logits_error(where: str, bad: int, total: int) -> FloatingPointError:
+    """The error for ``bad`` NaN/Inf router logits out of ``total`` (host numbers)."""
+    return FloatingPointError(
+        f"{where}: router logits contain {bad} NaN/Inf values (of {total}); "
+        "check the learning rate, the input scale or enable bf16 autocast only outside the router"
+    )
 
 
 def select_topk(scores: torch.Tensor, probs: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,12 @@ no communication; the column step sums ``E`` floats over the group per iteration
 test reads the *reduced* vector, which an all-reduce hands bit-identical to every rank (gloo
 and NCCL compute each reduced element once and broadcast it), so every rank leaves the loop
 at the same iteration, and ``max_iters`` bounds it in any case.
+
+The stop test is the solver's only host read, and it runs every ``check_every`` iterations
+(default 8), not every one: ``ceil(iterations / check_every)`` reads at most per solve, none at
+all when ``max_iters <= check_every``. Between tests the iterations go on, so the solver stops
+at the first multiple of ``check_every`` (or ``max_iters``) at which the marginals are within
+``tol``, a little more converged than a per-iteration test would leave them.
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ class SinkhornResult:
     iterations: torch.Tensor
     error: torch.Tensor
     tokens: torch.Tensor
+    host_reads: int = 0
 
 
 def _column_sums(scores: torch.Tensor, dual: torch.Tensor, row_weight: Optional[torch.Tensor]) -> torch.Tensor:
@@ -45,9 +52,15 @@ def _column_sums(scores: torch.Tensor, dual: torch.Tensor, row_weight: Optional[
     return plan.sum(0)
 
 
+def _stop(error: torch.Tensor, tokens: torch.Tensor, tol: float) -> bool:
+    """The stop test, one host read: converged, or nothing to transport (no tokens in the group)."""
+    err, n = torch.stack([error.double(), tokens.double()]).tolist()
+    return n == 0 or err < tol
+
+
 @torch.no_grad()
 def sinkhorn_dual(scores: torch.Tensor, *, group: Optional[dist.ProcessGroup] = None, max_iters: int = 100,
-                  tol: float = 1e-4, row_weight: Optional[torch.Tensor] = None) -> SinkhornResult:
+                  tol: float = 1e-4, row_weight: Optional[torch.Tensor] = None, check_every: int = 8) -> SinkhornResult:
     """Solve for the expert dual ``g`` of the entropic plan ``softmax(scores + g, -1)``.
 
     scores: ``[N_local, E]`` = cost / xi (detached, converted to fp32 here).
@@ -55,39 +68,47 @@ def sinkhorn_dual(scores: torch.Tensor, *, group: Optional[dist.ProcessGroup] = 
         of the group must call this function for the same layer call.
     tol: relative tolerance on the column marginals, ``max_j |col_j / (N/E) - 1| < tol``.
     row_weight: ``[N_local]`` 0/1 weights (0 = padding: excluded from N and the columns).
+    check_every: test for convergence (a host read) every this many iterations.
     """
     if max_iters < 1:
         raise ValueError(f"sinkhorn max_iters must be >= 1, got {max_iters}")
     if not tol > 0:
         raise ValueError(f"sinkhorn tol must be > 0, got {tol}")
+    if check_every < 1:
+        raise ValueError(f"sinkhorn check_every must be >= 1, got {check_every}")
     scores = scores.detach().float()
     num_experts = scores.shape[1]
     if row_weight is not None:
         row_weight = row_weight.to(device=scores.device, dtype=torch.float32).reshape(-1)
+        local_n = row_weight.sum().view(1)
+    else:
+        local_n = scores.new_full((1,), float(scores.shape[0]))
     dual = scores.new_zeros(num_experts)
-    local_n = scores.new_tensor([float(scores.shape[0]) if row_weight is None else float(row_weight.sum())])
-    target = tokens = None
-    error = scores.new_zeros(())
-    iterations = 0
-    while iterations < max_iters:
+    target = tokens = has_tokens = None
+    iterations = reads = 0
+    while True:
         col = _column_sums(scores, dual, row_weight)
         if tokens is None:  # the global token count rides on the first reduction
             reduced = all_reduce_sum(torch.cat([col, local_n]), group)
             col, tokens = reduced[:-1], reduced[-1]
             target = tokens / num_experts
-            if float(tokens) == 0:
-                break
+            has_tokens = tokens > 0
         else:
             col = all_reduce_sum(col, group)
         iterations += 1
         error = (col / target - 1).abs().max()
-        if float(error) < tol or iterations == max_iters:  # same reduced vector everywhere -> same decision
+        if iterations == max_iters:
             break  # (no update after the last measurement: ``error`` describes the returned dual)
-        dual = dual + (torch.log(target) - torch.log(col.clamp_min(_TINY)))
-    if tokens is None:
-        tokens = scores.new_zeros(())
-    return SinkhornResult(dual=dual, iterations=torch.tensor(iterations, dtype=torch.int64), error=error.detach(),
-                          tokens=tokens.detach())
+        if iterations % check_every == 0:
+            reads += 1
+            if _stop(error, tokens, tol):  # same reduced vector everywhere -> same decision
+                break
+        step = torch.log(target) - torch.log(col.clamp_min(_TINY))
+        dual = dual + torch.where(has_tokens, step, torch.zeros_like(step))  # no tokens: the dual stays 0
+    # an empty group took no step: report 0 iterations and error 0, as if it had stopped at once
+    iters = torch.where(has_tokens, torch.full((), iterations, dtype=torch.int64, device=scores.device), 0)
+    error = torch.where(has_tokens, error, torch.zeros_like(error))
+    return SinkhornResult(dual=dual, iterations=iters, error=error.detach(), tokens=tokens.detach(), host_reads=reads)
 
 
 def transport_plan(scores: torch.Tensor, dual: torch.Tensor) -> torch.Tensor:

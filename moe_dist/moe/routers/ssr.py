@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from ..routing import Routing, RoutingContext, is_recomputing
-from .base import Router, check_finite_logits, default_normalize, fp32_linear, layout_invariant_normal, select_topk
+from .base import Router, default_normalize, fp32_linear, layout_invariant_normal, select_topk
 from .registry import register_router
 from .sinkhorn import sinkhorn_dual, transport_plan
 from .token_stats import SCOPES, check_choice, real_token_weights, shared_uniform
@@ -45,6 +45,7 @@ class SelectiveSinkhornRouter(Router):
         gates use the noisy cost, the softmax gates the clean scores. Drawn for the global
         batch, so it does not depend on the layout.
     max_iters [eta], tol [delta, relative to N/E]: Sinkhorn stopping.
+    check_every: iterations between two stop tests (each test is a host read; default 8).
     scope: ranks whose tokens share one plan: ``global`` (all data-parallel ranks), ``ep``,
         or ``local`` (each rank alone, as Megatron does).
     normalize: renormalise the softmax-branch gates over the chosen k (default: k > 1).
@@ -52,8 +53,8 @@ class SelectiveSinkhornRouter(Router):
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, *, p: float = 1e-3, xi: float = 0.5,
                  cost: str = "logits", gates: str = "plan", noise_alpha: float = 0.0, noise_sigma: float = 1.0,
-                 max_iters: int = 100, tol: float = 1e-4, scope: str = "global", normalize: bool | None = None,
-                 init_std: float = 0.02):
+                 max_iters: int = 100, tol: float = 1e-4, check_every: int = 8, scope: str = "global",
+                 normalize: bool | None = None, init_std: float = 0.02):
         super().__init__(d_model, num_experts, top_k)
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"model.moe.router_options.p must be in [0, 1], got {p}")
@@ -64,12 +65,14 @@ class SelectiveSinkhornRouter(Router):
                              f"got {noise_alpha}, {noise_sigma}")
         if max_iters < 1 or not tol > 0:
             raise ValueError(f"model.moe.router_options.max_iters must be >= 1 and tol > 0, got {max_iters}, {tol}")
+        if not (isinstance(check_every, int) and check_every >= 1):
+            raise ValueError(f"model.moe.router_options.check_every must be an integer >= 1, got {check_every!r}")
         check_choice("cost", cost, COSTS)
         check_choice("gates", gates, GATES)
         check_choice("scope", scope, SCOPES)
         self.p, self.xi, self.cost, self.gate_source = float(p), float(xi), cost, gates
         self.noise_alpha, self.noise_sigma = float(noise_alpha), float(noise_sigma)
-        self.max_iters, self.tol, self.scope = int(max_iters), float(tol), scope
+        self.max_iters, self.tol, self.check_every, self.scope = int(max_iters), float(tol), check_every, scope
         self.normalize = default_normalize(top_k, normalize)
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))
         nn.init.normal_(self.weight, std=init_std)
@@ -92,7 +95,6 @@ class SelectiveSinkhornRouter(Router):
 
     def route(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:
         logits = fp32_linear(x, self.weight)
-        check_finite_logits(logits, f"layer {ctx.layer_idx} router")
         probs = torch.softmax(logits, dim=-1)
         extras = {"sinkhorn_calls": torch.zeros(()), "sinkhorn_calls_total": self.sinkhorn_calls_total.detach().clone()}
         if not self.training:  # inference: deterministic softmax top-k
@@ -109,7 +111,7 @@ class SelectiveSinkhornRouter(Router):
 
         scores = cost.detach() / self.xi
         result = sinkhorn_dual(scores, group=ctx.group_for(self.scope), max_iters=self.max_iters, tol=self.tol,
-                               row_weight=real_token_weights(ctx, x.shape[0], x.device))
+                               row_weight=real_token_weights(ctx, x.shape[0], x.device), check_every=self.check_every)
         self.last_dual = result.dual
         z = scores + result.dual  # log plan + a per-token constant
         if self.gate_source == "plan":  # Prop. 4.1: plan renormalised over the chosen k; no gradient

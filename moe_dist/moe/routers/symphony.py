@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from ...dist.collectives import all_reduce_sum
+from ..counting import count_values
 from ..routing import Routing, RoutingContext, is_recomputing
 from .registry import register_router
 from .wrapping import WrappingRouter, topk_set_changed
@@ -115,10 +116,10 @@ class SymphonyRouter(WrappingRouter):
     def expert_graph(self) -> torch.Tensor:
         """The graph routing uses now (fp32, with bias correction when enabled)."""
         A = self.A.float()
-        if self.bias_correction:
-            t = int(self.n_updates)
-            if t > 0:
-                A = A / (1.0 - self.beta ** t)
+        if self.bias_correction:  # on the device: no host read of the update count
+            t = self.n_updates.to(torch.float64)
+            correction = (1.0 - torch.full_like(t, self.beta).pow(t)).float()
+            A = torch.where(t > 0, A / correction, A)
         return A
 
     def route(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:
@@ -140,10 +141,12 @@ class SymphonyRouter(WrappingRouter):
     @torch.no_grad()
     def _count(self, ids: torch.Tensor, ctx: RoutingContext) -> None:
         E = self.num_experts
-        if ctx.padding_mask is not None:
-            ids = ids[ctx.padding_mask.reshape(-1).to(ids.device, torch.bool)]
-        pairs = (ids[:, :, None] * E + ids[:, None, :]).reshape(-1)
-        counts = torch.bincount(pairs, minlength=E * E).view(E, E)
+        pairs = ids[:, :, None] * E + ids[:, None, :]  # [T, k, k]
+        weights = None
+        if ctx.padding_mask is not None:  # padding tokens count zero (a weight, not a data-dependent selection)
+            real = ctx.padding_mask.reshape(-1).to(ids.device, torch.long)
+            weights = real[:, None, None].expand(pairs.shape)
+        counts = count_values(pairs, E * E, weights).view(E, E)
         self._counts = counts if self._counts is None else self._counts + counts
 
     def pending_counts(self) -> torch.Tensor:

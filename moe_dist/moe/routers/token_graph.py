@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..counting import count_values
 from ..routing import Routing, RoutingContext
 from .base import default_normalize, select_topk
 from .registry import register_router
@@ -423,5 +424,5 @@ class AttentionRouter(TokenGraphRouter):
                 mixed, head, H = self._mix_from_probs(ctx, base, B, S)
             else:
                 mixed, head, H = self._mix_from_scores(ctx, base, B, S)
-        extras = {"selected_heads": torch.bincount(head.detach(), minlength=H)}
+        extras = {"selected_heads": count_values(head.detach(), H)}
         return self.finish(base, mixed.reshape(B * S, -1), extras)

@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..routing import Routing, RoutingContext
-from .base import Router, check_finite_logits, default_normalize, fp32_linear, layout_invariant_normal, select_topk
+from .base import Router, default_normalize, fp32_linear, layout_invariant_normal, select_topk
 from .registry import register_router
 
 
@@ -43,7 +43,6 @@ class TopKRouter(Router):
 
     def route(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:
         logits = self.scores(x)
-        check_finite_logits(logits, f"layer {ctx.layer_idx} router")
         if self.noisy and self.training:
             noise_std = F.softplus(fp32_linear(x, self.noise_weight))
             eps = layout_invariant_normal((self.num_experts,), ctx, x.shape[0], salt=1, device=x.device)
