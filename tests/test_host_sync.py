@@ -187,10 +187,11 @@ def _trainer(tmp, *extra):
 
 
 def step_syncs(trainer):
-    """Host syncs of one ``train_step`` (after a warm-up step), with ``update()`` (gradient norm,
-    optimizer) tagged "update"."""
+    """Host syncs of one ``train_step`` (after a warm-up step), with the engine's ``step()``
+    (gradient norm, optimizer) tagged "update"."""
     trainer.train_step()  # warm-up: first-call work is not the steady state
-    update = trainer.update
+    engine = trainer.engine
+    update = engine.step
     with count_host_syncs() as log:
         def tagged_update():
             log.tag = "update"
@@ -198,11 +199,11 @@ def step_syncs(trainer):
                 return update()
             finally:
                 log.tag = ""
-        trainer.update = tagged_update
+        engine.step = tagged_update
         try:
             trainer.train_step()
         finally:
-            del trainer.update
+            del engine.step
     return log
 
 
@@ -229,7 +230,7 @@ def _old_style_summary(per_micro: list) -> dict:
 
 def test_train_step_reads_no_statistics_per_micro_batch(tmp_path):
     """Per micro-batch only the MoE layers' dispatch reads; per step the summed losses (one read in
-    train_step) and the gradient norm (in update). torch's AdamW (foreach, not capturable) keeps its
+    train_step) and the gradient norm (in the engine's step). torch's AdamW (foreach, not capturable) keeps its
     step counters on the host, so its .item() calls in optimizer.step() read host memory, not the
     device, and are left out. The step's statistics are read by MoEStepStats.summary, once, and
     equal what per-micro-batch host aggregation gave."""
