@@ -50,6 +50,7 @@ def locate(path: str) -> tuple[str, str, str]:
 def load_our_model(path: str, overrides: Iterable[str] = ()):
     """``(model, cfg, weights path)``: the full model on one process, weights loaded."""
     from ..model import build_model
+    from ..model.init import materialize
     from ..train.checkpoint import load_checkpoint
     from ..upcycle.weights import load_model_weights
 
@@ -62,7 +63,8 @@ def load_our_model(path: str, overrides: Iterable[str] = ()):
             raise HFFormatError(f"{config}: model.vocab_size is null and the checkpoint does not record it")
         cfg.model.vocab_size = int(vocab)
     cfg.ckpt.init_from = None  # the weights below replace any initialisation
-    model = build_model(cfg.model, cfg.model.vocab_size, seed=cfg.train.seed)
+    # allocated but not initialised: every tensor is loaded below (the loaders refuse a missing one)
+    model = materialize(build_model(cfg.model, cfg.model.vocab_size, device="meta"), "cpu")
     if kind == "dcp":
         load_checkpoint(model, weights)
     else:

@@ -66,6 +66,7 @@ def consolidate(checkpoint: str, out_dir: str, dtype: str = "auto", force: bool 
                 log: Callable[[str], None] = print) -> dict:
     """Write ``out_dir`` (see the module docstring); returns what convert.json records."""
     from ..model import build_model
+    from ..model.init import materialize
 
     if dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}; allowed: auto, {', '.join(DTYPES)}")
@@ -79,7 +80,8 @@ def consolidate(checkpoint: str, out_dir: str, dtype: str = "auto", force: bool 
                               "to replace it")
     cfg = checkpoint_config(path, meta)
     cfg.ckpt.init_from, cfg.resume = None, "none"  # the written weights replace both
-    model = build_model(cfg.model, cfg.model.vocab_size, seed=cfg.train.seed)
+    # allocated but not initialised: every tensor is loaded below (the loaders refuse a missing one)
+    model = materialize(build_model(cfg.model, cfg.model.vocab_size, device="meta"), "cpu")
     load_checkpoint(model, path)  # verifies the files and that every tensor (every expert) is there
     torch_dtype = DTYPES.get(dtype)
     config = config_to_dict(cfg)
