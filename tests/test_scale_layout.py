@@ -149,6 +149,7 @@ def _gathered_bytes(rank, world, tmp, dtype):
 
 
 def test_bf16_gathers_half_the_bytes_keeps_fp32_masters_and_the_layout_invariance(tmp_path):
+    """bf16 under FSDP2 at 2 ranks (ep=2) and 4 ranks (ep=2, experts sharded over edp=2) against one process."""
     fp32 = run_ranks(_gathered_bytes, 2, args=(str(tmp_path), "fp32"), timeout=240)[0]
     bf16 = run_ranks(_gathered_bytes, 2, args=(str(tmp_path), "bf16"), timeout=240)[0]
     assert fp32["calls"] > 0 and bf16["calls"] > 0  # bf16 has more calls: each router is its own fp32 unit
@@ -164,6 +165,8 @@ def test_bf16_gathers_half_the_bytes_keeps_fp32_masters_and_the_layout_invarianc
     finally:
         one.close()
     torch.testing.assert_close(torch.tensor(bf16["losses"]), torch.tensor(ref), rtol=1e-2, atol=0)
+    four = run_ranks(_gathered_bytes, 4, args=(str(tmp_path), "bf16"), timeout=240)[0]  # ep=2, experts over edp=2
+    torch.testing.assert_close(torch.tensor(four["losses"]), torch.tensor(ref), rtol=1e-2, atol=0)
 
 
 def test_eval_of_an_upcycled_model_directory_at_any_layout(tmp_path):

@@ -43,7 +43,8 @@ def local_rows(t: torch.Tensor) -> LocalRows:
 
     for p in t.placements:
         if not (isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0)):
-            raise NotImplementedError(f"local_rows: placement {t.placements} is not Shard(0)/Replicate")
+            raise RuntimeError(f"local_rows: internal error: placement {t.placements} is neither Shard(0) nor "
+                               "Replicate (nothing in moe_dist shards a tensor otherwise)")
     shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     local = t._local_tensor  # the storage itself (to_local() may return an autograd view)
     if tuple(local.shape) != tuple(shape):  # FSDP2 keeps padded storage only outside the parameter view

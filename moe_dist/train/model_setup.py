@@ -29,16 +29,16 @@ def is_weights_directory(path: str) -> bool:
     return os.path.isdir(path) and has_model_weights(path) and not os.path.exists(os.path.join(path, "meta.json"))
 
 
-def weights_filler(cfg: Config, weights: Optional[str] = None) -> Callable[[nn.Module], None]:
-    """``fill(model)``: load ``weights`` (default ``ckpt.init_from``) rank-locally, or initialise
-    from ``train.seed`` when there are none."""
-    source = weights or cfg.ckpt.init_from
+def weights_filler(cfg: Config, weights: Optional[str]) -> Callable[[nn.Module], None]:
+    """``fill(model)``: load the safetensors directory ``weights`` rank-locally (the trainer passes
+    ``ckpt.init_from``), or, with ``None``, initialise from ``train.seed`` (also before a training
+    checkpoint is loaded over it: frozen routers must agree across ranks when they are checked)."""
 
     def fill(model: nn.Module) -> None:
-        if source:
+        if weights:
             from ..upcycle.weights import load_model_weights
 
-            load_model_weights(model, source)
+            load_model_weights(model, weights)
         else:
             init_weights(model, cfg.train.seed)
 

@@ -98,7 +98,8 @@ class Trainer:
         self.params = count_parameters(self.model)
         self.model.set_activation_checkpointing(cfg.train.activation_checkpointing)
         self.engine = create_engine(cfg, self.rt, log=self.log)  # train.engine: native | deepspeed
-        self.engine.prepare(self.model, fill=weights_filler(cfg))  # split, allocate this rank's part, fill it; optimizer
+        # the engine splits the model, allocates this rank's part, fills it, then builds the optimizer
+        self.engine.prepare(self.model, fill=weights_filler(cfg, cfg.ckpt.init_from))
         self.moe = moe_layers(self.model)
         self.moe_stats = MoEStepStats(self.model)
         self.diagnostics = RoutingDiagnostics()  # load balance, probe-set fluctuation, Symphony graphs
