@@ -24,6 +24,7 @@ through uninitialised.
 from __future__ import annotations
 
 import hashlib
+
 import torch
 import torch.nn as nn
 
@@ -88,7 +89,7 @@ def normal_rows_(t: torch.Tensor, std: float, seed: int) -> None:
 @torch.no_grad()
 def _copy_router(layer: MoELayer, seed: int) -> list[torch.Tensor]:
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(key(seed, "router") % (2**63))
+        torch.manual_seed(key(seed, "router"))
         fresh = layer.fresh_router()
     target = dict(layer.router.named_parameters())
     target.update(layer.router.named_buffers())
