@@ -114,14 +114,14 @@ def baseline_probe(out: str, config: str, overrides: list[str]) -> None:
     import torch.distributed as dist
 
     from moe_dist.config import load_config
-    from moe_dist.train.trainer import _gather_peak_rss, load_data, setup_runtime
+    from moe_dist.train.trainer import gather_peak_rss, load_data, setup_runtime
 
     cfg = load_config(config, overrides)
     rt = setup_runtime(cfg)
     if rt.distributed:
         dist.all_reduce(torch.ones(1024), group=rt.groups.dp)
     load_data(cfg, rt, lambda _msg: None)
-    peaks = _gather_peak_rss(rt)
+    peaks = gather_peak_rss(rt)
     if rt.is_main:
         with open(out, "w", encoding="utf-8") as f:
             json.dump({"peak_rss_bytes": peaks}, f)

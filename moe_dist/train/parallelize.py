@@ -101,15 +101,14 @@ def _fully_shard(model: nn.Module, rt: Runtime, reshard_after_forward: bool, dty
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     policy, fp32 = mixed_precision(dtype), mixed_precision("fp32")
-    experts = set(expert_parameters(model))
+    sharded_experts = shards_experts(rt, "fsdp")
     for layer in moe_layers(model):
         if dtype != "fp32" and any(p.requires_grad for p in layer.router.parameters()):
             fully_shard(layer.router, mesh=rt.dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=fp32)
-        if shards_experts(rt, "fsdp"):
+        if sharded_experts:
             fully_shard(layer.experts, mesh=rt.mesh["edp"], reshard_after_forward=reshard_after_forward,
                         mp_policy=policy)
-    if shards_experts(rt, "fsdp"):
-        experts = set()  # managed by their own units now
+    experts = set() if sharded_experts else set(expert_parameters(model))  # else left out of the dense units
     units = list(getattr(model, "blocks", []))
     for unit in units:
         fully_shard(unit, mesh=rt.dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,

@@ -265,7 +265,7 @@ class Trainer:
         summary = {"steps": self.step, "train_loss": row["loss"], "val_loss": last_val["loss"], "val_ppl": last_val["ppl"],
                    "unigram_loss": baseline["loss"], "unigram_ppl": baseline["ppl"], "val_tokens": last_val["tokens"],
                    "train_seconds": round(wall, 1), "tokens": tokens_seen, "parameters": self.params,
-                   "peak_rss_gib": [round(b / 2**30, 3) for b in _gather_peak_rss(self.rt)]}  # every rank's, in order
+                   "peak_rss_gib": gather_peak_rss_gib(self.rt)}  # every rank's, in order
         self.metrics.close()
         if self.is_main:
             with open(os.path.join(self.run_dir, "summary.json"), "w", encoding="utf-8") as f:
@@ -300,7 +300,7 @@ def train(cfg: Config, rt: Optional[Runtime] = None) -> dict:
         trainer.close()
 
 
-def _gather_peak_rss(rt: Runtime) -> list[int]:
+def gather_peak_rss(rt: Runtime) -> list[int]:
     """Every rank's peak resident memory (bytes), in rank order (collective)."""
     mine = peak_rss_bytes()
     if not rt.distributed:
@@ -308,6 +308,11 @@ def _gather_peak_rss(rt: Runtime) -> list[int]:
     out = [0] * rt.world_size
     dist.all_gather_object(out, mine)
     return out
+
+
+def gather_peak_rss_gib(rt: Runtime) -> list[float]:
+    """:func:`gather_peak_rss` in GiB (3 decimals), as summary.json and eval results report it."""
+    return [round(b / 2**30, 3) for b in gather_peak_rss(rt)]
 
 
 def evaluate_run(cfg: Config, checkpoint: Optional[str] = None, rt: Optional[Runtime] = None,
@@ -340,7 +345,7 @@ def evaluate_run(cfg: Config, checkpoint: Optional[str] = None, rt: Optional[Run
         result = {"checkpoint": path, "step": meta.get("step"), "val_loss": val["loss"], "val_ppl": val["ppl"],
                   "unigram_loss": baseline["loss"], "unigram_ppl": baseline["ppl"], "val_tokens": val["tokens"],
                   "world_size": rt.world_size, "ep": rt.groups.ep_size,
-                  "peak_rss_gib": [round(b / 2**30, 3) for b in _gather_peak_rss(rt)]}
+                  "peak_rss_gib": gather_peak_rss_gib(rt)}
         if rt.is_main:
             if write_json:
                 os.makedirs(cfg.run.dir, exist_ok=True)

@@ -91,24 +91,20 @@ def load_model_weights(model: nn.Module, directory: str) -> dict:
                             "was the config changed after the weights were written?")
     for name in wanted:
         target = state[name]
-        if name in experts:
-            module = experts[name]
-            full = (totals.get(id(module), module.num_experts),) + tuple(target.shape[1:])
-            if ckpt.shape(name) != full:
+        module = experts.get(name)  # expert weights: whole layer on disk, global expert rows
+        if module is not None:
+            expected = (totals.get(id(module), module.num_experts),) + tuple(target.shape[1:])
+            if ckpt.shape(name) != expected:
                 raise HFFormatError(f"{directory}: {name!r} has shape {list(ckpt.shape(name))}, the model expects "
-                                    f"{list(full)} (all experts of the layer)")
-            part = local_rows(target)  # this rank's experts (a share of them when sharded over edp)
-            copy_rows_(target, ckpt.get_rows(name, module.offset + part.start, module.offset + part.stop), start=part.start)
-            ckpt.close()
-            continue
-        if ckpt.shape(name) != tuple(target.shape):
+                                    f"{list(expected)} (all experts of the layer)")
+        elif ckpt.shape(name) != tuple(target.shape):
             raise HFFormatError(f"{directory}: {name!r} has shape {list(ckpt.shape(name))}, the model expects "
                                 f"{list(target.shape)}")
-        part = local_rows(target)
         if target.dim() == 0:
             copy_rows_(target, ckpt.get(name))
-        else:
-            copy_rows_(target, ckpt.get_rows(name, part.start, part.stop), start=part.start)
+        else:  # this rank's rows: its FSDP shard, its experts (a share of them when sharded over edp)
+            part, base = local_rows(target), module.offset if module is not None else 0
+            copy_rows_(target, ckpt.get_rows(name, base + part.start, base + part.stop), start=part.start)
         ckpt.close()  # unmap the file after each tensor: mapped pages read so far count as this process's memory
     ckpt.close()
     return {"loaded": len(wanted)}
