@@ -38,6 +38,7 @@ class Refused:
 @dataclass(frozen=True)
 class MoEArchitecture:
     family: str  # config.json model_type
+    display: str  # the name in messages
     causal_lm: str  # the architectures entry of its causal LM
     experts_key: str  # config key: routed experts per MoE block
     moe_module: str  # the MoE block inside model.layers.{i}
@@ -47,7 +48,7 @@ class MoEArchitecture:
     defaults: dict = field(default_factory=dict)  # values of keys a config.json may omit
     refused: tuple[Refused, ...] = ()
     training_only: tuple[tuple[str, Any], ...] = ()  # (key, neutral value): options that only act in training
-    export_extras: Callable[[Any], dict] = lambda cfg: {}  # family-specific config.json keys of an export
+    export_extras: Callable[[Any, bool], dict] = lambda cfg, normalize: {}  # its own config.json keys of an export
 
     # ---- tensor names ---------------------------------------------------------------------
     def router_name(self, prefix: str, i: int) -> str:
@@ -75,7 +76,9 @@ class MoEArchitecture:
         return {"moe": moe, "qk_norm": self.qk_norm}, notes
 
     # ---- our model -> config.json ---------------------------------------------------------
-    def hf_config(self, cfg, dtype_name: str, max_position_embeddings: int, rope_scaling: Optional[dict]) -> dict:
+    def hf_config(self, cfg, normalize: bool, dtype_name: str, max_position_embeddings: int,
+                  rope_scaling: Optional[dict]) -> dict:
+        """config.json of our model (``normalize``: its routers renormalise the top-k gates)."""
         m = cfg.model
         out = {
             "architectures": [self.causal_lm], "model_type": self.family, "hidden_act": "silu",
@@ -87,28 +90,27 @@ class MoEArchitecture:
             "router_aux_loss_coef": m.moe.aux_loss_coef, "output_router_logits": False, "attention_dropout": 0.0,
             "attention_bias": False, "initializer_range": m.init_std, "use_cache": True, "torch_dtype": dtype_name,
         }
-        out.update(self.export_extras(cfg))
+        out.update(self.export_extras(cfg, normalize))
         return out
 
 
 MIXTRAL = MoEArchitecture(
-    family="mixtral", causal_lm="MixtralForCausalLM", experts_key="num_local_experts", moe_module="block_sparse_moe",
+    family="mixtral", display="Mixtral", causal_lm="MixtralForCausalLM", experts_key="num_local_experts", moe_module="block_sparse_moe",
     expert_linears=("w1", "w3", "w2"), qk_norm="none", normalize=lambda raw: True,
     defaults={"num_experts_per_tok": 2, "router_aux_loss_coef": 0.001},
     training_only=(("router_jitter_noise", 0.0), ("attention_dropout", 0.0)),
-    export_extras=lambda cfg: {"head_dim": cfg.model.d_model // cfg.model.n_heads, "sliding_window": None,
-                               "router_jitter_noise": 0.0},
+    export_extras=lambda cfg, normalize: {"head_dim": cfg.model.d_model // cfg.model.n_heads, "sliding_window": None,
+                                          "router_jitter_noise": 0.0},
 )
 
 OLMOE = MoEArchitecture(
-    family="olmoe", causal_lm="OlmoeForCausalLM", experts_key="num_experts", moe_module="mlp",
+    family="olmoe", display="OLMoE", causal_lm="OlmoeForCausalLM", experts_key="num_experts", moe_module="mlp",
     expert_linears=("gate_proj", "up_proj", "down_proj"), qk_norm="projection",
     normalize=lambda raw: bool(raw.get("norm_topk_prob", False)),
     defaults={"num_experts_per_tok": 8, "router_aux_loss_coef": 0.01},
     refused=(Refused("clip_qkv", None, "clipping of the query, key and value activations"),),
     training_only=(("attention_dropout", 0.0),),
-    export_extras=lambda cfg: {"clip_qkv": None,
-                               "norm_topk_prob": bool(cfg.model.moe.router_options.get("normalize", False))},
+    export_extras=lambda cfg, normalize: {"clip_qkv": None, "norm_topk_prob": normalize},
 )
 
 MOE_ARCHITECTURES: dict[str, MoEArchitecture] = {a.family: a for a in (MIXTRAL, OLMOE)}
