@@ -20,16 +20,16 @@ from .safetensors_io import SafetensorsCheckpoint
 
 
 class HFCheckpoint:
-    """``HFCheckpoint(dir, families, reader)``: config + lazily read weights of a decoder
-    checkpoint whose ``model_type`` is one of ``families`` (``reader`` names the command
-    that reads them, for the error)."""
+    """``HFCheckpoint(dir, families, reader, other)``: config + lazily read weights of a decoder
+    checkpoint whose ``model_type`` is one of ``families`` (for the error: ``reader`` names the
+    command that reads them, ``other`` the one that reads the rest)."""
 
-    def __init__(self, directory: str, families: tuple[str, ...], reader: str):
+    def __init__(self, directory: str, families: tuple[str, ...], reader: str, other: str):
         self.directory = directory
         self.spec: HFModelSpec = hf_model_spec(read_hf_config(directory), where=f"{directory}/config.json")
         if self.spec.family not in families:
             raise HFFormatError(f"{directory}: model_type={self.spec.family!r} cannot be read here; {reader} reads "
-                                f"model_type in {list(families)}")
+                                f"model_type in {list(families)} ({other})")
         self.weights = SafetensorsCheckpoint(directory)
         self.prefix = "model." if "model.embed_tokens.weight" in self.weights else ""
         if f"{self.prefix}embed_tokens.weight" not in self.weights:

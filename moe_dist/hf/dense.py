@@ -18,7 +18,7 @@ class DenseCheckpoint(HFCheckpoint):
     """``DenseCheckpoint(dir)``: config + lazily read weights of a dense decoder checkpoint."""
 
     def __init__(self, directory: str):
-        super().__init__(directory, DENSE_FAMILIES, "upcycling (an MoE checkpoint is read by `moe-dist import`)")
+        super().__init__(directory, DENSE_FAMILIES, "upcycling", "an MoE checkpoint is read by `moe-dist import`")
 
     def ffn(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Block ``i``'s feed-forward weights ``(gate [ff, d], up [ff, d], down [d, ff])``."""

@@ -23,7 +23,7 @@ class MoECheckpoint(HFCheckpoint):
     """``MoECheckpoint(dir)``: config + lazily read weights of a Mixtral / OLMoE checkpoint."""
 
     def __init__(self, directory: str):
-        super().__init__(directory, MOE_FAMILIES, "`moe-dist import` (a dense checkpoint is read by `moe-dist upcycle`)")
+        super().__init__(directory, MOE_FAMILIES, "`moe-dist import`", "a dense checkpoint is read by `moe-dist upcycle`")
         self.arch: MoEArchitecture = MOE_ARCHITECTURES[self.family]
         archs = self.spec.raw.get("architectures")
         if archs and self.arch.causal_lm not in archs:
