@@ -95,8 +95,8 @@ class MoEArchitecture:
 
 
 MIXTRAL = MoEArchitecture(
-    family="mixtral", display="Mixtral", causal_lm="MixtralForCausalLM", experts_key="num_local_experts", moe_module="block_sparse_moe",
-    expert_linears=("w1", "w3", "w2"), qk_norm="none", normalize=lambda raw: True,
+    family="mixtral", display="Mixtral", causal_lm="MixtralForCausalLM", experts_key="num_local_experts",
+    moe_module="block_sparse_moe", expert_linears=("w1", "w3", "w2"), qk_norm="none", normalize=lambda raw: True,
     defaults={"num_experts_per_tok": 2, "router_aux_loss_coef": 0.001},
     training_only=(("router_jitter_noise", 0.0), ("attention_dropout", 0.0)),
     export_extras=lambda cfg, normalize: {"head_dim": cfg.model.d_model // cfg.model.n_heads, "sliding_window": None,

@@ -129,7 +129,8 @@ def import_hf(hf_dir: str, out_dir: str, overrides: Iterable[str] = (), *, base:
     }
     with open(os.path.join(out_dir, "import.json"), "w", encoding="utf-8") as f:
         json.dump(info, f, indent=2)
+    gates = "renormalised" if info["normalize_gates"] else "the softmax probabilities"
     log(f"imported {ckpt.arch.causal_lm} ({hf_dir}) -> {out_dir}: {cfg.model.n_layers} MoE blocks x "
-        f"{info['num_experts']} experts (top-{info['top_k']}, gates {'renormalised' if info['normalize_gates'] else 'as softmax probabilities'}), "
+        f"{info['num_experts']} experts (top-{info['top_k']}, gates {gates}), "
         f"{counts['total']:,} parameters ({counts['active']:,} active), {info['dtype']}, {info['seconds']:.1f}s")
     return info
