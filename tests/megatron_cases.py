@@ -124,6 +124,12 @@ def data(seed: int = 1):
     return x, w
 
 
+def rank_slice(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's sequences of an ``[S, B, ...]`` batch (the ranks hold distinct tokens)."""
+    per = t.shape[1] // world
+    return t[:, rank * per:(rank + 1) * per].contiguous()
+
+
 def run_megatron(layers, x, w, dp_size: int) -> dict:
     """Forward both layers, a Megatron-style backward (the loss is this rank's token mean;
     gradients of replicated parameters are then averaged over the data-parallel ranks, expert
@@ -150,7 +156,7 @@ def run_megatron(layers, x, w, dp_size: int) -> dict:
     with torch.no_grad():
         z1, _ = layers[0](x)
         z2, _ = layers[1](x + z1)
-    return {"y1": y1.detach(), "y2": y2.detach(), "x_grad": x.grad * dp_size, "router_grads": router_grads,
+    return {"y1": y1.detach(), "y2": y2.detach(), "x_grad": x.grad / dp_size, "router_grads": router_grads,
             "expert_grads": experts, "z2": z2, "router_state": [dict(r.router.state_dict()) for r in megatron_routers(layers)]}
 
 

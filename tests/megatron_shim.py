@@ -12,6 +12,8 @@ none of it is needed.
   - the all-to-all dispatcher's ``maybe_move_tensor_to_cpu`` hands numpy arrays (on a GPU,
     copies of device tensors) to ``all_to_all_single``; on a CPU the tensors are returned
     unchanged and gloo refuses tensor split sizes -> Python lists;
+  - ``torch.cuda.synchronize``: distributed checkpointing waits for the device before it
+    writes -> no-op (CPU tensors are ready);
   - ``moe_utils.te_general_gemm`` is referenced but not defined without Transformer Engine
     -> None (the plain matmul path).
 """
@@ -79,6 +81,7 @@ def apply() -> None:
     torch.cuda.current_stream = lambda device=None: _NoStream()
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
     torch.Tensor.record_stream = lambda self, stream: None
+    torch.cuda.synchronize = lambda device=None: None
 
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 

@@ -55,8 +55,7 @@ def _two_ranks(rank, world):
 
     mc.init_megatron(ep=2)
     x, w = mc.data()
-    half = mc.B // world
-    xs, ws = x[:, rank * half:(rank + 1) * half], w[:, rank * half:(rank + 1) * half]
+    xs, ws = mc.rank_slice(x, rank, world), mc.rank_slice(w, rank, world)
     out = {"megatron": {}}
     for router in INVARIANT:
         for disp in DISPATCHERS:
@@ -157,8 +156,7 @@ def _checkpoint_save(rank, world, ckpt_dir):
 
     mc.init_megatron(ep=world)
     x, w = mc.data()
-    half = mc.B // world
-    xs, ws = x[:, rank * half:(rank + 1) * half], w[:, rank * half:(rank + 1) * half]
+    xs, ws = mc.rank_slice(x, rank, world), mc.rank_slice(w, rank, world)
     models = _checkpoint_models(mc)
     for name, layers in models.items():
         ref = mc.reference_layers(*_CKPT_ROUTERS[name])
@@ -177,7 +175,6 @@ def _checkpoint_load(rank, world, ckpt_dir):
 
     mc.init_megatron(ep=world)
     x, _ = mc.data()
-    half = mc.B // world
     models = _checkpoint_models(mc)
     before = {name: _router_states(layers) for name, layers in models.items()}
     state = dist_checkpointing.load(_sharded(models), ckpt_dir)
@@ -187,7 +184,7 @@ def _checkpoint_load(rank, world, ckpt_dir):
             layer.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
     out = {name: _router_states(layers) for name, layers in models.items()}
     out["before"] = before
-    out["y"] = _eval_output(models, x[:, rank * half:(rank + 1) * half])
+    out["y"] = _eval_output(models, mc.rank_slice(x, rank, world))
     mc.finish_megatron()
     return out
 
