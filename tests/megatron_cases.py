@@ -130,7 +130,14 @@ def rank_slice(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return t[:, rank * per:(rank + 1) * per].contiguous()
 
 
-def run_megatron(layers, x, w, dp_size: int) -> dict:
+def padding(seed: int = 2) -> torch.Tensor:
+    """``[B, S]`` bool, True = padding (Megatron's convention): the tail of every other sequence."""
+    pad = torch.zeros(B, S, dtype=torch.bool)
+    pad[::2, S // 2:] = True
+    return pad
+
+
+def run_megatron(layers, x, w, dp_size: int, pad: torch.Tensor | None = None) -> dict:
     """Forward both layers, a Megatron-style backward (the loss is this rank's token mean;
     gradients of replicated parameters are then averaged over the data-parallel ranks, expert
     gradients summed over their replicas and divided by the data-parallel size), the
@@ -140,8 +147,8 @@ def run_megatron(layers, x, w, dp_size: int) -> dict:
     from moe_dist.integrations.megatron import after_optimizer_step, megatron_routers
 
     x = x.clone().requires_grad_()
-    y1, _ = layers[0](x)
-    y2, _ = layers[1](x + y1)
+    y1, _ = layers[0](x, padding_mask=pad)
+    y2, _ = layers[1](x + y1, padding_mask=pad)
     loss = (y2 * w).sum() / (w.shape[0] * w.shape[1])
     loss.backward()
     router_grads = []
@@ -154,18 +161,19 @@ def run_megatron(layers, x, w, dp_size: int) -> dict:
     experts = [{e: v / dp_size for e, v in expert_grads(layer, True).items()} for layer in layers]
     after_optimizer_step(layers)
     with torch.no_grad():
-        z1, _ = layers[0](x)
-        z2, _ = layers[1](x + z1)
+        z1, _ = layers[0](x, padding_mask=pad)
+        z2, _ = layers[1](x + z1, padding_mask=pad)
     return {"y1": y1.detach(), "y2": y2.detach(), "x_grad": x.grad / dp_size, "router_grads": router_grads,
             "expert_grads": experts, "z2": z2, "router_state": [dict(r.router.state_dict()) for r in megatron_routers(layers)]}
 
 
-def run_reference(layers, x, w) -> dict:
+def run_reference(layers, x, w, pad: torch.Tensor | None = None) -> dict:
     """The same computation with moe_dist's own MoELayers on one process (tokens fed in
-    [B, S] order, as moe_dist's model does)."""
+    [B, S] order, as moe_dist's model does; its padding mask is True for real tokens)."""
     xb, wb = x.transpose(0, 1).contiguous().requires_grad_(), w.transpose(0, 1)
     for layer in layers:
         layer.context.batch_shape = (B, S)
+        layer.context.padding_mask = None if pad is None else ~pad
 
     def forward(inp):
         layers[0].context.prev_top1 = None

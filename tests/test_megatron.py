@@ -3,7 +3,8 @@
   - Megatron's MoELayer with our router vs moe_dist's MoELayer with the same weights: outputs,
     input and weight gradients, the router state after the per-step hook and a second forward
     agree to 1e-5, for topk, sinkhorn, ac, symphony and similarity with the allgather and the
-    alltoall dispatchers (two layers in a row: AC clusters layer 2's tokens by layer 1's top-1);
+    alltoall dispatchers (two layers in a row: AC clusters layer 2's tokens by layer 1's top-1),
+    and for ac and sinkhorn with a padding mask (Megatron's True = padding);
   - inside Megatron at 1 vs 2 ranks (ep=2, the batch split over the ranks): the same results,
     while Megatron's own sinkhorn router (local tokens only) differs: the control;
   - Megatron dist-checkpointing save/load keeps the routers' state (also loaded at ep=1).
@@ -45,6 +46,12 @@ def _one_rank(rank, world):
             got = mc.run_megatron(meg, x, w, dp_size=1)
             out["vs_moe_dist"][f"{router}/{disp}"] = _max_diffs(got, mc.run_reference(ref, x, w))
             out["megatron"][f"{router}/{disp}"] = got
+    for router in ("ac", "sinkhorn"):  # routers whose statistics skip padding tokens
+        ref = mc.reference_layers(router, mc.ROUTERS[router])
+        meg = mc.megatron_layers("alltoall", router, mc.ROUTERS[router])
+        mc.copy_weights(ref, meg)
+        got = mc.run_megatron(meg, x, w, dp_size=1, pad=mc.padding())
+        out["vs_moe_dist"][f"{router}/alltoall/padding"] = _max_diffs(got, mc.run_reference(ref, x, w, mc.padding()))
     out["control"] = _control(mc, x, w, dp_size=1)
     mc.finish_megatron()
     return out
@@ -111,7 +118,7 @@ def two_ranks():
 # ---- tests ----------------------------------------------------------------------------------
 def test_megatron_layer_with_our_router_matches_moe_dist_layer(one_rank):
     res = one_rank["vs_moe_dist"]
-    assert len(res) == 10
+    assert len(res) == 12
     for case, diffs in res.items():
         assert diffs["scale"] > 0.1, (case, diffs)  # outputs of order one: the tolerance is meaningful
         for key, value in diffs.items():
