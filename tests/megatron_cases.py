@@ -14,6 +14,7 @@ import megatron_shim
 H, FFN, E, K = 16, 32, 4, 2
 B, S = 4, 6  # batch split over ranks along B (whole sequences per rank)
 AUX, Z = 0.01, 0.001
+CAPACITY = 1.0  # capacity factor of the dropping cases (k * tokens / E slots per expert: some pairs drop)
 ROUTERS = {
     "topk": {},
     "sinkhorn": {},
@@ -36,7 +37,7 @@ def finish_megatron() -> None:
     parallel_state.destroy_model_parallel()
 
 
-def config(dispatcher: str, load_balancing: str = "aux_loss", aux: float = AUX, z=Z):
+def config(dispatcher: str, load_balancing: str = "aux_loss", aux: float = AUX, z=Z, capacity=None):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(num_layers=2, hidden_size=H, num_attention_heads=2, ffn_hidden_size=FFN,
@@ -44,11 +45,12 @@ def config(dispatcher: str, load_balancing: str = "aux_loss", aux: float = AUX, 
                              moe_token_dispatcher_type=dispatcher, moe_router_load_balancing_type=load_balancing,
                              moe_aux_loss_coeff=aux, moe_z_loss_coeff=z, use_cpu_initialization=True,
                              moe_grouped_gemm=False, gated_linear_unit=True, activation_func=F.silu,
-                             add_bias_linear=False, bias_activation_fusion=False, params_dtype=torch.float32)
+                             add_bias_linear=False, bias_activation_fusion=False, params_dtype=torch.float32,
+                             moe_expert_capacity_factor=capacity, moe_token_drop_policy="probs")
 
 
 def megatron_layers(dispatcher: str, router: str | None, options: dict | None = None, load_balancing="aux_loss",
-                    aux: float = AUX, z=Z) -> torch.nn.ModuleList:
+                    aux: float = AUX, z=Z, capacity=None) -> torch.nn.ModuleList:
     """Two Megatron-Core MoE layers; ``router=None`` keeps Megatron's own TopKRouter."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -58,7 +60,7 @@ def megatron_layers(dispatcher: str, router: str | None, options: dict | None = 
     spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)
     if router is not None:
         spec = use_moe_dist_router(spec, router=router, router_options=options)
-    cfg = config(dispatcher, load_balancing, aux, z)
+    cfg = config(dispatcher, load_balancing, aux, z, capacity)
     layers = torch.nn.ModuleList()
     for n in (1, 2):
         layer = MoELayer(cfg, spec.submodules.mlp.submodules, layer_number=n)
@@ -68,14 +70,16 @@ def megatron_layers(dispatcher: str, router: str | None, options: dict | None = 
     return layers
 
 
-def reference_layers(router: str, options: dict) -> torch.nn.ModuleList:
-    """Two moe_dist MoELayers (the single-process reference), seeded."""
+def reference_layers(router: str, options: dict, capacity=None) -> torch.nn.ModuleList:
+    """Two moe_dist MoELayers (the single-process reference), seeded; with a capacity, the
+    global scope and the ``probs`` drop policy."""
     from moe_dist.moe import MoELayer
 
     torch.manual_seed(0)
     layers = torch.nn.ModuleList(
         MoELayer(H, FFN, E, K, router=router, router_options=options, aux_loss_coef=AUX, z_loss_coef=Z,
-                 expert_kernel="loop", layer_idx=i, init_std=0.15) for i in range(2))
+                 expert_kernel="loop", layer_idx=i, init_std=0.15, capacity_factor=capacity,
+                 drop_policy="probs", capacity_scope="global") for i in range(2))
     with torch.no_grad():  # O(1) router scores and outputs, so that an absolute tolerance means something
         for p in layers.parameters():
             if p.requires_grad and p.dim() == 2:
@@ -163,7 +167,9 @@ def run_megatron(layers, x, w, dp_size: int, pad: torch.Tensor | None = None) ->
     with torch.no_grad():
         z1, _ = layers[0](x, padding_mask=pad)
         z2, _ = layers[1](x + z1, padding_mask=pad)
+    dropped = torch.stack([r.stats.dropped.float() for r in megatron_routers(layers)])
     return {"y1": y1.detach(), "y2": y2.detach(), "x_grad": x.grad / dp_size, "router_grads": router_grads,
+            "dropped": dropped,
             "expert_grads": experts, "z2": z2, "router_state": [dict(r.router.state_dict()) for r in megatron_routers(layers)]}
 
 

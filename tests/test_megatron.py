@@ -52,6 +52,13 @@ def _one_rank(rank, world):
         mc.copy_weights(ref, meg)
         got = mc.run_megatron(meg, x, w, dp_size=1, pad=mc.padding())
         out["vs_moe_dist"][f"{router}/alltoall/padding"] = _max_diffs(got, mc.run_reference(ref, x, w, mc.padding()))
+    for disp in DISPATCHERS:  # global capacity, lowest gates dropped first
+        ref = mc.reference_layers("topk", {}, capacity=mc.CAPACITY)
+        meg = mc.megatron_layers(disp, "topk", {}, capacity=mc.CAPACITY)
+        mc.copy_weights(ref, meg)
+        got = mc.run_megatron(meg, x, w, dp_size=1)
+        out["vs_moe_dist"][f"topk/{disp}/capacity"] = _max_diffs(got, mc.run_reference(ref, x, w))
+        out["megatron"][f"topk/{disp}/capacity"] = got
     out["control"] = _control(mc, x, w, dp_size=1)
     mc.finish_megatron()
     return out
@@ -70,6 +77,11 @@ def _two_ranks(rank, world):
             meg = mc.megatron_layers(disp, router, mc.ROUTERS[router])
             mc.copy_weights(ref, meg)
             out["megatron"][f"{router}/{disp}"] = mc.run_megatron(meg, xs, ws, dp_size=world)
+    for disp in DISPATCHERS:
+        ref = mc.reference_layers("topk", {}, capacity=mc.CAPACITY)
+        meg = mc.megatron_layers(disp, "topk", {}, capacity=mc.CAPACITY)
+        mc.copy_weights(ref, meg)
+        out["megatron"][f"topk/{disp}/capacity"] = mc.run_megatron(meg, xs, ws, dp_size=world)
     out["control"] = _control(mc, xs, ws, dp_size=world)
     mc.finish_megatron()
     return out
@@ -118,7 +130,7 @@ def two_ranks():
 # ---- tests ----------------------------------------------------------------------------------
 def test_megatron_layer_with_our_router_matches_moe_dist_layer(one_rank):
     res = one_rank["vs_moe_dist"]
-    assert len(res) == 12
+    assert len(res) == 14
     for case, diffs in res.items():
         assert diffs["scale"] > 0.1, (case, diffs)  # outputs of order one: the tolerance is meaningful
         for key, value in diffs.items():
@@ -131,26 +143,31 @@ def _cat_ranks(per_rank: list, key: str) -> torch.Tensor:
 
 
 def test_one_vs_two_ranks_inside_megatron(one_rank, two_ranks):
-    for router in INVARIANT:
-        for disp in DISPATCHERS:
-            case = f"{router}/{disp}"
-            one = one_rank["megatron"][case]
-            two = [r["megatron"][case] for r in two_ranks]
-            for key in ("y1", "y2", "x_grad", "z2"):
-                err = float((_cat_ranks(two, key) - one[key]).abs().max())
-                assert err <= TOL, f"{case}: {key} differs by {err:.3g} between 1 and 2 ranks"
-            for l in range(2):
-                for r in two:  # averaged over the ranks: the same on both
-                    err = float((r["router_grads"][l] - one["router_grads"][l]).abs().max())
-                    assert err <= TOL, f"{case}: router {l} gradient differs by {err:.3g}"
-                    for name, value in one["router_state"][l].items():
-                        err = float((r["router_state"][l][name].double() - value.double()).abs().max())
-                        assert err <= TOL, f"{case}: router {l} state {name} differs by {err:.3g}"
-                held = {e: g for r in two for e, g in r["expert_grads"][l].items()}
-                assert sorted(held) == sorted(one["expert_grads"][l])  # ep=2: each rank holds half the experts
-                for e, g in held.items():
-                    err = float((g - one["expert_grads"][l][e]).abs().max())
-                    assert err <= TOL, f"{case}: expert {e} of layer {l} gradient differs by {err:.3g}"
+    cases = [f"{router}/{disp}" for router in INVARIANT for disp in DISPATCHERS]
+    cases += [f"topk/{disp}/capacity" for disp in DISPATCHERS]
+    for case in cases:
+        one = one_rank["megatron"][case]
+        two = [r["megatron"][case] for r in two_ranks]
+        for key in ("y1", "y2", "x_grad", "z2"):
+            err = float((_cat_ranks(two, key) - one[key]).abs().max())
+            assert err <= TOL, f"{case}: {key} differs by {err:.3g} between 1 and 2 ranks"
+        for l in range(2):
+            for r in two:  # averaged over the ranks: the same on both
+                err = float((r["router_grads"][l] - one["router_grads"][l]).abs().max())
+                assert err <= TOL, f"{case}: router {l} gradient differs by {err:.3g}"
+                for name, value in one["router_state"][l].items():
+                    err = float((r["router_state"][l][name].double() - value.double()).abs().max())
+                    assert err <= TOL, f"{case}: router {l} state {name} differs by {err:.3g}"
+            held = {e: g for r in two for e, g in r["expert_grads"][l].items()}
+            assert sorted(held) == sorted(one["expert_grads"][l])  # ep=2: each rank holds half the experts
+            for e, g in held.items():
+                err = float((g - one["expert_grads"][l][e]).abs().max())
+                assert err <= TOL, f"{case}: expert {e} of layer {l} gradient differs by {err:.3g}"
+    for disp in DISPATCHERS:  # the capacity cases drop pairs, the same ones at 1 and 2 ranks
+        dropped = one_rank["megatron"][f"topk/{disp}/capacity"]["dropped"]
+        assert (dropped > 0).all()
+        for r in two_ranks:
+            assert torch.equal(r["megatron"][f"topk/{disp}/capacity"]["dropped"], dropped)
     # the control: Megatron-Core's sinkhorn balances each rank's tokens only
     err = float((_cat_ranks([r["control"] for r in two_ranks], "y2") - one_rank["control"]["y2"]).abs().max())
     assert err > 1e-3, f"Megatron's own sinkhorn router gave the same output on 1 and 2 ranks ({err:.3g})"
@@ -264,7 +281,10 @@ def _config(**overrides):
 
 
 @pytest.mark.parametrize("overrides, kwargs, message", [
-    ({"moe_expert_capacity_factor": 1.0}, {}, "moe_expert_capacity_factor=1.0 is not supported"),
+    ({"moe_expert_capacity_factor": 1.0, "moe_token_drop_policy": "position"}, {}, "allowed: ['probs']"),
+    ({"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}, {},
+     "moe_pad_expert_input_to_capacity=True is not supported"),
+    ({}, {"router": "hyper", "router_options": {"k_min": 1, "k_max": 2, "k_schedule_steps": 10}}, "k schedule"),
     ({"moe_router_load_balancing_type": "seq_aux_loss"}, {}, "allowed: ['aux_loss', 'global_aux_loss', 'none']"),
     ({}, {"router": "attention"}, "reads the attention probabilities"),
     ({}, {"router": "nope"}, "allowed: ["),

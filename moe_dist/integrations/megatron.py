@@ -39,6 +39,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("moe_dist.integrations.megatron needs megatron-core: pip install 'moe_dist[megatron]'") from exc
 
 from ..dist.collectives import all_gather_tensor, all_reduce_sum, group_rank, group_size
+from ..moe.capacity import expert_capacity, keep_by_probs
 from ..moe.counting import count_values
 from ..moe.losses import load_balance_share, load_balance_value, z_loss_share
 from ..moe.routers import build_router
@@ -58,8 +59,12 @@ def _check_config(config) -> None:
                          "holding distinct tokens)")
     if not isinstance(config.moe_aux_loss_coeff, (int, float)):
         raise ValueError(f"moe_aux_loss_coeff={config.moe_aux_loss_coeff!r} must be a single number with a moe_dist router")
+    if config.moe_expert_capacity_factor is not None and config.moe_token_drop_policy != "probs":
+        raise ValueError(f"moe_token_drop_policy={config.moe_token_drop_policy!r} is not supported with a moe_dist "
+                         "router; allowed: ['probs'] (first-come order depends on how Megatron lays tokens out "
+                         "over ranks; the lowest gates are dropped first whatever the layout)")
     unsupported = {
-        "moe_expert_capacity_factor": (config.moe_expert_capacity_factor, None),
+        "moe_pad_expert_input_to_capacity": (config.moe_pad_expert_input_to_capacity, False),
         "moe_router_enable_expert_bias": (config.moe_router_enable_expert_bias, False),
         "moe_input_jitter_eps": (config.moe_input_jitter_eps, None),
         "moe_router_force_load_balancing": (config.moe_router_force_load_balancing, False),
@@ -108,6 +113,9 @@ class MegatronRouter(MegatronModule):
         if self.router.needs_attention:
             raise ValueError(f"router={router!r} reads the attention probabilities, which Megatron-Core's MoE layer "
                              "does not receive; choose another router (e.g. 'similarity')")
+        if getattr(self.router, "k_min", self.router.top_k) != getattr(self.router, "k_max", self.router.top_k):
+            raise ValueError(f"router={router!r} with a k schedule (k_min < k_max) is not supported: Megatron's "
+                             "dispatchers size their buffers by moe_router_topk")
         self.sequence_major = isinstance(self.router, TokenGraphRouter)
         if self.sequence_major and (config.context_parallel_size > 1 or config.sequence_parallel):
             raise ValueError(f"router={router!r} mixes tokens within a sequence and needs whole sequences on every "
@@ -184,17 +192,25 @@ class MegatronRouter(MegatronModule):
                              entropy.sum().double().view(1), counts_local.new_full((1,), n_tok)])
             tot = all_reduce_sum(row, self.stats_group)
             counts_g, tokens_g = tot[:E], tot[-1]
+        gates, keep, capacity, dropped = routing.gates, None, None, counts_g.new_zeros(())
+        cf = self.config.moe_expert_capacity_factor
+        if cf is not None:  # global capacity: the pairs one process would drop on the whole batch
+            capacity = expert_capacity(cf, tokens_g, k, E)
+            keep = keep_by_probs(routing.expert_ids, gates, capacity, E, self.stats_group)
+            dropped = (counts_g - capacity).clamp_min(0).sum()
+            gates = gates * keep
         tokens_f = tokens_g.to(probs.dtype)
         aux_share = load_balance_share(probs, counts_g.float(), tokens_f, k)
         z_share = z_loss_share(routing.logits, tokens_f) if routing.logits is not None else probs.new_zeros(())
         aux_value = load_balance_value(counts_g, tot[E:2 * E], tokens_g, k)
         z_value = tot[2 * E] / tokens_g.clamp_min(1)
-        self.stats = MoEStats(expert_counts=counts_g, dropped=counts_g.new_zeros(()), pairs=tokens_g * k,
-                              tokens=tokens_g, aux_loss=aux_value, z_loss=z_value,
-                              entropy=tot[2 * E + 1] / tokens_g.clamp_min(1), extras=dict(routing.extras))
+        self.stats = MoEStats(expert_counts=counts_g, dropped=dropped, pairs=tokens_g * k, tokens=tokens_g,
+                              aux_loss=aux_value, z_loss=z_value, entropy=tot[2 * E + 1] / tokens_g.clamp_min(1),
+                              capacity=capacity, extras=dict(routing.extras))
 
-        out_probs = torch.zeros_like(probs).scatter(1, routing.expert_ids, routing.gates)
-        routing_map = torch.zeros(probs.shape, dtype=torch.bool, device=probs.device).scatter_(1, routing.expert_ids, True)
+        out_probs = torch.zeros_like(probs).scatter(1, routing.expert_ids, gates)
+        routing_map = torch.zeros(probs.shape, dtype=torch.bool, device=probs.device).scatter_(
+            1, routing.expert_ids, True if keep is None else keep)
         if self.training and torch.is_grad_enabled() and (self.aux_loss_coef or self.z_loss_coef):
             aux = self.aux_loss_coef * aux_share + self.z_loss_coef * z_share
             out_probs = MoEAuxLossAutoScaler.apply(out_probs, aux * self._aux_grad_scale(tokens_g))
