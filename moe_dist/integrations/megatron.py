@@ -97,6 +97,9 @@ class MegatronRouter(MegatronModule):
     Loss weights come from the config: ``moe_aux_loss_coeff`` (load balance, with
     ``moe_router_load_balancing_type`` ``aux_loss`` or ``global_aux_loss``: both are reduced
     over the distinct-token ranks here; ``none`` turns it off) and ``moe_z_loss_coeff``.
+    ``moe_expert_capacity_factor`` (drop policy ``probs``) drops the pairs one process would
+    drop on the whole batch: the capacity comes from the global token count and the lowest
+    gates over every rank's pairs go first (one host read of the ranks' pair counts).
 
     Attributes after a forward: ``stats`` (:class:`moe_dist.moe.MoEStats`, global values),
     ``last_routing`` (this rank's :class:`moe_dist.moe.routing.Routing`, tokens in Megatron's
