@@ -174,7 +174,8 @@ def test_one_vs_two_ranks_inside_megatron(one_rank, two_ranks):
 
 
 # ---- distributed checkpointing ------------------------------------------------------------
-def _checkpoint_save(rank, world, ckpt_dir):
+def _checkpoint_save_and_load(rank, world, ckpt_dir):
+    """Train a step, save; then fresh layers in the same processes load it back."""
     import megatron_cases as mc
     from megatron.core import dist_checkpointing
 
@@ -187,18 +188,26 @@ def _checkpoint_save(rank, world, ckpt_dir):
         mc.copy_weights(ref, layers)
         mc.run_megatron(layers, xs, ws, dp_size=world)  # training forward, backward, per-step hook
     dist_checkpointing.save(_sharded(models), ckpt_dir)
-    out = {name: _router_states(layers) for name, layers in models.items()}
-    out["y"] = _eval_output(models, xs)
+    saved = {name: _router_states(layers) for name, layers in models.items()}
+    saved["y"] = _eval_output(models, xs)
+    loaded = _load(mc, rank, world, ckpt_dir)
     mc.finish_megatron()
-    return out
+    return {"saved": saved, "loaded": loaded}
 
 
 def _checkpoint_load(rank, world, ckpt_dir):
     import megatron_cases as mc
-    from megatron.core import dist_checkpointing
 
     mc.init_megatron(ep=world)
-    x, _ = mc.data()
+    out = _load(mc, rank, world, ckpt_dir)
+    mc.finish_megatron()
+    return out
+
+
+def _load(mc, rank, world, ckpt_dir) -> dict:
+    from megatron.core import dist_checkpointing
+
+    torch.manual_seed(123)  # fresh layers, other weights
     models = _checkpoint_models(mc)
     before = {name: _router_states(layers) for name, layers in models.items()}
     state = dist_checkpointing.load(_sharded(models), ckpt_dir)
@@ -208,8 +217,7 @@ def _checkpoint_load(rank, world, ckpt_dir):
             layer.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
     out = {name: _router_states(layers) for name, layers in models.items()}
     out["before"] = before
-    out["y"] = _eval_output(models, mc.rank_slice(x, rank, world))
-    mc.finish_megatron()
+    out["y"] = _eval_output(models, mc.rank_slice(mc.data()[0], rank, world))
     return out
 
 
@@ -248,10 +256,11 @@ def test_dist_checkpointing_keeps_router_state(tmp_path):
 
     ckpt = str(tmp_path / "ckpt")
     os.makedirs(ckpt)
-    saved = run_ranks(_checkpoint_save, 2, args=(ckpt,), timeout=600)
+    both = run_ranks(_checkpoint_save_and_load, 2, args=(ckpt,), timeout=600)
+    saved = [r["saved"] for r in both]
     assert any(name.endswith(".distcp") or name == "metadata.json" for name in os.listdir(ckpt))
-    for world, loaded in ((2, run_ranks(_checkpoint_load, 2, args=(ckpt,), timeout=600)),
-                          (1, run_ranks(_checkpoint_load, 1, args=(ckpt,), timeout=600))):
+    at_one_rank = run_ranks(_checkpoint_load, 1, args=(ckpt,), timeout=600)  # EP 2 -> 1
+    for world, loaded in ((2, [r["loaded"] for r in both]), (1, at_one_rank)):
         for name in _CKPT_ROUTERS:
             for l in range(2):
                 want = saved[0][name][l]
