@@ -217,7 +217,8 @@ class MegatronRouter(MegatronModule):
         if self.training and torch.is_grad_enabled() and (self.aux_loss_coef or self.z_loss_coef):
             aux = self.aux_loss_coef * aux_share + self.z_loss_coef * z_share
             out_probs = MoEAuxLossAutoScaler.apply(out_probs, aux * self._aux_grad_scale(tokens_g))
-            self._log(aux_value, z_value)
+            if not is_recomputing():  # a recomputed forward is not logged twice
+                self._log(aux_value, z_value)
         return out_probs, routing_map
 
     def _aux_grad_scale(self, tokens_g: torch.Tensor):
