@@ -175,7 +175,7 @@ def test_interrupted_run_resumes_from_its_checkpoint(tmp_path):
     path = _study(tmp_path, """
 out: OUT
 base: configs/test.yaml
-overrides: {train.steps: 400, parallel.ep: 1, eval.every: 100, run.tensorboard: false, run.log_every: 1}
+overrides: {train.steps: 200, parallel.ep: 1, eval.every: 100, run.tensorboard: false, run.log_every: 1}
 routers: {topk: {}}
 """)
     run_dir = tmp_path / "out" / "runs" / "topk-s0"
@@ -194,11 +194,11 @@ routers: {topk: {}}
     saved = sorted(os.listdir(run_dir / "checkpoints"))
     assert saved, "the stopped run left no checkpoint"
     stopped_at = int(saved[-1].split("_")[-1])
-    assert 0 < stopped_at < 400
+    assert 0 < stopped_at < 200
     r = _sweep(path)
     assert r.returncode == 0, r.stderr[-3000:]
     log = (run_dir / "sweep.log").read_text()
     assert "resumed from" in log and f"at step {stopped_at}" in log
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [row["step"] for row in rows] == list(range(1, 401))  # each step once: continued, not restarted
-    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 400
+    assert [row["step"] for row in rows] == list(range(1, 201))  # each step once: continued, not restarted
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 200

@@ -5,7 +5,8 @@ val_curve.png        validation perplexity over training, mean over seeds per ro
 fluctuation.png      routing fluctuation (top-1 changes of the probe set) over training
 load_balance.png     load CV, max-load ratio and dead experts per router
 throughput.png       tokens/s and training time relative to the reference router, paired by seed
-eval_k.png           validation perplexity against the inference k (routers that have one)
+eval_k.png           validation perplexity against the inference k (routers that have one), and the
+                     paired difference of each declared comparison (compare_to) at each k
 """
 from __future__ import annotations
 
@@ -100,7 +101,9 @@ def write_figures(study: Study, records: list[dict], agg: dict, directory: str) 
             plt.close(fig)
             continue
         if name == "val_curve.png":
-            ax.set_yscale("log")
+            values = [v for line in ax.get_lines() for v in line.get_ydata()]
+            if max(values) > 3 * min(values):
+                ax.set_yscale("log")
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(ylabel)
         ax.set_title(title, fontsize=10)
@@ -128,8 +131,10 @@ def write_figures(study: Study, records: list[dict], agg: dict, directory: str) 
     out.append(_save(fig, os.path.join(directory, "throughput.png")))
 
     with_k = [(label, r) for label, r in zip(labels, rows) if r["eval_k"]]
+    pairs = [c for c in agg["comparisons"] if c["declared"] and c["eval_k"]]
     if with_k:
-        fig, ax = plt.subplots(figsize=(6, 4.5))
+        fig, axes = plt.subplots(1, 2 if pairs else 1, figsize=(11 if pairs else 6, 4.5), squeeze=False)
+        ax = axes[0, 0]
         for label, r in with_k:
             ks = sorted(r["eval_k"], key=int)
             means = [r["eval_k"][k]["mean"] for k in ks]
@@ -148,5 +153,22 @@ def write_figures(study: Study, records: list[dict], agg: dict, directory: str) 
         ax.set_title("Perplexity at inference k (mean ± std over seeds)", fontsize=10)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
+        if pairs:  # the paired difference: what seeds share (data order, initial weights) cancels
+            ax = axes[0, 1]
+            for c in pairs:
+                ks = sorted(c["eval_k"], key=int)
+                diffs = [c["eval_k"][k]["diff"] for k in ks]
+                ax.errorbar([int(k) for k in ks], [d["mean"] for d in diffs], yerr=[d["std"] or 0 for d in diffs],
+                            marker="o", capsize=3, label=f"{c['router']} − {c['against']}")
+            ax.axhline(0, color="gray", lw=1, ls="--")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(sorted({int(k) for c in pairs for k in c["eval_k"]}))
+            ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.set_xlabel("experts per token at inference (k)")
+            ax.set_ylabel("Δ validation perplexity")
+            ax.set_title("Paired by seed (mean ± std); below 0: router better", fontsize=10)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
         out.append(_save(fig, os.path.join(directory, "eval_k.png")))
     return out
