@@ -1,5 +1,6 @@
 """`moe-dist sweep`: the study file, the grid, the report's arithmetic, and real sweeps of real
-training runs (report and figures written, finished runs skipped, an interrupted run resumed)."""
+training runs (report and figures written, finished runs skipped, a crashed and an interrupted run
+resumed from their checkpoints)."""
 import json
 import os
 import signal
@@ -170,35 +171,60 @@ def test_sweep_smoke_report_figures_and_skip(tmp_path):
     assert bad.returncode == 2 and "was started with other settings" in bad.stderr
 
 
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def _wait_for(predicate, proc, timeout=300.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
 @pytest.mark.slow
-def test_interrupted_run_resumes_from_its_checkpoint(tmp_path):
+def test_crashed_and_interrupted_runs_resume_from_their_checkpoints(tmp_path):
     path = _study(tmp_path, """
 out: OUT
 base: configs/test.yaml
-overrides: {train.steps: 200, parallel.ep: 1, eval.every: 100, run.tensorboard: false, run.log_every: 1}
+overrides: {train.steps: 200, parallel.ep: 1, eval.every: 100, ckpt.every: 50, run.tensorboard: false}
 routers: {topk: {}}
 """)
     run_dir = tmp_path / "out" / "runs" / "topk-s0"
-    proc = subprocess.Popen([sys.executable, "-m", "moe_dist.cli", "sweep", "--config", path], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.05)
+    metrics, checkpoints = run_dir / "metrics.jsonl", run_dir / "checkpoints"
+
+    def sweep():
+        return subprocess.Popen([sys.executable, "-m", "moe_dist.cli", "sweep", "--config", path], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def rows():
+        return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
+
+    # 1. the training process dies (SIGKILL) after its step-50 checkpoint: the run is reported failed
+    proc = sweep()
+    assert _wait_for(lambda: (checkpoints / "step_000050").is_dir(), proc)
+    for child in _children(proc.pid):
+        os.kill(child, signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1 and "FAILED topk-s0" in err, out[-2000:] + err[-2000:]
+    assert not (run_dir / "summary.json").exists()
+    # 2. the next sweep resumes it from step 50; stopping that sweep (SIGTERM) checkpoints the run where it is
+    proc = sweep()
+    assert _wait_for(lambda: len(rows()) >= 50 + 3 and rows()[-1]["step"] > 52, proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, out[-2000:] + err[-2000:]
     assert "interrupted" in err and not (run_dir / "summary.json").exists()
-    saved = sorted(os.listdir(run_dir / "checkpoints"))
-    assert saved, "the stopped run left no checkpoint"
-    stopped_at = int(saved[-1].split("_")[-1])
-    assert 0 < stopped_at < 200
+    stopped_at = int(sorted(os.listdir(checkpoints))[-1].split("_")[-1])
+    assert 52 < stopped_at < 200
+    # 3. and the third finishes it, from there
     r = _sweep(path)
     assert r.returncode == 0, r.stderr[-3000:]
     log = (run_dir / "sweep.log").read_text()
-    assert "resumed from" in log and f"at step {stopped_at}" in log
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [row["step"] for row in rows] == list(range(1, 201))  # each step once: continued, not restarted
+    assert "step_000050 at step 50 (" in log, log[-3000:]
+    assert f"at step {stopped_at} (" in log
+    assert [row["step"] for row in rows()] == list(range(1, 201))  # each step once: continued, not restarted
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 200
