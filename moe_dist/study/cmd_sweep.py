@@ -97,7 +97,7 @@ def run(args) -> int:
         from .execute import Progress, execute
 
         _prepare_data(configs, log=lambda msg: print(msg, flush=True))
-        progress = Progress(total=len(study.runs), done=len(todo.finished))
+        progress = Progress(total=len(study.runs), done=len(todo.finished), runs_at_once=study.runs_at_once)
         try:
             ended = execute(study, todo.todo, progress)
         except KeyboardInterrupt:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -153,8 +155,9 @@ def _last_step(run_dir: str) -> int:
 class Progress:
     """One status line: rewritten in place on a terminal, printed on changes (and every minute) otherwise."""
 
-    def __init__(self, total: int, done: int, stream: TextIO = sys.stderr):
-        self.total, self.done, self.failed = total, done, 0
+    def __init__(self, total: int, done: int, runs_at_once: int = 1, stream: TextIO = sys.stderr):
+        self.total, self.done, self.failed, self.runs_at_once = total, done, 0, runs_at_once
+        self.durations: list[float] = []  # of the runs this invocation finished
         self.stream, self.tty = stream, stream.isatty()
         self.t0 = time.monotonic()
         self._last_print, self._last_key = 0.0, None
@@ -168,11 +171,15 @@ class Progress:
     def update(self, running: list[Job]) -> None:
         elapsed = time.monotonic() - self.t0
         parts = [f"{j.run.name} {j.stage}" for j in running]
+        eta = ""
+        if self.durations:  # the remaining runs at the mean duration so far, runs_at_once at a time
+            left = (self.total - self.done - self.failed) * statistics.fmean(self.durations) / self.runs_at_once
+            eta = f", about {_minutes(left)} left"
         text = (f"[sweep] {self.done}/{self.total} done" + (f", {self.failed} failed" if self.failed else "")
                 + f", {len(running)} running" + (f": {', '.join(parts)}" if parts else "")
-                + f"  [{int(elapsed // 60)}m{int(elapsed % 60):02d}s]")
+                + f"  [{_minutes(elapsed)}{eta}]")
         if self.tty:
-            width = 160
+            width = max(40, shutil.get_terminal_size().columns - 1)
             self.stream.write("\r\033[K" + text[:width])
             self.stream.flush()
         else:  # a log file: on a change of the running set, and once a minute
@@ -186,6 +193,10 @@ class Progress:
         if self.tty:
             self.stream.write("\n")
             self.stream.flush()
+
+
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
 
 
 def _start(job: Job, study: Study) -> None:
@@ -246,6 +257,7 @@ def execute(study: Study, todo: list[Job], progress: Progress,
                 ended.append(job)
                 if job.status == "done":
                     progress.done += 1
+                    progress.durations.append(time.monotonic() - job.started)
                     progress.event(f"done  {job.run.name} in {time.monotonic() - job.started:.0f}s")
                 else:
                     progress.failed += 1
