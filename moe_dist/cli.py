@@ -30,6 +30,7 @@ COMMANDS: dict[str, str] = {
     "import": "moe_dist.hf.cmd_import",
     "export": "moe_dist.hf.cmd_export",
     "plan": "moe_dist.plan.cmd_plan",
+    "sweep": "moe_dist.study.cmd_sweep",
 }
 
 
