@@ -7,10 +7,30 @@ parallel group of a rank is the strided set of ranks that hold the same experts
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch.distributed as dist
+
+# the timeout every group is created with (parallel.timeout_s; set by init_distributed), so that a
+# collective on any group, not only the default one, gives up after it instead of torch's 30 minutes
+_timeout: Optional[datetime.timedelta] = None
+
+
+def set_group_timeout(seconds: Optional[float]) -> None:
+    """The timeout of the groups created from now on by :func:`new_group` (None = torch's default)."""
+    global _timeout
+    _timeout = None if seconds is None else datetime.timedelta(seconds=seconds)
+
+
+def group_timeout() -> Optional[datetime.timedelta]:
+    return _timeout
+
+
+def new_group(ranks: Optional[Sequence[int]] = None, backend: Optional[str] = None) -> dist.ProcessGroup:
+    """``dist.new_group`` with the configured timeout (collective: every rank calls it)."""
+    return dist.new_group(None if ranks is None else list(ranks), timeout=_timeout, backend=backend)
 
 
 @dataclass
@@ -44,11 +64,11 @@ def build_parallel_groups(ep_size: int, num_experts: Optional[int] = None) -> Pa
         raise ValueError(f"parallel.ep={ep_size} must divide model.moe.num_experts={num_experts}")
     ep_group = edp_group = None
     for start in range(0, world, ep_size):  # every rank must create every group, in the same order
-        g = dist.new_group(list(range(start, start + ep_size)))
+        g = new_group(range(start, start + ep_size))
         if start <= rank < start + ep_size:
             ep_group = g
     for off in range(ep_size):
-        g = dist.new_group(list(range(off, world, ep_size)))
+        g = new_group(range(off, world, ep_size))
         if rank % ep_size == off:
             edp_group = g
     return ParallelGroups(

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
+from ...dist.groups import new_group
 from .collective import agree, all_gather, collectively, distributed, quiet_single_process
 from .files import (FORMAT, FORMAT_VERSION, MARKER, META, CheckpointError, SafeFileSystemReader, check_files,
                     corrupted_error, data_files, file_record, partial_dir, prune, publish, read_manifest, shard,
@@ -63,7 +64,7 @@ class Checkpointer:
         # is not gloo, and always for async saves (their collectives run in a background thread)
         self.group = None
         if distributed() and (async_save or dist.get_backend() != "gloo"):
-            self.group = dist.new_group(backend="gloo")
+            self.group = new_group(backend="gloo")
         self._thread: Optional[threading.Thread] = None
         self._pending: Optional[tuple[int, str]] = None  # (step, final path) of the save in flight
         self._error: Optional[BaseException] = None
