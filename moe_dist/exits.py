@@ -33,6 +33,13 @@ REPORT_DIR_ENV = "MOE_DIST_REPORT_DIR"
 KINDS = {EXIT_OK: "ok", EXIT_USAGE: "usage", EXIT_PREEMPTED: "preempted", EXIT_INTERRUPTED: "interrupted"}
 
 
+class JobStopped(Exception):
+    """The run ended for a reason it states in one line (no traceback): training that diverged,
+    a checkpoint that cannot be written. ``exit_code`` is the process's."""
+
+    exit_code = EXIT_FAILED
+
+
 def process_rank() -> int:
     """This process's rank as its launcher set it (0 without one)."""
     for var in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK"):
@@ -87,6 +94,11 @@ def run_process(command: str, fn: Callable[[], int]) -> int:
         code = e.code if isinstance(e.code, int) else (EXIT_OK if e.code is None else EXIT_FAILED)
         kind = KINDS.get(code, "error")
         raise
+    except JobStopped as e:
+        code, kind, line = e.exit_code, "stopped", f"moe-dist {command}: {e}"
+        if not report_dir and rank == 0:
+            print(line, file=sys.stderr, flush=True)
+        return code
     except KeyboardInterrupt:
         code, kind = EXIT_INTERRUPTED, "interrupted"
         line = f"moe-dist {command}: interrupted"

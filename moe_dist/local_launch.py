@@ -159,6 +159,10 @@ class LocalJob:
             self._say(f"{prefix}: interrupted (Ctrl-C): stopped {self.nproc} process(es); resume=auto continues from "
                       "the last complete checkpoint")
             return EXIT_INTERRUPTED
+        stopped = [r for r, k in enumerate(kinds) if k == "stopped"]
+        if stopped:  # a stated reason (every rank has it): one line
+            self._say(reports[stopped[0]]["line"])
+            return codes[stopped[0]] if codes[stopped[0]] > 0 else EXIT_FAILED
         errors = [r for r, k in enumerate(kinds) if k == "error"]
         if errors:  # an internal error: its traceback, from the rank where it happened
             rank = errors[0]
