@@ -105,7 +105,8 @@ def run_process(command: str, fn: Callable[[], int]) -> int:
         if not report_dir and rank == 0:
             print(line, file=sys.stderr, flush=True)
         return code
-    except Exception as e:  # noqa: BLE001 - reported, then the process ends with EXIT_FAILED
+    except BaseException as e:  # noqa: BLE001 - reported, then the process ends with EXIT_FAILED (DCP raises
+        # CheckpointException, a BaseException)
         trace = traceback.format_exc()
         found = _collective_failure(e, rank, command)
         if found:

@@ -376,7 +376,12 @@ class Trainer:
         try:
             self.checkpoints.wait()  # an async save in flight
             self.preemption.restore()
-            self.metrics.close()
+            try:
+                self.metrics.close()
+            except OSError as e:
+                if sys.exc_info()[0] is None:
+                    raise
+                self.log(f"metrics: could not finish writing metrics.jsonl: {e}")  # the error in flight matters more
             if self._owns_runtime:
                 shutdown(self.rt)
         finally:
