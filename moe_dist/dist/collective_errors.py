@@ -29,14 +29,27 @@ class FailedCollective:
     timed_out: bool  # the backend gave up waiting (rather than losing a connection)
     peer_lost: bool  # a peer closed its connection (it exited or was killed)
 
+    group: str = ""  # the group's name (ep, edp, world, checkpoint) when known
+
     def describe(self, timeout_s: Optional[float] = None) -> str:
         ranks = "ranks " + ", ".join(map(str, self.ranks)) if self.ranks else "its group"
+        if self.group:
+            ranks = f"the {self.group} group ({ranks})"
         where = f" (called from {self.caller})" if self.caller else ""
         if self.timed_out:
             limit = f" within parallel.timeout_s={timeout_s:g} s" if timeout_s else " within parallel.timeout_s"
             return (f"the collective {self.name} over {ranks} did not complete{limit}{where}: a rank of that group "
                     "stopped, hung or died; the job was stopped (resume=auto continues from the last checkpoint)")
         return f"the collective {self.name} over {ranks} failed{where}: another rank went away"
+
+
+def _group(group) -> tuple[str, Optional[list[int]]]:
+    from .groups import describe_group
+
+    known = describe_group(group)
+    if known:
+        return known
+    return "", _group_ranks(group)
 
 
 def _group_ranks(group) -> Optional[list[int]]:
@@ -72,5 +85,6 @@ def failed_collective(exc: BaseException) -> Optional[FailedCollective]:
         caller = f"moe_dist/{short}:{ours[-1].f_lineno} in {ours[-1].f_code.co_name}"
     message = str(exc)
     timed_out = bool(_TIMEOUT.search(message))
-    return FailedCollective(name=frame.f_code.co_name, ranks=_group_ranks(frame.f_locals.get("group")), caller=caller,
-                            timed_out=timed_out, peer_lost=bool(_PEER_LOST.search(message)) and not timed_out)
+    name, ranks = _group(frame.f_locals.get("group"))
+    return FailedCollective(name=frame.f_code.co_name, ranks=ranks, caller=caller, timed_out=timed_out,
+                            peer_lost=bool(_PEER_LOST.search(message)) and not timed_out, group=name)

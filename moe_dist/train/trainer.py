@@ -240,28 +240,30 @@ class Trainer:
             row["skipped"] = True
         return row
 
-    def check_finite(self, row: dict) -> None:
-        """Count a skipped step; stop after ``train.max_nonfinite_steps`` of them in a row. An engine
-        that cannot skip (DeepSpeed) stops at the first non-finite step, before anything is saved."""
+    def check_finite(self, row: dict) -> Optional[TrainingDiverged]:
+        """Count a skipped step; after ``train.max_nonfinite_steps`` of them in a row, the error that
+        stops training (raised once the step's metrics row is written). An engine that cannot skip
+        (DeepSpeed) stops at the first non-finite step, before anything is saved."""
         finite = math.isfinite(row["loss"]) and math.isfinite(row["aux_loss"]) and math.isfinite(row["grad_norm"])
         if finite:
             self.nonfinite_in_a_row = 0
-            return
+            return None
         limit = self.cfg.train.max_nonfinite_steps
         if not row.get("skipped"):
-            raise TrainingDiverged(f"step {self.step}: loss {row['loss']}, gradient norm {row['grad_norm']} are not "
-                                   f"finite and train.engine={self.cfg.train.engine} cannot skip the update; stopped "
-                                   "before saving (lower train.lr; resume=auto continues from the last checkpoint)")
+            return TrainingDiverged(f"step {self.step}: loss {row['loss']}, gradient norm {row['grad_norm']} are not "
+                                    f"finite and train.engine={self.cfg.train.engine} cannot skip the update; stopped "
+                                    "before saving (lower train.lr; resume=auto continues from the last checkpoint)")
         self.nonfinite_in_a_row += 1
         self.skipped_steps += 1
         self.log(f"step {self.step}: loss {row['loss']:.4g}, gradient norm {row['grad_norm']:.4g}: not finite, the "
                  f"update was skipped ({self.nonfinite_in_a_row} in a row, train.max_nonfinite_steps={limit})")
-        if self.nonfinite_in_a_row >= limit:
-            first = self.step - self.nonfinite_in_a_row + 1
-            raise TrainingDiverged(f"training diverged: steps {first}..{self.step} had a non-finite loss or gradient "
-                                   f"norm ({limit} in a row = train.max_nonfinite_steps), none was applied; the last "
-                                   f"applied step is {first - 1}. Lower train.lr (or raise train.warmup_steps) and "
-                                   "resume=auto continues from the last checkpoint")
+        if self.nonfinite_in_a_row < limit:
+            return None
+        first = self.step - self.nonfinite_in_a_row + 1
+        return TrainingDiverged(f"training diverged: steps {first}..{self.step} had a non-finite loss or gradient "
+                                f"norm ({limit} in a row = train.max_nonfinite_steps), none was applied; the last "
+                                f"applied step is {first - 1}. Lower train.lr (or raise train.warmup_steps) and "
+                                "resume=auto continues from the last checkpoint")
 
     def probe_fluctuation(self) -> dict:
         """Routing fluctuation of a fixed probe set (each rank's first validation batch) since the
@@ -321,7 +323,7 @@ class Trainer:
                 dt = time.perf_counter() - t0
                 step_tokens = cfg.train.global_batch * cfg.train.seq_len
                 tokens_seen += step_tokens
-                self.check_finite(row)
+                diverged = self.check_finite(row)
                 row = {"step": self.step, **row, "tokens_per_s": step_tokens / dt, "tokens": tokens_seen,
                        "epoch": round(self.sampler.epoch, 4), "elapsed_s": round(time.perf_counter() - t_start, 2),
                        "skipped_steps": self.skipped_steps}
@@ -337,6 +339,8 @@ class Trainer:
                     for layer, figs in self.diagnostics.update(self.step, row["moe"]).items():
                         row["moe"][layer].update({k: v for k, v in figs.items() if k != "load"}, **fluct.get(layer, {}))
                     self.metrics.log(row)
+                if diverged:
+                    raise diverged
                 if self._bar is not None:
                     self._bar.update(1)
                     self._bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)

@@ -112,7 +112,7 @@ class Checkpointer:
         # is not gloo, and always for async saves (their collectives run in a background thread)
         self.group = None
         if distributed() and (async_save or dist.get_backend() != "gloo"):
-            self.group = new_group(backend="gloo")
+            self.group = new_group(backend="gloo", name="checkpoint")
         self._thread: Optional[threading.Thread] = None
         self._pending: Optional[tuple[int, str]] = None  # (step, final path) of the save in flight
         self._error: Optional[BaseException] = None
