@@ -14,7 +14,9 @@ Under ``moe-dist --nproc N`` (:mod:`moe_dist.local_launch`) every rank writes wh
 ``$MOE_DIST_REPORT_DIR/rank_<r>.json`` instead of printing tracebacks, and the launcher shows the
 one that explains the failure; elsewhere (torchrun, srun, mpirun, one process) a rank prints
 its own: a traceback for an internal error, one line for a timed-out collective, a lost peer or
-an interruption.
+an interruption. The launch scripts set ``MOE_DIST_STATUS_DIR``: ranks print as usual and
+also report, and ``python -m moe_dist.exits DIR RC`` turns the launcher's exit status (torchrun
+says 1 for any failure, MPICH ORs the ranks' codes) back into the job's.
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: checkpoint saved, please requeue
 EXIT_INTERRUPTED = 130
-REPORT_DIR_ENV = "MOE_DIST_REPORT_DIR"
+REPORT_DIR_ENV = "MOE_DIST_REPORT_DIR"  # report instead of printing (moe-dist --nproc)
+STATUS_DIR_ENV = "MOE_DIST_STATUS_DIR"  # report and print as usual (the launch scripts: torchrun, mpirun)
 KINDS = {EXIT_OK: "ok", EXIT_USAGE: "usage", EXIT_PREEMPTED: "preempted", EXIT_INTERRUPTED: "interrupted"}
 
 
@@ -85,6 +88,7 @@ def run_process(command: str, fn: Callable[[], int]) -> int:
     """Run one process's command ``fn`` and return its exit code (``SystemExit`` passes through
     with its code). Reports to the local launcher when ``MOE_DIST_REPORT_DIR`` is set."""
     report_dir, rank = os.environ.get(REPORT_DIR_ENV), process_rank()
+    status_dir = report_dir or os.environ.get(STATUS_DIR_ENV)
     code, kind, line, trace = EXIT_FAILED, "error", "", ""
     try:
         code = int(fn() or 0)
@@ -115,6 +119,29 @@ def run_process(command: str, fn: Callable[[], int]) -> int:
             print(line or trace.rstrip(), file=sys.stderr, flush=True)
         return EXIT_FAILED
     finally:
-        if report_dir:
-            write_report(report_dir, rank, {"rank": rank, "pid": os.getpid(), "code": code, "kind": kind,
+        if status_dir:
+            write_report(status_dir, rank, {"rank": rank, "pid": os.getpid(), "code": code, "kind": kind,
                                             "line": line, "traceback": trace})
+
+
+def job_exit_code(codes: list[int], launcher_rc: int) -> int:
+    """The job's exit code from its ranks' codes: 2 if a rank had a user error, 75 if the ranks that
+    ended on their own were stopped for preemption, else the launcher's own status."""
+    if EXIT_USAGE in codes:
+        return EXIT_USAGE
+    if codes and EXIT_PREEMPTED in codes and all(c in (EXIT_OK, EXIT_PREEMPTED) for c in codes):
+        return EXIT_PREEMPTED
+    return launcher_rc
+
+
+def main(argv: list[str]) -> int:
+    """``python -m moe_dist.exits DIR RC``: print the job's exit code from the reports in DIR."""
+    directory, rc = argv[0], int(argv[1])
+    names = sorted(n for n in os.listdir(directory) if n.startswith("rank_") and n.endswith(".json"))
+    codes = [r["code"] for r in (read_report(directory, int(n[5:-5])) for n in names) if r]
+    print(job_exit_code(codes, rc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

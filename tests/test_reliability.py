@@ -250,3 +250,31 @@ def test_a_full_disk_is_one_line_and_resume_auto_recovers(tmp_path):
         assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")][-1] == 6
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+@pytest.mark.parametrize("script", ["torchrun.sh", "mpirun.sh"])
+def test_launch_scripts_keep_the_exit_code_of_a_user_error_and_the_lock(tmp_path, script):
+    if script == "mpirun.sh" and not (os.access(os.path.join(os.path.dirname(sys.executable), "mpirun"), os.X_OK)
+                                      or shutil.which("mpirun")):
+        pytest.skip("no mpirun (install the mpi extra)")
+    _, env = command()
+    env.update(PYTHON=sys.executable, NPROC_PER_NODE="2")
+    args = [os.path.join(ROOT, "launch", script), *(["-n", "2"] if script == "mpirun.sh" else []), "configs/test.yaml",
+            f"data.cache_dir={tmp_path / 'cache'}", "run.progress=false", "run.plots=false", "run.tensorboard=false"]
+    res = subprocess.run(["bash", *args, f"run.dir={tmp_path / 'a'}", f"data.corpus={tmp_path / 'none'}"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stdout + res.stderr  # torchrun alone says 1, MPICH ORs the ranks' codes
+    assert f"moe-dist train: error: data.corpus='{tmp_path / 'none'}' does not exist" in res.stderr
+    # the run-directory lock holds under the scripts too: a live run in run.dir refuses this one
+    from moe_dist.train.run_lock import RunDirLock
+
+    holder = RunDirLock(str(tmp_path / "b"))
+    assert holder.acquire() is None
+    try:
+        res = subprocess.run(["bash", *args, f"run.dir={tmp_path / 'b'}"], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=300)
+    finally:
+        holder.release()
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert f"moe-dist train: error: run.dir='{tmp_path / 'b'}' is in use by a live run (pid {os.getpid()} on host" \
+        in res.stderr
