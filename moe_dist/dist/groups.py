@@ -31,7 +31,8 @@ def group_timeout() -> Optional[datetime.timedelta]:
     return _timeout
 
 
-def new_group(ranks: Optional[Sequence[int]] = None, backend: Optional[str] = None, name: str = "") -> dist.ProcessGroup:
+def new_group(ranks: Optional[Sequence[int]] = None, backend: Optional[str] = None,
+              name: str = "") -> dist.ProcessGroup:
     """``dist.new_group`` with the configured timeout (collective: every rank calls it)."""
     ranks = list(range(dist.get_world_size())) if ranks is None else list(ranks)
     group = dist.new_group(ranks, timeout=_timeout, backend=backend)

@@ -282,8 +282,10 @@ class Trainer:
         tensors = [p for p in self.model.parameters()]
         tensors += [v for state in self.engine.optimizer.state.values() for v in state.values()
                     if torch.is_tensor(v) and v.is_floating_point()]
-        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
-        ok = torch.stack([torch.isfinite(t).all() for t in local if t.numel()]).all().to(torch.int32).view(1)
+        flags = [torch.isfinite(t.to_local() if hasattr(t, "to_local") else t).all() for t in tensors]
+        flags = [f.to(self.rt.device) for f in flags if f.device.type != "meta"]
+        ok = torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=self.rt.device)
+        ok = ok.to(torch.int32).view(1)
         if self.rt.distributed:
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         return bool(ok.item())

@@ -22,6 +22,7 @@ from .files import MARKER as COMPLETE  # the completion marker's file name (kept
 from .resume import TrainingCheckpoints, model_differences
 from .state import expert_keyed_state_dict, optimizer_state_dict
 
-__all__ = ["COMPLETE", "META", "CheckpointError", "DamagedCheckpoint", "IncompleteCheckpoint", "Checkpointer", "TrainingCheckpoints",
+__all__ = ["COMPLETE", "META", "CheckpointError", "DamagedCheckpoint", "IncompleteCheckpoint",
+           "Checkpointer", "TrainingCheckpoints",
            "config_sha256", "expert_keyed_state_dict", "latest_checkpoint", "load_checkpoint", "model_differences",
            "optimizer_state_dict", "read_manifest", "save_checkpoint", "step_dir"]

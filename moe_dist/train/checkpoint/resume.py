@@ -168,7 +168,8 @@ class TrainingCheckpoints:
                     raise  # an explicit choice is refused, not replaced
                 if self.rt.is_main:
                     aside = set_aside(candidate)
-                    later = f"falling back to {paths[i + 1]}" if i + 1 < len(paths) else "no older one: starting from step 0"
+                    later = (f"falling back to {paths[i + 1]}" if i + 1 < len(paths)
+                             else "no older one: starting from step 0")
                     self.log(f"resume=auto: skipped {candidate}: {e}; kept as {aside}; {later}")
                 barrier(group)
                 continue
