@@ -75,6 +75,17 @@ def disk_full(exc: BaseException) -> bool:
     return False
 
 
+def out_of_space(partial: str, need: int) -> bool:
+    """After a failed save: what it still had to write exceeds the free space (torch.save's zip
+    writer reports ENOSPC as "unexpected pos", without the errno)."""
+    root = os.path.dirname(partial)
+    if not need or not os.path.isdir(root):
+        return False
+    written = sum(os.path.getsize(os.path.join(partial, n)) for n in os.listdir(partial)
+                  if os.path.isfile(os.path.join(partial, n))) if os.path.isdir(partial) else 0
+    return shutil.disk_usage(root).free < need - written
+
+
 def _local_bytes(state: dict) -> int:
     total = 0
     for v in state.values():
@@ -127,9 +138,12 @@ class Checkpointer:
         try:
             return self._save(step, model, optimizer, meta=meta, config=config, rng_device=rng_device)
         except BaseException as e:  # DCP's CheckpointException is a BaseException
-            if isinstance(e, (KeyboardInterrupt, SystemExit)) or not disk_full(e):
+            partial = partial_dir(self.run_dir, step)
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
-            raise no_space_error(partial_dir(self.run_dir, step), step, self._need) from None
+            if not (disk_full(e) or out_of_space(partial, self._need)):
+                raise
+            raise no_space_error(partial, step, self._need) from None
 
     def _save(self, step: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], *, meta: Optional[dict],
               config: Optional[dict], rng_device: Optional[torch.device]) -> str:
@@ -231,7 +245,7 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         error, self._error = self._error, None
         if error is not None:
-            if pending and disk_full(error):
+            if pending and (disk_full(error) or out_of_space(partial_dir(self.run_dir, pending[0]), self._need)):
                 raise no_space_error(partial_dir(self.run_dir, pending[0]), pending[0], self._need) from None
             raise error
 
