@@ -45,9 +45,9 @@ def trained(cfg, seed=0, steps=1):
 
 
 def snapshot(directory):
-    """path -> SHA-256 of every file under ``directory``."""
+    """path -> SHA-256 of every file under ``directory`` (but the run lock's note of who holds it)."""
     return {p: sha256_file(p) for p in sorted(glob.glob(os.path.join(directory, "**"), recursive=True))
-            if os.path.isfile(p)}
+            if os.path.isfile(p) and os.path.basename(p) != "run.lock"}
 
 
 def same_state(a, b):

@@ -48,6 +48,15 @@ class IncompleteCheckpoint(CheckpointError, FileNotFoundError):
     """The directory has no (valid) completion marker: a save never finished there."""
 
 
+class DamagedCheckpoint(CheckpointError):
+    """A complete checkpoint whose files no longer match its manifest (missing, truncated,
+    corrupted, unreadable metadata): ``resume=auto`` sets it aside and takes the previous one."""
+
+
+LEFTOVER = re.compile(r"^step_\d+(\.partial|\.partial\.deleting-.*|\.deleting-.*|\.superseded-\d+)$")
+DAMAGED_SUFFIX = ".damaged"
+
+
 def step_dir(run_dir: str, step: int) -> str:
     return os.path.join(run_dir, "checkpoints", f"step_{step:06d}")
 
@@ -147,7 +156,7 @@ def check_files(path: str, manifest: dict, names: Iterable[str], checksums: bool
 
 
 def corrupted_error(path: str, problems: list[str]) -> CheckpointError:
-    return CheckpointError(f"checkpoint {path} is damaged and was not loaded (nothing was changed): "
+    return DamagedCheckpoint(f"checkpoint {path} is damaged and was not loaded (nothing was changed): "
                            + "; ".join(problems))
 
 
@@ -206,6 +215,47 @@ def scan(run_dir: str) -> tuple[list[tuple[int, str]], list[tuple[int, str, str]
         if m:
             incomplete.append((int(m.group(1)), path, "a save that did not finish (no completion marker, never renamed)"))
     return sorted(complete), sorted(incomplete)
+
+
+def remove_leftovers(run_dir: str) -> list[tuple[str, int]]:
+    """Delete what unfinished saves and deletions left under ``run_dir/checkpoints`` (``.partial``
+    directories, ``.deleting-*`` and ``.superseded-*`` copies, ``*.tmp`` files): none is ever loaded,
+    and on a full disk they hold the space a resumed run needs. Call only while no save runs (the
+    run-directory lock). Returns ``(path, bytes freed)``."""
+    root = os.path.join(run_dir, "checkpoints")
+    removed = []
+    candidates = [os.path.join(root, n) for n in (os.listdir(root) if os.path.isdir(root) else ()) if LEFTOVER.match(n)]
+    candidates += [os.path.join(run_dir, n) for n in (os.listdir(run_dir) if os.path.isdir(run_dir) else ())
+                   if n.endswith(".tmp")]
+    for path in sorted(candidates):
+        size = _tree_bytes(path)
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.remove(path)
+            except OSError:
+                continue
+        removed.append((path, size))
+    return removed
+
+
+def _tree_bytes(path: str) -> int:
+    if not os.path.isdir(path):
+        return os.path.getsize(path) if os.path.exists(path) else 0
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files
+               if os.path.exists(os.path.join(d, f)))
+
+
+def set_aside(path: str) -> str:
+    """Rename a damaged checkpoint to ``step_N.damaged`` (``.damaged-2``, ... if taken): never
+    deleted, never loaded, never pruned. Returns its new path."""
+    target, n = path + DAMAGED_SUFFIX, 1
+    while os.path.exists(target):
+        n += 1
+        target = f"{path}{DAMAGED_SUFFIX}-{n}"
+    os.rename(path, target)
+    return target
 
 
 def latest_checkpoint(run_dir: str, log: Optional[Callable[[str], None]] = None) -> Optional[str]:
@@ -278,7 +328,7 @@ class SafeFileSystemReader(FileSystemReader):
         try:
             metadata = _MetadataUnpickler(io.BytesIO(data)).load()
         except Exception as e:  # noqa: BLE001 - any failure means the file is not usable metadata
-            raise CheckpointError(f"{path}: not readable checkpoint metadata ({e})") from None
+            raise DamagedCheckpoint(f"{path}: not readable checkpoint metadata ({e})") from None
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         if getattr(metadata, "storage_meta", None) is None:
