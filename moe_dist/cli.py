@@ -18,7 +18,6 @@ import argparse
 import gc
 import importlib
 import os
-import subprocess
 import sys
 from typing import Optional, Sequence
 
@@ -59,10 +58,9 @@ def launch_local(nproc: int, argv: Sequence[str]) -> int:
         env.pop(var, None)  # the children get theirs from torchrun
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={nproc}",
            "--module", "moe_dist.cli", *argv]
-    try:
-        return subprocess.call(cmd, env=env)
-    except KeyboardInterrupt:
-        return 130
+    from .local_launch import run_forwarding_stop_signals  # docker stop / SIGUSR1: the workers checkpoint
+
+    return run_forwarding_stop_signals(cmd, env)
 
 
 def build_parser() -> argparse.ArgumentParser:
