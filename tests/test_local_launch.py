@@ -14,7 +14,7 @@ import time
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 60
+STEPS = 30
 
 
 def _cmd(run_dir, cache, *extra):
