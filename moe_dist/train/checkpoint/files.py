@@ -17,6 +17,7 @@ cannot run code.
 """
 from __future__ import annotations
 
+import enum
 import hashlib
 import io
 import json
@@ -293,6 +294,16 @@ def prune(run_dir: str, keep: int, log: Callable[[str], None] = lambda _m: None)
 _SAFE_BUILTINS = {"set", "frozenset", "slice", "complex", "tuple", "list", "dict"}
 
 
+def _enum_member(cls, name: str):
+    """``getattr(cls, name)`` restricted to an enum's members: how early Python 3.11 releases (Debian
+    bookworm's 3.11.2, the Docker image's) pickle an enum member; anything else is refused (a free
+    getattr would let a pickle reach any attribute of an allowed class)."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls.__members__[name]
+    raise pickle.UnpicklingError(f"checkpoint metadata asks for getattr({getattr(cls, '__name__', type(cls).__name__)}, "
+                                 f"{name!r}), which is not an enum member; refusing to unpickle it")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles only what DCP metadata holds: its own dataclasses and enums, torch.Size,
     dtypes, layouts and paths."""
@@ -312,6 +323,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         elif module == "builtins" and name in _SAFE_BUILTINS:
             return super().find_class(module, name)
+        elif (module, name) == ("builtins", "getattr"):
+            return _enum_member
         raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a checkpoint's metadata "
                                      "never holds; refusing to unpickle it")
 
