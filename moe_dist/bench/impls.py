@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from ..dist import ParallelGroups
 from ..moe import MoELayer
 from ..parallel import apply_expert_parallel
+from ..parallel.kernel_choice import agree_expert_kernels
 from .workload import Workload, imbalance
 
 FLOOR_KERNELS = ("bmm", "grouped_mm", "loop")
@@ -68,6 +69,8 @@ class MoEDistImpl(Impl):
         else:
             layer.set_groups(groups)
         self.layer = layer.to(work.device, work.dtype).train()
+        if expert_kernel == "auto":  # what the trainer does: one kernel, decided once over all ranks
+            agree_expert_kernels(self.layer, work.tokens * s.top_k, work.dtype, work.device, seed=work.seed)
         ctx = self.layer.context
         ctx.batch_shape = work.batch_shape
         ctx.prev_top1 = work.prev_top1

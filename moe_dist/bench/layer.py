@@ -32,6 +32,16 @@ QUICK = dict(tokens=[4096], dtypes=["fp32", "bf16"], ep=[1], repeats=3, warmup=1
 FULL = dict(tokens=[4096, 16384, 65536], dtypes=["fp32", "bf16"], ep=[1, 2], repeats=5, warmup=2)
 
 
+def _kernels(text: str) -> list:
+    from ..moe.experts import KERNELS
+
+    out = [k.strip() for k in text.split(",") if k.strip()]
+    bad = [k for k in out if k not in KERNELS]
+    if not out or bad:
+        raise argparse.ArgumentTypeError(f"{bad or text!r}: allowed: {', '.join(KERNELS)} (comma-separated)")
+    return list(dict.fromkeys(out))
+
+
 def _ints(s: str) -> list[int]:
     return [int(v) for v in s.split(",") if v]
 
@@ -75,8 +85,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity-factor", type=_capacity, default=None, help="'none' = dropless (default)")
     p.add_argument("--min-capacity", type=int, default=0)
     add_size_arguments(p)
-    p.add_argument("--expert-kernel", choices=["auto", "loop", "bmm", "grouped_mm"], default="auto",
-                   help="the layer's expert kernel (auto = measured per shape)")
+    p.add_argument("--expert-kernel", type=_kernels, default=["auto"],
+                   help="the layer's expert kernel(s), comma-separated, each timed in the same rounds: auto (the "
+                        "trainer's choice, decided once over all ranks), loop, bmm, grouped_mm; with auto and fixed "
+                        "kernels together the table shows auto's time over the best fixed kernel's")
     p.add_argument("--repeats", type=int, help="timed rounds per case (median reported)")
     p.add_argument("--warmup", type=int, help="untimed steps per implementation first")
     p.add_argument("--threads", type=int, default=None, help="threads per process (default: cores / processes)")
@@ -96,7 +108,7 @@ def config_from_args(args) -> tuple[BenchConfig, list[int]]:
     cfg = BenchConfig(sizes=sizes, tokens=pick("tokens"), dtypes=pick("dtypes"), impls=args.impls, routers=args.routers,
                       router_options=args.router_options, seq_len=args.seq_len, skew=args.skew, repeats=pick("repeats"),
                       warmup=pick("warmup"), threads=args.threads, device=args.device, seed=args.seed,
-                      expert_kernel=args.expert_kernel, memory=not args.no_memory, malloc=args.malloc)
+                      expert_kernels=args.expert_kernel, memory=not args.no_memory, malloc=args.malloc)
     eps = pick("ep")
     for ep in eps:
         if ep < 1 or sizes.num_experts % ep:

@@ -5,14 +5,14 @@ from collections import defaultdict
 
 COLUMNS = [  # (header, key, format)
     ("impl", "impl", "{}"), ("router", "router", "{}"), ("ep", "ep", "{}"), ("procs", "procs", "{}"),
-    ("dtype", "dtype", "{}"), ("tokens", "tokens", "{}"), ("kernel", "kernel", "{}"),
+    ("dtype", "dtype", "{}"), ("tokens", "tokens", "{}"), ("setting", "expert_kernel", "{}"), ("kernel", "kernel", "{}"),
     ("ms/step", "step_ms", "{:.1f}"), ("cpu ms", "cpu_ms", "{:.1f}"), ("tok/s", "tokens_per_s", "{:.0f}"), ("us/tok", "time_per_token_us", "{:.1f}"),
     ("peak MiB", "peak_mem_mib", "{:.0f}"), ("faults", "page_faults", "{}"), ("x floor", "time_vs_floor", "{:.3f}"),
     ("x deepspeed", "time_vs_deepspeed", "{:.3f}"), ("x no-EP", "time_vs_control", "{:.3f}"),
-    ("x topk", "time_vs_topk", "{:.3f}"), ("imbalance", "imbalance", "{:.2f}"), ("load", "load_avg", "{:.1f}"),
+    ("x topk", "time_vs_topk", "{:.3f}"), ("x best fixed", "time_vs_best_fixed", "{:.3f}"), ("imbalance", "imbalance", "{:.2f}"), ("load", "load_avg", "{:.1f}"),
 ]
 
-TARGETS = {"floor": 1.15, "deepspeed": 1.0, "control": 1.2, "per_token_spread": 1.2}
+TARGETS = {"floor": 1.15, "deepspeed": 1.0, "control": 1.2, "per_token_spread": 1.2, "auto": 1.05}
 # layer time with the router / with ``topk`` in the same rounds (issue 5; the papers report ~5%, 7%, 5.6%)
 ROUTER_TARGETS = {"similarity": 1.06, "attention": 1.08, "symphony": 1.06}
 
@@ -29,7 +29,7 @@ def _cell(rec: dict, key: str, fmt: str) -> str:
 def table(records: list[dict]) -> str:
     rows = [[h for h, _, _ in COLUMNS]] + [[_cell(r, k, f) for _, k, f in COLUMNS] for r in records]
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
-    lines = ["  ".join(c.rjust(w) if i >= 7 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
+    lines = ["  ".join(c.rjust(w) if i >= 8 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
     lines.insert(1, "-" * len(lines[0]))
     lines.append("x = time ratio (this / other), median of per-round ratios; < 1 is faster. floor* = fastest floor kernel. "
                  "tok/s summed over processes; load = 1-min load average during the case.")
@@ -45,7 +45,11 @@ def target_check(records: list[dict]) -> list[str]:
         out.append(f"{'met ' if ok else 'MISS'}  {what}")
 
     for r in ours:
-        where = f"ep={r['ep']} procs={r['procs']} {r['dtype']} {r['tokens']} tokens"
+        where = f"ep={r['ep']} procs={r['procs']} {r['dtype']} {r['tokens']} tokens, expert_kernel={r.get('expert_kernel', 'auto')}"
+        if "time_vs_best_fixed" in r:
+            v = r["time_vs_best_fixed"]
+            line(v <= TARGETS["auto"], f"expert kernel auto ({r.get('kernel')}) / best fixed ({r['best_fixed_kernel']}) "
+                                       f"= {v:.3f} (<= {TARGETS['auto']}) at {where}")
         if "time_vs_floor" in r:
             v = r["time_vs_floor"]
             line(v <= TARGETS["floor"], f"time / floor = {v:.3f} (<= {TARGETS['floor']}) at {where}")
@@ -57,8 +61,8 @@ def target_check(records: list[dict]) -> list[str]:
             line(v <= TARGETS["control"], f"time / no-EP control = {v:.3f} (<= {TARGETS['control']}) at {where}")
     by_group = defaultdict(list)
     for r in ours:
-        by_group[(r["ep"], r["procs"], r["dtype"])].append(r)
-    for (ep, procs, dtype), rs in by_group.items():
+        by_group[(r["ep"], r["procs"], r["dtype"], r.get("expert_kernel", "auto"))].append(r)
+    for (ep, procs, dtype, kernel), rs in by_group.items():
         if len(rs) < 2:
             continue
         rs = sorted(rs, key=lambda r: r["tokens"])
@@ -66,7 +70,7 @@ def target_check(records: list[dict]) -> list[str]:
         spread = max(tpt) / min(tpt)
         line(spread <= TARGETS["per_token_spread"],
              f"time per token max/min = {spread:.3f} (<= {TARGETS['per_token_spread']}) over tokens "
-             f"{rs[0]['tokens']}..{rs[-1]['tokens']} at ep={ep} procs={procs} {dtype}")
+             f"{rs[0]['tokens']}..{rs[-1]['tokens']} at ep={ep} procs={procs} {dtype}, expert_kernel={kernel}")
     for r in records:
         limit = ROUTER_TARGETS.get(r["router"])
         if r["impl"] != "moe_dist" or limit is None or "time_vs_topk" not in r:

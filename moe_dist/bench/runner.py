@@ -45,7 +45,7 @@ class BenchConfig:
     threads: Optional[int] = None  # per process; default: the cores shared out evenly
     device: str = "cpu"
     seed: int = 0
-    expert_kernel: str = "auto"
+    expert_kernels: list = field(default_factory=lambda: ["auto"])  # each timed in the same rounds
     memory: bool = True
     malloc: str = "default"  # "keep": glibc keeps freed memory (moe_dist.bench.allocator)
 
@@ -78,8 +78,9 @@ def _build_impls(cfg: BenchConfig, work: Workload, procs: int, ep: int, groups: 
     for e in eps:
         if "moe_dist" in cfg.impls:
             for router in cfg.routers:
-                impl = MoEDistImpl(work, router, groups[e], cfg.router_options.get(router), cfg.expert_kernel)
-                out.append(({"impl": "moe_dist", "router": router, "ep": e}, impl))
+                for kernel in cfg.expert_kernels:
+                    impl = MoEDistImpl(work, router, groups[e], cfg.router_options.get(router), kernel)
+                    out.append(({"impl": "moe_dist", "router": router, "ep": e, "expert_kernel": kernel}, impl))
         if "deepspeed" in cfg.impls and ds_ok:
             from .deepspeed_impl import DeepSpeedImpl
 
@@ -144,16 +145,24 @@ def add_ratios(records: list[dict]) -> None:
         if best is not None and r["procs"] == 1:
             r["time_vs_floor"] = _paired(t, best["_times"])
             r["floor_kernel"] = best["kernel"]
+        setting = {"expert_kernel": r["expert_kernel"]} if "expert_kernel" in r else {}
         if r["impl"] == "moe_dist":
             ds = find(impl="deepspeed", ep=r["ep"], procs=r["procs"])
             if ds is not None:
                 r["time_vs_deepspeed"] = _paired(t, ds["_times"])
             if r["router"] != "topk":
-                top = find(impl="moe_dist", router="topk", ep=r["ep"], procs=r["procs"])
+                top = find(impl="moe_dist", router="topk", ep=r["ep"], procs=r["procs"], **setting)
                 if top is not None:
                     r["time_vs_topk"] = _paired(t, top["_times"])
+            if r.get("expert_kernel") == "auto":  # against the fastest fixed kernel of the same case
+                fixed = [o for o in records if o["impl"] == "moe_dist" and o.get("expert_kernel") not in (None, "auto")
+                         and (o["router"], o["ep"], o["procs"]) == (r["router"], r["ep"], r["procs"])]
+                if fixed:
+                    best_fixed = min(fixed, key=lambda o: o["step_ms"])
+                    r["time_vs_best_fixed"] = _paired(t, best_fixed["_times"])
+                    r["best_fixed_kernel"] = best_fixed["expert_kernel"]
         if r["ep"] > 1:
-            ctl = find(impl=r["impl"], router=r["router"], ep=1, procs=r["procs"])
+            ctl = find(impl=r["impl"], router=r["router"], ep=1, procs=r["procs"], **setting)
             if ctl is not None:
                 r["time_vs_control"] = _paired(t, ctl["_times"])
 
