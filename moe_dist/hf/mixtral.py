@@ -39,6 +39,11 @@ def check_exportable(model, cfg) -> list[str]:
                             "allowed: 'swiglu'")
     if m.qkv_bias:
         raise HFFormatError("model.qkv_bias=true cannot be exported to Mixtral (no attention biases); allowed: false")
+    if m.moe.shared_d_ff:
+        raise HFFormatError("model.moe.shared_d_ff cannot be exported to Mixtral (no shared experts); allowed: null")
+    if m.moe.expert_bias:
+        raise HFFormatError("model.moe.expert_bias=true cannot be exported to Mixtral (its router has no selection bias); "
+                            "allowed: false")
     for layer in model.moe_layers():
         router = layer.router
         if not getattr(router, "normalize", False):

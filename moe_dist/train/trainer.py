@@ -184,7 +184,7 @@ class Trainer:
         grad_norm = self.engine.step()  # reduce, clip, update
         self.engine.zero_grad()
         for layer in self.moe:
-            layer.router.after_optimizer_step(layer.context)
+            layer.after_optimizer_step()  # the router's per-step state and the expert bias
         if self.rt.distributed:
             dist.all_reduce(sums, group=self.rt.groups.dp)
         self.step += 1

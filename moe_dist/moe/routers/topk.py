@@ -24,6 +24,9 @@ class TopKRouter(Router):
     init_std: std of the router weight init.
     """
 
+    supports_expert_bias = supports_fp64 = True
+    per_expert_tensors = ("weight", "noise_weight")
+
     def __init__(self, d_model: int, num_experts: int, top_k: int, *, normalize: bool | None = None,
                  noisy: bool = False, init_std: float = 0.02):
         super().__init__(d_model, num_experts, top_k)
@@ -39,14 +42,14 @@ class TopKRouter(Router):
         return self.noisy and self.training
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
-        return fp32_linear(x, self.weight)
+        return fp32_linear(x, self.weight, dtype=self.compute_dtype)
 
     def route(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:
         logits = self.scores(x)
         if self.noisy and self.training:
-            noise_std = F.softplus(fp32_linear(x, self.noise_weight))
+            noise_std = F.softplus(fp32_linear(x, self.noise_weight, dtype=self.compute_dtype))
             eps = layout_invariant_normal((self.num_experts,), ctx, x.shape[0], salt=1, device=x.device)
             logits = logits + eps * noise_std
         probs = torch.softmax(logits, dim=-1)
-        expert_ids, gates = select_topk(logits, probs, self.top_k, self.normalize)
+        expert_ids, gates = select_topk(logits, probs, self.top_k, self.normalize, self.selection_bias())
         return Routing(expert_ids=expert_ids, gates=gates, probs=probs, logits=logits)
