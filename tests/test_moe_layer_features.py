@@ -238,3 +238,64 @@ def test_expert_bias_and_losses_do_not_depend_on_the_layout(one_process, world, 
     assert abs(results[0]["local"]["aux"][0] - ref["aux"][0]) > 20 * max(global_err, 1e-7)
     w_local, w_ref = results[0]["local"]["params"]["router.weight"], ref["params"]["router.weight"]
     assert (w_local - w_ref).abs().max() > 1e-4
+
+
+# ---- the trainer: 1 vs 2 vs 4 ranks, and a resume at another layout -------------------------
+FEATURES = ["model.moe.num_experts=8", "model.moe.expert_bias=true", "model.moe.expert_bias_rate=0.01", "model.moe.shared_d_ff=32",
+            "model.moe.shared_gate=true", "model.moe.balance_loss=sequence"]
+
+
+def _train_config(tmp, name, *extra):
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return load_config(os.path.join(root, "configs/test.yaml"), [
+        f"run.dir={tmp}/{name}", f"data.cache_dir={tmp}/cache", f"data.corpus={root}/tests/data/python-docs",
+        "run.tensorboard=false", "run.plots=false", "ckpt.save_final=false", "train.steps=5", *FEATURES, *extra])
+
+
+def _curve(cfg, save: bool = False) -> dict:
+    from moe_dist.train.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        start = trainer.step
+        rows = [trainer.train_step() for _ in range(start, cfg.train.steps)]
+        out = {"start": start, "loss": [r["loss"] for r in rows], "aux": [r["aux_loss"] for r in rows],
+               "bias": [layer.expert_bias.clone() for layer in trainer.moe]}
+        if save:
+            trainer.save()
+        return out
+    finally:
+        trainer.close()
+
+
+def _trainer_ranks(rank, world, tmp, ep):
+    if world == 2:
+        return {"full": _curve(_train_config(tmp, "full2", f"parallel.ep={ep}")),
+                "local": _curve(_train_config(tmp, "local2", f"parallel.ep={ep}", "model.moe.loss_scope=local")),
+                "half": _curve(_train_config(tmp, "half2", f"parallel.ep={ep}", "train.steps=2"), save=True)}
+    return {"resumed": _curve(_train_config(tmp, "resumed4", f"parallel.ep={ep}", f"resume={tmp}/half2"))}
+
+
+@pytest.mark.slow
+def test_trainer_bias_and_losses_match_one_process_and_survive_a_resume_at_another_layout(tmp_path):
+    tmp = str(tmp_path)
+    ref = _curve(_train_config(tmp, "ref1", "parallel.ep=1"))
+    assert all(b.abs().max() > 0 for b in ref["bias"])  # 5 sign steps of +-rate: never back at 0
+    two = run_ranks(_trainer_ranks, 2, args=(tmp, 2), timeout=300)
+    four = run_ranks(_trainer_ranks, 4, args=(tmp, 2), timeout=300)  # resumes the 2-rank run at 4 ranks
+    for res in two:
+        torch.testing.assert_close(torch.tensor(res["full"]["loss"]), torch.tensor(ref["loss"]), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(res["full"]["aux"]), torch.tensor(ref["aux"]), rtol=1e-4, atol=1e-9)
+        for got, want in zip(res["full"]["bias"], ref["bias"]):
+            assert torch.equal(got, want), (got, want)
+        # the control: each rank's own counts
+        assert any(not torch.equal(got, want) for got, want in zip(res["local"]["bias"], ref["bias"]))
+    assert any(not torch.equal(a, b) for a, b in zip(two[0]["local"]["bias"], two[1]["local"]["bias"]))
+    for res in four:
+        assert res["resumed"]["start"] == 2
+        torch.testing.assert_close(torch.tensor(res["resumed"]["loss"]), torch.tensor(ref["loss"][2:]), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(res["resumed"]["aux"]), torch.tensor(ref["aux"][2:]), rtol=1e-4, atol=1e-9)
+        for got, want in zip(res["resumed"]["bias"], ref["bias"]):
+            assert torch.equal(got, want), (got, want)
