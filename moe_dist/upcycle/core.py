@@ -168,6 +168,8 @@ def preserves_function(cfg: Config, tokens: int = 24, tol: float = 1e-4) -> Opti
             for layer in model.moe_layers():
                 gate, up, down = torch.randn(24, 16) * 0.3, torch.randn(24, 16) * 0.3, torch.randn(16, 24) * 0.3
                 layer.experts.load_dense(gate, down, up)
+                if layer.shared_expert is not None:  # as upcycling leaves it: silent at first
+                    layer.shared_expert.w2.weight.zero_()
                 ref = SwiGLU(16, 24, 0.02, 0.02)
                 ref.w1.weight.copy_(gate), ref.w3.weight.copy_(up), ref.w2.weight.copy_(down)
                 layer.register_forward_hook(lambda mod, inp, out, ref=ref: captured.append((ref(inp[0]), out)))
