@@ -299,3 +299,20 @@ def test_trainer_bias_and_losses_match_one_process_and_survive_a_resume_at_anoth
         torch.testing.assert_close(torch.tensor(res["resumed"]["aux"]), torch.tensor(ref["aux"][2:]), rtol=1e-4, atol=1e-9)
         for got, want in zip(res["resumed"]["bias"], ref["bias"]):
             assert torch.equal(got, want), (got, want)
+
+
+def test_new_options_add_no_host_reads():
+    """Forward (the layer's one read), backward and the bias update (none) read the host no more
+    often with a shared gated expert, the sequence loss, the expert bias and fp64 scores."""
+    from host_sync import count_host_syncs
+
+    layer = make(dict(shared_d_ff=12, shared_gate=True, balance_loss="sequence", expert_bias=True, router_dtype="fp64"))
+    x = torch.randn(B, S, D, requires_grad=True)
+    layer(x).sum().backward()  # warm-up
+    with count_host_syncs() as fwd:
+        out = layer(x)
+    with count_host_syncs() as rest:
+        (out.sum() + layer.aux_loss).backward()
+        layer.after_optimizer_step()
+    assert len(fwd) == 1, fwd.describe()
+    assert len(rest) == 0, rest.describe()
