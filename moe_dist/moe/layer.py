@@ -199,14 +199,16 @@ class MoELayer(nn.Module):
         E, k = self.num_experts, routing.top_k
         probs = routing.probs
 
-        # one small collective: every rank's [counts, prob sums, z sum, entropy sum, non-finite logits, tokens]
+        # the sequence-level loss summed over this rank's sequences (gradient through the probabilities)
+        seq_loss_sum = sequence_balance_sum(probs, routing.expert_ids, n_seq) if self.balance_loss == "sequence" else None
+        # one small collective: every rank's [counts, prob sums, z sum, entropy sum, non-finite logits,
+        # sequence-loss sum, sequences, tokens]
         with torch.no_grad():
             counts_local = count_values(routing.expert_ids, E).double()
             lse = torch.logsumexp(routing.logits, -1) if routing.logits is not None else None
             entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
             nonfinite = count_nonfinite(routing.logits if routing.logits is not None else probs)
-            seq_sum = (sequence_balance_sum(probs, routing.expert_ids, n_seq).double().view(1) if n_seq
-                       else counts_local.new_zeros(1))
+            seq_sum = seq_loss_sum.detach().double().view(1) if n_seq else counts_local.new_zeros(1)
             row = torch.cat([counts_local, probs.sum(0).double(),
                              (lse.square().sum() if lse is not None else probs.new_zeros(())).double().view(1),
                              entropy.sum().double().view(1), nonfinite.double().view(1),
@@ -222,7 +224,7 @@ class MoELayer(nn.Module):
         if self.loss_scope == "global":
             tokens_f = tokens_g.to(probs.dtype)
             if self.balance_loss == "sequence":
-                aux_share = sequence_balance_sum(probs, routing.expert_ids, n_seq) / nseq_r.sum().clamp_min(1).to(probs.dtype)
+                aux_share = seq_loss_sum / nseq_r.sum().clamp_min(1).to(probs.dtype)
                 aux_value = seq_r.sum() / nseq_r.sum().clamp_min(1)
             else:
                 aux_share = load_balance_share(probs, counts_g.float(), tokens_f, k)
@@ -232,7 +234,7 @@ class MoELayer(nn.Module):
         else:
             local_tokens = float(max(n_tok, 1))
             if self.balance_loss == "sequence":
-                aux_share = sequence_balance_sum(probs, routing.expert_ids, n_seq) / (max(n_seq, 1) * ranks)
+                aux_share = seq_loss_sum / (max(n_seq, 1) * ranks)
                 aux_value = (seq_r / nseq_r.clamp_min(1)).mean()
             else:
                 aux_share = load_balance_share(probs, counts_local.float(), local_tokens, k) / ranks
