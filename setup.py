@@ -23,7 +23,7 @@ setup(
     extras_require={
         "dev": ["pytest>=8", "pytest-timeout", "transformers"],
         "deepspeed": ["deepspeed==0.19.8"],
-        "megatron": ["megatron-core"],
+        "megatron": ["megatron-core==0.16.1"],  # needs only torch, numpy, packaging
         "mpi": ["mpi4py", "mpich"],
         "hf": ["transformers"],
     },

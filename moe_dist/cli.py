@@ -27,8 +27,10 @@ COMMANDS: dict[str, str] = {
     "eval": "moe_dist.train.cmd_eval",
     "convert": "moe_dist.train.cmd_convert",
     "upcycle": "moe_dist.upcycle.cmd_upcycle",
+    "import": "moe_dist.hf.cmd_import",
     "export": "moe_dist.hf.cmd_export",
     "plan": "moe_dist.plan.cmd_plan",
+    "sweep": "moe_dist.study.cmd_sweep",
 }
 
 

@@ -22,7 +22,8 @@ FAMILY_EXTRAS = {
 def hf_classes(family: str):
     import transformers
 
-    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "phi3": "Phi3", "mixtral": "Mixtral"}[family]
+    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "phi3": "Phi3", "mixtral": "Mixtral",
+             "olmoe": "Olmoe"}[family]
     return getattr(transformers, f"{names}Config"), getattr(transformers, f"{names}ForCausalLM")
 
 
@@ -37,6 +38,30 @@ def build_dense(family: str, directory: str, seed: int = 0, max_shard_size=None,
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, **kwargs)
+    return model
+
+
+MOE_TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, num_experts_per_tok=2)
+MOE_EXTRAS = {
+    "mixtral": dict(num_local_experts=4, rope_theta=50000.0, sliding_window=None),
+    "olmoe": dict(num_experts=4, pad_token_id=0, eos_token_id=1),
+}
+
+
+def build_moe(family: str, directory: str, seed: int = 0, max_shard_size=None, **overrides):
+    """A random MoE checkpoint (Mixtral or OLMoE) saved to ``directory``, built by transformers;
+    every weight perturbed and the routers scaled up, so that routing decides the output and no
+    mapping error hides behind a default. Returns the transformers model (eval mode)."""
+    config_cls, model_cls = hf_classes(family)
+    cfg = config_cls(**{**MOE_TINY, **MOE_EXTRAS[family], **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * (0.5 if name.endswith("gate.weight") else 0.05))
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **kwargs)
     return model

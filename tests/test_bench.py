@@ -128,3 +128,25 @@ def test_router_alone_benchmark_reports_each_router_against_topk():
         assert r["router_ms"] > 0 and r["topk_layer_ms"] > 0
         assert abs(r["overhead"] - r["extra_ms"] / r["topk_layer_ms"]) < 1e-9
         assert f"{name}: alone" in proc.stderr
+
+
+def test_training_benchmark_end_to_end(tmp_path):
+    """`python -m moe_dist.bench.train`: real training runs of each case, the table and the JSON
+    with tokens/s per round, the FLOP count and a matmul peak."""
+    from moe_dist.bench.train import flops_per_token
+
+    out = tmp_path / "train.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "moe_dist.bench.train", "--config", "configs/test.yaml", "--nproc", "1",
+                           "--steps", "3", "--skip", "1", "--rounds", "1", "--engines", "native", "--dtypes", "fp32",
+                           "--json", str(out), "parallel.ep=1", f"data.corpus={ROOT}/tests/data/python-docs",
+                           f"data.cache_dir={tmp_path}/cache"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "CPU capability" in proc.stdout and "| native | fp32 |" in proc.stdout
+    res = json.loads(out.read_text())
+    (case,) = res["cases"]
+    assert case["engine"] == "native" and len(case["tokens_per_s"]) == 1 and case["median"] > 0
+    assert 0 < case["mfu"] < 1 and res["peak_flops"]["fp32"] > 1e8
+    assert res["flops_per_token"] == flops_per_token(res["parameters"]["active"], 2, 64, 64)
+    assert flops_per_token(1000, 2, 8, 16) == 6 * 1000 + 12 * 2 * 8 * 16

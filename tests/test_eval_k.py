@@ -32,6 +32,6 @@ def test_eval_at_several_k(tmp_path):
 def test_eval_k_refused_for_router_without_inference_k(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "config.yaml").write_text("model:\n  moe:\n    router: topk\nparallel:\n  ep: 1\n")
+    (run_dir / "config.yaml").write_text("model:\n  moe:\n    router: sinkhorn\nparallel:\n  ep: 1\n")
     r = _cli("eval", "--run-dir", str(run_dir), "--k", "1,2")
     assert r.returncode != 0 and "has no inference k" in r.stderr

@@ -175,6 +175,8 @@ class ModelConfig:
     norm_eps: float = knob(1e-5, "RMSNorm epsilon", gt=0)
     tie_embeddings: bool = knob(True, "share the input embedding and the output projection")
     qkv_bias: bool = knob(False, "biases on the query, key and value projections (Qwen2 checkpoints have them)")
+    qk_norm: Literal["none", "projection"] = knob("none", "RMSNorm of the queries and keys before RoPE: none, or "
+                                                  "projection = over each whole projection, all heads (OLMoE)")
     init_std: float = knob(0.02, "std of the weight initialisation", gt=0)
     moe: MoEConfig = section(MoEConfig)
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 from ..train.cmd_common import add_overrides_argument, user_errors
 from .export import FORMATS
 
-HELP = "export a trained or upcycled MoE model as a Hugging Face checkpoint (Mixtral format)"
+HELP = "export a trained, upcycled or imported MoE model as a Hugging Face checkpoint (Mixtral or OLMoE format)"
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--checkpoint", required=True, metavar="DIR",
-                        help="a run directory (latest checkpoint), <run>/checkpoints/step_N, or a `moe-dist upcycle` output")
+                        help="a run directory (latest checkpoint), <run>/checkpoints/step_N, or a `moe-dist upcycle` / `import` output")
     parser.add_argument("--format", default="mixtral", choices=list(FORMATS), help="output format")
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory (config.json, safetensors, tokenizer)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],

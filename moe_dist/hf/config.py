@@ -1,7 +1,8 @@
 """Hugging Face ``config.json`` -> the ``model`` section of our config.
 
 Supported families (``model_type``): dense ``llama``, ``mistral``, ``qwen2``, ``phi3`` (the
-ones that can be upcycled) and the MoE ``mixtral`` (planner input, export target). Anything
+ones that can be upcycled) and the MoE ``mixtral`` and ``olmoe`` (``moe-dist import``, planner
+input, export targets; their MoE specifics are in :mod:`moe_dist.hf.architectures`). Anything
 our decoder cannot reproduce exactly is refused with the config key, what it holds and what
 is allowed; features that only matter beyond some sequence length (sliding windows) are
 reported as notes instead.
@@ -17,7 +18,7 @@ from typing import Any, Optional
 from ..config.schema import ROPE_SCALING_KEYS
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "phi3")
-MOE_FAMILIES = ("mixtral",)
+MOE_FAMILIES = ("mixtral", "olmoe")  # the keys of hf.architectures.MOE_ARCHITECTURES
 FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
 
 # family defaults of transformers' config classes, for keys a config.json may omit
@@ -27,6 +28,7 @@ _DEFAULTS = {
     "qwen2": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6},
     "phi3": {"rope_theta": 10000.0, "rms_norm_eps": 1e-5},
     "mixtral": {"rope_theta": 1e6, "rms_norm_eps": 1e-5},
+    "olmoe": {"rope_theta": 10000.0, "rms_norm_eps": 1e-5},
 }
 
 
@@ -89,7 +91,7 @@ def _family(raw: dict, where: str) -> str:
     if family is None:
         archs = raw.get("architectures") or []
         guess = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                 "Phi3ForCausalLM": "phi3", "MixtralForCausalLM": "mixtral"}
+                 "Phi3ForCausalLM": "phi3", "MixtralForCausalLM": "mixtral", "OlmoeForCausalLM": "olmoe"}
         family = next((guess[a] for a in archs if a in guess), None)
     if family not in FAMILIES:
         raise HFFormatError(f"{where}: model_type={raw.get('model_type')!r} (architectures={raw.get('architectures')}) "
@@ -181,11 +183,12 @@ def hf_model_spec(raw: dict, where: str = "config.json") -> HFModelSpec:
         "tie_embeddings": bool(raw.get("tie_word_embeddings", False)),
         "qkv_bias": family == "qwen2",
     }
-    if family == "mixtral":
-        experts = int(_require(raw, "num_local_experts", where))
-        model["moe"] = {"layers": "every", "num_experts": experts, "top_k": int(raw.get("num_experts_per_tok", 2)),
-                        "router": "topk", "router_options": {"normalize": True}, "d_ff": None,
-                        "aux_loss_coef": float(raw.get("router_aux_loss_coef", 0.001))}
+    if family in MOE_FAMILIES:
+        from .architectures import MOE_ARCHITECTURES  # the table imports this module's error type
+
+        moe_keys, moe_notes = MOE_ARCHITECTURES[family].moe_section(raw, where)
+        model.update(moe_keys)
+        notes += moe_notes
     return HFModelSpec(family=family, model=model, raw=raw, notes=notes)
 
 

@@ -1,7 +1,7 @@
 """``moe-dist export``: load one of our models from disk and write it in a Hugging Face format.
 
 ``--checkpoint`` accepts
-  * a ``moe-dist upcycle`` output directory (``config.yaml`` + ``model.safetensors``),
+  * a ``moe-dist upcycle`` or ``moe-dist import`` output directory (``config.yaml`` + ``model.safetensors``),
   * a run directory written by ``moe-dist train`` (its latest complete checkpoint), or
   * one checkpoint directory ``<run>/checkpoints/step_NNNNNN``.
 """
@@ -16,7 +16,7 @@ import torch
 from ..config import load_config
 from .config import HFFormatError
 
-FORMATS = ("mixtral",)
+FORMATS = ("mixtral", "olmoe")  # keys of hf.architectures.MOE_ARCHITECTURES
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -36,8 +36,8 @@ def locate(path: str) -> tuple[str, str, str]:
         return os.path.join(run_dir, "config.yaml"), "dcp", path
     config = os.path.join(path, "config.yaml")
     if not os.path.exists(config):
-        raise FileNotFoundError(f"--checkpoint {path!r} has no config.yaml: expected a `moe-dist upcycle` output, a run "
-                                "directory or a <run>/checkpoints/step_NNNNNN directory")
+        raise FileNotFoundError(f"--checkpoint {path!r} has no config.yaml: expected a `moe-dist upcycle` or `import` "
+                                "output, a run directory or a <run>/checkpoints/step_NNNNNN directory")
     step = latest_checkpoint(path)
     if step is not None:
         return config, "dcp", step
@@ -94,12 +94,14 @@ def export(checkpoint: str, fmt: str, out_dir: str, dtype: str = "auto", overrid
         raise ValueError(f"--dtype {dtype!r}; allowed: auto, {', '.join(EXPORT_DTYPES)}")
     model, cfg, weights = load_our_model(checkpoint, overrides)
     torch_dtype = EXPORT_DTYPES[dtype] if dtype != "auto" else (torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32)
-    from .mixtral import export_mixtral
+    from .architectures import MOE_ARCHITECTURES
+    from .moe_export import export_moe
 
+    arch = MOE_ARCHITECTURES[fmt]
     src = os.path.dirname(os.path.dirname(os.path.abspath(weights))) if _is_step_dir(weights) else checkpoint
-    result = export_mixtral(model, cfg, out_dir, dtype=torch_dtype, tokenizer_dir=tokenizer_source(src, cfg),
-                            max_position_embeddings=max(cfg.train.seq_len, 4096), log=log)
-    log(f"exported {weights} -> {out_dir} (Mixtral, {str(torch_dtype).replace('torch.', '')}, "
+    result = export_moe(model, cfg, out_dir, arch, dtype=torch_dtype, tokenizer_dir=tokenizer_source(src, cfg),
+                        max_position_embeddings=max(cfg.train.seq_len, 4096), log=log)
+    log(f"exported {weights} -> {out_dir} ({arch.display}, {str(torch_dtype).replace('torch.', '')}, "
         f"{result['bytes'] / 2**20:.1f} MiB in {len(result['files'])} file(s); tokenizer files: "
         f"{result['tokenizer_files'] or 'none'})")
     return result

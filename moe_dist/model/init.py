@@ -13,7 +13,7 @@ Recipes, by module:
 * ``nn.Linear`` / ``nn.Embedding`` carrying ``init_std`` (set where the model builds them, the MoE
   layer's shared expert and its gate included): weight ~ N(0, init_std) in blocks of
   :data:`ROW_BLOCK` rows, bias = 0;
-* ``RMSNorm``: ones;
+* ``RMSNorm`` (block norms, the final norm, attention's q/k norms): ones;
 * ``GroupedExperts``: :meth:`~moe_dist.moe.experts.GroupedExperts.reset_parameters` with a
   base seed keyed by the layer's name (one generator per global expert);
 * a router (small: ``E x d`` numbers): built fresh on the CPU by its own class under a seed

@@ -9,6 +9,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+QK_NORMS = ("none", "projection")  # model.qk_norm: where Attention normalises queries and keys
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -73,12 +76,19 @@ class Attention(nn.Module):
     (``need_probs``); then scores and softmax are computed explicitly and returned ``[B, H, S, S]``.
     ``values_out`` (a dict) receives the rotated queries and keys and the values, for routers
     that read the attention.
+
+    ``qk_norm="projection"``: RMSNorm over the whole query projection (all heads) and over the
+    whole key projection, before RoPE (OLMoE's q/k norm); ``"none"``: no such norm.
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, init_std: float, out_init_std: float,
-                 qkv_bias: bool = False):
+                 qkv_bias: bool = False, qk_norm: str = "none", norm_eps: float = 1e-5):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, d_model // n_heads
+        if qk_norm not in QK_NORMS:
+            raise ValueError(f"model.qk_norm={qk_norm!r}; allowed: {list(QK_NORMS)}")
+        self.q_norm = RMSNorm(n_heads * self.head_dim, norm_eps) if qk_norm == "projection" else None
+        self.k_norm = RMSNorm(n_kv_heads * self.head_dim, norm_eps) if qk_norm == "projection" else None
         self.wq = _init_linear(nn.Linear(d_model, n_heads * self.head_dim, bias=qkv_bias), init_std)
         self.wk = _init_linear(nn.Linear(d_model, n_kv_heads * self.head_dim, bias=qkv_bias), init_std)
         self.wv = _init_linear(nn.Linear(d_model, n_kv_heads * self.head_dim, bias=qkv_bias), init_std)
@@ -87,8 +97,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
                 need_probs: bool = False, values_out: Optional[dict] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         B, S, _ = x.shape
-        q = self.wq(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = self.wq(x), self.wk(x)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         mask = None

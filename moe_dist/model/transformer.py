@@ -32,7 +32,7 @@ class Block(nn.Module):
         self.idx, self.is_moe = idx, is_moe
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, cfg.init_std, out_std,
-                              qkv_bias=cfg.qkv_bias)
+                              qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if is_moe:
             m = cfg.moe

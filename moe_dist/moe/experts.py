@@ -362,8 +362,9 @@ class KernelTuner:
     barely disturb; on accelerators it is the synchronised wall time.
     """
 
-    def __init__(self, reps: int = 2, margin: float = 0.1, drop: float = 1.5):
+    def __init__(self, reps: int = 2, margin: float = 0.1, drop: float = 1.5, clock=None):
         self.reps, self.margin, self.drop = reps, margin, drop
+        self.clock = clock  # seconds-returning callable; default: CPU time on CPU, wall time elsewhere
         self.choices: dict[tuple, str] = {}
 
     def key(self, experts: GroupedExperts, x: torch.Tensor, counts: Sequence[int]) -> tuple:
@@ -380,14 +381,24 @@ class KernelTuner:
         return self.choices[key]
 
     def _measure(self, experts: GroupedExperts, x: torch.Tensor, counts: Sequence[int]) -> str:
-        candidates = ["loop", "bmm"] + (["grouped_mm"] if experts.grouped_mm_supported(x.dtype) else [])
+        return self.pick(self.time_kernels(experts, x, counts))
+
+    def candidates(self, experts: GroupedExperts, dtype: torch.dtype) -> list[str]:
+        """The kernels that can run these experts in ``dtype`` (``grouped_mm`` needs aligned sizes)."""
+        return ["loop", "bmm"] + (["grouped_mm"] if experts.grouped_mm_supported(dtype) else [])
+
+    def time_kernels(self, experts: GroupedExperts, x: torch.Tensor, counts: Sequence[int]) -> dict[str, float]:
+        """Seconds of one forward + backward of each candidate kernel on ``x`` (best of ``reps``
+        rounds after a warm-up round; a kernel ``drop`` times slower than the best so far is not
+        run again and keeps its last time)."""
+        candidates = self.candidates(experts, x.dtype)
         xs = x.detach().clone().requires_grad_(True)
         wrt = [xs] + [p for p in experts.expert_parameters() if p.requires_grad]
         times = dict.fromkeys(candidates, float("inf"))
+        clock = self.clock or (time.process_time if xs.device.type == "cpu" else time.perf_counter)
         with torch.enable_grad():
             for r in range(self.reps + 1):  # round 0 warms up (and weeds out clear losers)
                 for name in [c for c in candidates if times[c] <= self.drop * min(times.values())]:
-                    clock = time.process_time if xs.device.type == "cpu" else time.perf_counter
                     _sync(xs.device)
                     t0 = clock()
                     y = experts.run_kernel(name, xs, counts)
@@ -396,6 +407,10 @@ class KernelTuner:
                     _sync(xs.device)
                     t = clock() - t0
                     times[name] = t if r == 1 else min(times[name], t)  # round 0 only as a first guess
+        return times
+
+    def pick(self, times: dict[str, float]) -> str:
+        """The fastest kernel, but ``loop`` unless another one is faster by more than ``margin``."""
         best = min(times, key=times.get)
         return best if times[best] < (1 - self.margin) * times["loop"] else "loop"
 

@@ -1,7 +1,7 @@
 """Exact parameter counts of our decoder from its config, without building it.
 
 The formulae follow moe_dist.model (RMSNorm weights, GQA projections, optional q/k/v
-biases, SwiGLU FFN / experts, tied or separate output projection); a router's parameters are
+biases and q/k norms, SwiGLU FFN / experts, tied or separate output projection); a router's parameters are
 counted by instantiating that router alone (they are tiny: about E x d). "active" = what one
 token uses: every dense weight and the top-k experts of each MoE layer. These are the figures
 a published model card quotes (e.g. Mixtral-8x7B: 46.7B total, 12.9B active).
@@ -60,6 +60,7 @@ def count_params(model_cfg, moe_blocks: Optional[list[int]] = None) -> dict:
     n_dense = m.n_layers - n_moe
     q, kv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
     attn = s.d_model * q + 2 * s.d_model * kv + q * s.d_model + ((q + 2 * kv) if m.qkv_bias else 0)
+    attn += (q + kv) if m.qk_norm == "projection" else 0  # q/k RMSNorm weights
     norms = 2 * s.d_model
     dense_ffn = 3 * s.d_model * s.d_ff
     per_expert = (3 if s.gated else 2) * s.d_model * s.expert_d_ff

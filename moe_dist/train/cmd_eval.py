@@ -20,7 +20,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", metavar="FILE", help="also write the result (perplexities, tokens, layout, peak "
                         "memory of every rank) to FILE")
     parser.add_argument("--k", metavar="K[,K...]", help="evaluate once per number of experts per token (routers with "
-                        "an inference k: hyper, smoe_dropout), e.g. --k 1,2,4; results also in DIR/eval_k.json")
+                        "an inference k option, eval_k: topk, noisy_topk, hyper, smoe_dropout), e.g. --k 1,2,4; results also in DIR/eval_k.json")
     add_overrides_argument(parser)
 
 
@@ -92,7 +92,7 @@ def run(args) -> int:
         ks = _k_values(args.k)
         cfg = _config(args)
         if "eval_k" not in _router_option_names(cfg.model.moe.router):
-            raise ValueError(f"--k: router {cfg.model.moe.router!r} has no inference k (routers with one: hyper, smoe_dropout)")
+            raise ValueError(f"--k: router {cfg.model.moe.router!r} has no inference k (routers with one: topk, noisy_topk, hyper, smoe_dropout)")
         from .trainer import setup_runtime, shutdown
 
         rt = setup_runtime(cfg)

@@ -26,6 +26,7 @@ from ..diagnostics import RoutingDiagnostics
 from ..dist.bootstrap import Runtime, init_distributed, shutdown
 from ..hardware import peak_rss_bytes, slow_bf16_note
 from ..model import count_parameters
+from ..parallel.kernel_choice import agree_expert_kernels
 from ..moe import collect_aux_loss, moe_layers
 from .checkpoint import TrainingCheckpoints, latest_checkpoint, load_checkpoint
 from .engines import create_engine
@@ -101,6 +102,7 @@ class Trainer:
         # the engine splits the model, allocates this rank's part, fills it, then builds the optimizer
         self.engine.prepare(self.model, fill=weights_filler(cfg, cfg.ckpt.init_from))
         self.moe = moe_layers(self.model)
+        self._agree_expert_kernels()
         self.moe_stats = MoEStepStats(self.model)
         self.diagnostics = RoutingDiagnostics()  # load balance, probe-set fluctuation, Symphony graphs
 
@@ -120,6 +122,15 @@ class Trainer:
         if self.is_main:
             save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
             self._write_run_info()
+
+    def _agree_expert_kernels(self) -> None:
+        """``model.moe.expert_kernel: auto``: one kernel per expert shape, timed on every rank and
+        decided from the slowest rank's times, so every rank runs the same kernel."""
+        cfg = self.cfg
+        rows = cfg.train.global_batch // cfg.train.grad_accum // self.rt.groups.dp_size * cfg.train.seq_len * cfg.model.moe.top_k
+        dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
+        for decision in agree_expert_kernels(self.model, rows, dtype, self.rt.device, seed=cfg.train.seed):
+            self.log(decision.describe())
 
     # ---- reporting ------------------------------------------------------------------------
     def log(self, msg: str) -> None:

@@ -57,15 +57,21 @@ def _blocks(S: int, causal: bool, block: int):
     return [(i0, min(S, i0 + block), min(S, i0 + block) if causal else S) for i0 in range(0, S, block)]
 
 
-EXP_FLOOR = -87.0  # exp(-87) ~ 1.6e-38: below it float32 exp gives denormals or underflows, both slow on CPUs
+# Scores more than 50 below their row's maximum are raised to -50 before exp: e^-50 ~ 2e-22 is
+# nothing next to the maximum's exp(0) = 1 at float32 precision (even summed over 10^5 keys),
+# yet far enough above float32's smallest normal (1.2e-38) that the weights after the row
+# division, their products with router probabilities and the backward's products stay normal:
+# CPUs run subnormal arithmetic on a slow path (a floor at -87 left half of the similarity
+# mixing's weights subnormal once divided by the row sum).
+EXP_FLOOR = -50.0
 
 
 def _softmax_(L: torch.Tensor, i0: int, causal: bool, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
     """Row softmax, in place, of the masked score block ``L`` (``-inf`` where a key is not allowed,
-    :func:`_mask_block_`); those keys get exactly 0. Entries more than 87 below their row's maximum
-    get ``e^-87`` instead of a denormal: next to the maximum's ``exp(0) = 1`` both are nothing at
-    float32 precision, and the floor keeps ``exp`` on its fast path (similarity logits in high
-    dimensions span hundreds)."""
+    :func:`_mask_block_`); those keys get exactly 0. Entries more than 50 below their row's maximum
+    get ``e^-50`` (:data:`EXP_FLOOR`): next to the maximum's ``exp(0) = 1`` that is nothing at
+    float32 precision, and it keeps every weight and product downstream normal (similarity logits
+    in high dimensions span hundreds)."""
     L.sub_(L.amax(-1, keepdim=True)).clamp_min_(EXP_FLOOR).exp_()
     _mask_block_(L, i0, causal, key_mask, 0.0)
     return L.div_(L.sum(-1, keepdim=True))
@@ -266,7 +272,7 @@ def lowest_entropy_head_from_scores(queries: torch.Tensor, keys: torch.Tensor, p
     for i0, i1, e in _blocks(S, causal, block):
         s = torch.matmul(q[:, :, i0:i1], k[:, :, :e].transpose(-1, -2)).mul_(1.0 / math.sqrt(dh))
         _mask_block_(s, i0, causal, km, float("-inf"))
-        # shifted by the row max and floored (masked keys: weight e^-87, nothing at fp32 precision):
+        # shifted by the row max and floored (masked keys: weight e^-50, nothing at fp32 precision):
         # entropy = log Z - sum_j p_j s_j / Z with p = exp(s), Z = sum_j p_j
         s.sub_(s.amax(-1, keepdim=True)).clamp_min_(EXP_FLOOR)
         p = s.exp()

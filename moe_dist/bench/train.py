@@ -1,0 +1,149 @@
+"""End-to-end training throughput: engines and dtypes on the same model and batches, in one run.
+
+    python -m moe_dist.bench.train [--config configs/tiny.yaml] [--nproc 2] [--steps 30]
+        [--engines native,deepspeed] [--dtypes fp32,bf16] [--rounds 2] [--json FILE] [KEY=VALUE ...]
+
+Each round trains every (engine, dtype) case once with ``moe-dist train`` (real processes,
+the given config and overrides, ``train.steps=--steps``, no validation or checkpoint until the
+end), in an order rotated each round so machine load hits the cases alike. A case's figure is
+the median tokens/s of its steps after ``--skip`` warm-up steps (``metrics.jsonl``), its median
+over the rounds.
+
+Model FLOPs utilisation: training FLOPs per token ``6 N + 12 L d S`` (N the parameters one
+token uses, the tied embedding counted once as the output projection; L layers, d the model
+width, S the sequence length: attention scores and values, forward and backward) times tokens/s,
+over this machine's measured matmul peak for the dtype (a square matmul using as many threads
+as the run's processes together).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional
+
+import torch
+
+from ..config import load_config
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def matmul_peak(dtype: torch.dtype, threads: int, n: int = 2048, seconds: float = 2.0) -> float:
+    """FLOP/s of an ``n x n`` matmul on ``threads`` threads (best of the repeats in ``seconds``)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        a @ b  # warm-up
+        best, end = float("inf"), time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t0)
+        return 2 * n ** 3 / best
+    finally:
+        torch.set_num_threads(before)
+
+
+def flops_per_token(active_params: int, layers: int, d_model: int, seq_len: int) -> float:
+    return 6 * active_params + 12 * layers * d_model * seq_len
+
+
+def run_case(config: str, nproc: int, steps: int, engine: str, dtype: str, overrides: list[str], run_dir: str,
+             log_file) -> dict:
+    """One training run; its per-step tokens/s and parameter counts."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = [sys.executable, "-m", "moe_dist.cli", "train", "--config", config, "--nproc", str(nproc),
+           f"run.dir={run_dir}", f"train.steps={steps}", f"train.engine={engine}", f"train.dtype={dtype}",
+           "eval.every=0", "eval.max_sequences=8", "ckpt.save_final=false", "run.plots=false", "run.tensorboard=false",
+           "run.progress=false", *overrides]
+    t0 = time.perf_counter()
+    rc = subprocess.call(cmd, stdout=log_file, stderr=subprocess.STDOUT)
+    wall = time.perf_counter() - t0
+    if rc != 0:
+        log_file.flush()
+        tail = open(log_file.name, encoding="utf-8", errors="replace").read().splitlines()[-5:]
+        raise RuntimeError(f"{' '.join(cmd)} exited with {rc}; its last lines:\n" + "\n".join(tail))
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8")]
+    steps_tps = {r["step"]: r["tokens_per_s"] for r in rows if "tokens_per_s" in r and "step" in r}
+    info = json.load(open(os.path.join(run_dir, "run.json"), encoding="utf-8"))
+    return {"tokens_per_s": steps_tps, "parameters": info["parameters"], "wall_s": wall}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m moe_dist.bench.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/tiny.yaml")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the median")
+    p.add_argument("--engines", default="native,deepspeed")
+    p.add_argument("--dtypes", default="fp32")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("overrides", nargs="*", help="KEY=VALUE config overrides for every case")
+    args = p.parse_args(argv)
+    engines, dtypes = args.engines.split(","), args.dtypes.split(",")
+    for d in dtypes:
+        if d not in DTYPES:
+            p.error(f"--dtypes: {d!r} is not allowed; allowed: {list(DTYPES)}")
+    for e in engines:
+        if e not in ("native", "deepspeed"):
+            p.error(f"--engines: {e!r} is not allowed; allowed: ['native', 'deepspeed']")
+    if args.steps <= args.skip:
+        p.error(f"--steps {args.steps} must exceed --skip {args.skip}")
+    cfg = load_config(args.config, list(args.overrides))
+    threads_per_proc = cfg.run.threads or max(1, (len(os.sched_getaffinity(0)) // args.nproc))
+    cpu = torch.backends.cpu.get_cpu_capability()
+    print(f"machine: torch {torch.__version__}, CPU capability {cpu}, {os.cpu_count()} cores; "
+          f"{args.nproc} processes x {threads_per_proc} thread(s)", flush=True)
+    peaks = {d: matmul_peak(DTYPES[d], args.nproc * threads_per_proc) for d in dtypes}
+    for d, v in peaks.items():
+        print(f"matmul peak {d}: {v / 1e9:.1f} GFLOP/s (2048^3 matmul on {args.nproc * threads_per_proc} threads)", flush=True)
+    cases = [(e, d) for d in dtypes for e in engines]
+    results = {c: [] for c in cases}
+    params = None
+    work = tempfile.mkdtemp(prefix="moe-dist-bench-train-")
+    with open(os.path.join(work, "runs.log"), "w", encoding="utf-8") as log_file:
+        for r in range(args.rounds):
+            order = cases[r % len(cases):] + cases[:r % len(cases)]
+            for engine, dtype in order:
+                out = run_case(args.config, args.nproc, args.steps, engine, dtype, list(args.overrides),
+                               os.path.join(work, f"{engine}-{dtype}"), log_file)
+                tps = [v for s, v in sorted(out["tokens_per_s"].items()) if s > args.skip]
+                results[(engine, dtype)].append(statistics.median(tps))
+                params = out["parameters"]
+                print(f"round {r + 1}: {engine:9s} {dtype}: {results[(engine, dtype)][-1]:,.0f} tokens/s "
+                      f"(median of steps {args.skip + 1}-{args.steps}; {out['wall_s']:.0f} s in all)", flush=True)
+    fpt = flops_per_token(params["active"], cfg.model.n_layers, cfg.model.d_model, cfg.train.seq_len)
+    base = statistics.median(results[cases[0]])
+    print(f"\n{params['active']:,} active of {params['total']:,} parameters; {fpt / 1e6:.1f} MFLOP per token "
+          f"(6 N + 12 L d S)\n")
+    print("| engine | dtype | tokens/s per round | median | x first case | MFU |")
+    print("|---|---|---|---|---|---|")
+    table = []
+    for engine, dtype in cases:
+        runs = results[(engine, dtype)]
+        med = statistics.median(runs)
+        mfu = med * fpt / peaks[dtype]
+        table.append({"engine": engine, "dtype": dtype, "tokens_per_s": runs, "median": med, "mfu": mfu})
+        print(f"| {engine} | {dtype} | {' / '.join(f'{v:,.0f}' for v in runs)} | {med:,.0f} | {med / base:.3f} | "
+              f"{100 * mfu:.1f}% |")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"cpu_capability": cpu, "nproc": args.nproc, "threads_per_proc": threads_per_proc,
+                       "config": args.config, "overrides": args.overrides, "steps": args.steps, "skip": args.skip,
+                       "peak_flops": peaks, "flops_per_token": fpt, "parameters": params, "cases": table}, f, indent=2)
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

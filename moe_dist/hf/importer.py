@@ -1,0 +1,136 @@
+"""``moe-dist import``: a Hugging Face MoE checkpoint (Mixtral, OLMoE) -> our checkpoint.
+
+The output directory is laid out as ``moe-dist upcycle`` writes it, so everything that reads an
+upcycled model reads it: ``config.yaml`` (our config, ``ckpt.init_from`` pointing at the
+directory, ``data.tokenizer`` at the copied tokenizer), ``model.safetensors`` (or shards + index)
+with experts stored as whole ``[num_experts, ...]`` tensors by global expert, so every rank of any
+world size and expert-parallel size reads just its rows (:func:`moe_dist.upcycle.weights.load_model_weights`),
+the tokenizer files, and ``import.json`` (written last: its presence means a finished import).
+
+Weights are streamed a block at a time (the experts of one block are the largest piece held).
+The architecture is fixed by the checkpoint: the keys it determines (sizes, norms, RoPE,
+experts, top-k, router and its gate normalisation) cannot be overridden; training, data,
+capacity and loss settings can.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from ..config import Config, ConfigError, apply_overrides, config_from_dict, save_config
+from .config import HFModelSpec, source_dtype
+from .moe_checkpoint import MoECheckpoint
+from .safetensors_io import ShardedWriter
+from .tokenizer import check_tokenizer_fits, copy_tokenizer, tokenizer_file
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# our model keys the checkpoint fixes, with the config.json key that holds each
+FIXED_MODEL_KEYS = {"vocab_size": "vocab_size", "d_model": "hidden_size", "n_layers": "num_hidden_layers",
+                    "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
+                    "d_ff": "intermediate_size", "rope_theta": "rope_theta", "rope_scaling": "rope_scaling",
+                    "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings",
+                    "qkv_bias": "attention_bias", "qk_norm": "model_type (q/k norms)"}
+FIXED_MOE_KEYS = {"layers": "model_type (MoE in every block)", "num_experts": "the number of experts",
+                  "top_k": "num_experts_per_tok", "d_ff": "intermediate_size (experts)",
+                  "router": "model_type (softmax top-k router)", "router_options": "the gate normalisation",
+                  "activation": "hidden_act (SwiGLU experts)"}
+
+
+def _same(a, b) -> bool:
+    return a == b or (isinstance(a, (int, float)) and isinstance(b, (int, float)) and float(a) == float(b))
+
+
+def import_config(spec: HFModelSpec, overrides: Iterable[str] = (), base: Optional[dict] = None) -> Config:
+    """Our config for the imported model: ``base`` (a preset's mapping), then ``KEY=VALUE``
+    overrides, then the architecture from config.json. Overriding an architecture key with a
+    different value is refused: the weights fix it."""
+    raw = apply_overrides(copy.deepcopy(base or {}), overrides)
+    model = raw.setdefault("model", {})
+    if not isinstance(model, dict):
+        raise ConfigError("model: expected a mapping")
+    moe = model.setdefault("moe", {})
+    if not isinstance(moe, dict):
+        raise ConfigError("model.moe: expected a mapping")
+    ours_moe = {"activation": "swiglu", **spec.model["moe"]}
+    for section, fixed, ours, prefix in ((model, FIXED_MODEL_KEYS, spec.model, "model"),
+                                         (moe, FIXED_MOE_KEYS, ours_moe, "model.moe")):
+        for key, theirs in fixed.items():
+            want = ours.get(key, "none" if key == "qk_norm" else None)
+            if key in section and not _same(section[key], want):
+                raise ConfigError(f"{prefix}.{key}: {section[key]!r} differs from the checkpoint's {want!r} "
+                                  f"({spec.family} {theirs}); the imported weights fix it (leave {prefix}.{key} "
+                                  f"out or set it to {want!r})")
+            section[key] = copy.deepcopy(want)
+    return config_from_dict(raw)
+
+
+@torch.no_grad()
+def import_hf(hf_dir: str, out_dir: str, overrides: Iterable[str] = (), *, base: Optional[dict] = None,
+              dtype: str = "auto", max_shard_bytes: int = 4 << 30, log: Callable[[str], None] = print) -> dict:
+    """Read ``hf_dir`` (a Hugging Face MoE checkpoint directory) and write our checkpoint to
+    ``out_dir``; returns what ``import.json`` records."""
+    from ..model import build_model
+    from ..plan.params import count_params  # the planner's counts, so presets and imports agree
+
+    t0 = time.perf_counter()
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"--dtype: {dtype!r}; allowed: auto, {', '.join(DTYPES)}")
+    ckpt = MoECheckpoint(hf_dir)
+    for note in ckpt.spec.notes:
+        log(f"note: {note}")
+    cfg = import_config(ckpt.spec, overrides, base)
+    src = source_dtype(ckpt.spec.raw)
+    out_dtype = DTYPES[dtype] if dtype != "auto" else {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+        src, torch.float32)
+    if os.path.abspath(out_dir) == os.path.abspath(hf_dir):
+        raise ValueError(f"--out {out_dir!r} is the Hugging Face checkpoint's directory; choose another")
+    n_tok = check_tokenizer_fits(hf_dir, cfg.model.vocab_size)
+    os.makedirs(out_dir, exist_ok=True)
+    stale = os.path.join(out_dir, "import.json")
+    if os.path.exists(stale):  # an earlier import into this directory: no longer complete
+        os.remove(stale)
+    copied = copy_tokenizer(hf_dir, out_dir)
+    tok = tokenizer_file(out_dir)
+    if tok is not None and cfg.data.tokenizer is None:
+        cfg.data.tokenizer = os.path.abspath(tok)
+    elif tok is None and cfg.data.tokenizer is None:
+        log(f"warning: {hf_dir} has no tokenizer.model or tokenizer.json; set data.tokenizer to the checkpoint's "
+            "tokenizer before training (otherwise a new tokenizer is trained whose ids mean nothing to the embedding)")
+    cfg.ckpt.init_from = os.path.abspath(out_dir)  # `moe-dist train` starts from these weights
+
+    # the model built on the meta device (no memory): every streamed tensor must be one of its
+    # tensors with its shape, and every one of its tensors must come (a mapping check)
+    expected = {k: tuple(v.shape) for k, v in build_model(cfg.model, cfg.model.vocab_size, device="meta")
+                .state_dict().items()}
+    if cfg.model.tie_embeddings:
+        expected.pop("lm_head.weight")
+    writer = ShardedWriter(out_dir, max_shard_bytes, metadata={"format_of": "moe_dist", "source": "import"})
+    for name, t in ckpt.tensors():
+        if expected.pop(name, None) != tuple(t.shape):
+            raise RuntimeError(f"import: {name} {list(t.shape)} is not a tensor of the model built from the config")
+        writer.add(name, t.to(out_dtype))
+    if expected:
+        raise RuntimeError(f"import: no weights mapped to {sorted(expected)[:8]}")
+    files = writer.close()
+    save_config(cfg, os.path.join(out_dir, "config.yaml"))
+    counts = count_params(cfg.model)
+    info = {
+        "source": os.path.abspath(hf_dir), "family": ckpt.family, "architecture": ckpt.arch.causal_lm,
+        "notes": ckpt.spec.notes, "num_experts": cfg.model.moe.num_experts, "top_k": cfg.model.moe.top_k,
+        "normalize_gates": cfg.model.moe.router_options["normalize"], "qk_norm": cfg.model.qk_norm,
+        "dtype": str(out_dtype).replace("torch.", ""), "weights": files, "tokenizer_files": copied,
+        "tokenizer_entries": n_tok, "total_params": counts["total"], "active_params": counts["active"],
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+    with open(os.path.join(out_dir, "import.json"), "w", encoding="utf-8") as f:
+        json.dump(info, f, indent=2)
+    gates = "renormalised" if info["normalize_gates"] else "the softmax probabilities"
+    log(f"imported {ckpt.arch.causal_lm} ({hf_dir}) -> {out_dir}: {cfg.model.n_layers} MoE blocks x "
+        f"{info['num_experts']} experts (top-{info['top_k']}, gates {gates}), "
+        f"{counts['total']:,} parameters ({counts['active']:,} active), {info['dtype']}, {info['seconds']:.1f}s")
+    return info

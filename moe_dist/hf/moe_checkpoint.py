@@ -1,0 +1,67 @@
+"""A Hugging Face MoE checkpoint (the families of :mod:`moe_dist.hf.architectures`) read block
+by block under our names.
+
+Per block: the attention part (:class:`~moe_dist.hf.checkpoint.HFCheckpoint`), the router
+``ffn.router.weight`` ``[E, d]`` (the same layout as theirs) and the experts stacked by global
+expert into our grouped layout, ``ffn.experts.w1`` / ``w3`` ``[E, d, ff]`` (gate, up) and
+``ffn.experts.w2`` ``[E, ff, d]`` (down), i.e. each expert's ``nn.Linear`` weight transposed.
+Checkpoints store one tensor per expert and projection (``...experts.{j}.w1.weight``), which
+is also what transformers writes; every tensor's shape is checked against config.json.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from .architectures import MOE_ARCHITECTURES, MoEArchitecture
+from .checkpoint import HFCheckpoint
+from .config import MOE_FAMILIES, HFFormatError
+
+
+class MoECheckpoint(HFCheckpoint):
+    """``MoECheckpoint(dir)``: config + lazily read weights of a Mixtral / OLMoE checkpoint."""
+
+    def __init__(self, directory: str):
+        super().__init__(directory, MOE_FAMILIES, "`moe-dist import`", "a dense checkpoint is read by `moe-dist upcycle`")
+        self.arch: MoEArchitecture = MOE_ARCHITECTURES[self.family]
+        archs = self.spec.raw.get("architectures")
+        if archs and self.arch.causal_lm not in archs:
+            raise HFFormatError(f"{directory}/config.json: architectures={archs} is not supported; `moe-dist import` "
+                                f"reads model_type={self.family!r} as {self.arch.causal_lm!r}")
+
+    def router(self, i: int) -> torch.Tensor:
+        m = self.spec.model
+        return self.tensor(self.arch.router_name(self.prefix, i), (m["moe"]["num_experts"], m["d_model"]))
+
+    def experts(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Block ``i``'s experts in our layout ``(w1 [E, d, ff], w3 [E, d, ff], w2 [E, ff, d])``."""
+        m = self.spec.model
+        E, d, ff = m["moe"]["num_experts"], m["d_model"], m["moe"]["d_ff"] or m["d_ff"]
+        shapes = ((ff, d), (ff, d), (d, ff))  # gate, up, down as nn.Linear weights
+        stacked = []
+        for which in range(3):
+            rows = [self.tensor(self.arch.expert_name(self.prefix, i, j, which), shapes[which]) for j in range(E)]
+            stacked.append(torch.stack(rows).transpose(1, 2).contiguous())
+        return stacked[0], stacked[1], stacked[2]
+
+    def block(self, i: int) -> dict[str, torch.Tensor]:
+        """Block ``i`` under our names relative to the block."""
+        out = self.attention(i)
+        w1, w3, w2 = self.experts(i)
+        out.update({"ffn.router.weight": self.router(i), "ffn.experts.w1": w1, "ffn.experts.w3": w3,
+                    "ffn.experts.w2": w2})
+        return out
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(our name, tensor)`` of the whole model, one block at a time, in the checkpoint's dtype
+        (a tied output projection is not repeated)."""
+        yield "embed.weight", self.embedding()
+        for i in range(self.spec.model["n_layers"]):
+            for name, t in self.block(i).items():
+                yield f"blocks.{i}.{name}", t
+            self.weights.close()  # unmap what this block read
+        yield "norm.weight", self.final_norm()
+        head = self.lm_head()
+        if head is not None:
+            yield "lm_head.weight", head

@@ -1,0 +1,244 @@
+"""Hugging Face MoE checkpoints in and out: tiny random Mixtral and OLMoE models built by
+transformers (no download) are imported with our logits equal to theirs, evaluated and trained
+at 2 ranks with expert parallelism 2, exported back and reloaded by transformers with equal
+logits; bad inputs are refused with a clear message; the OLMoE-1B-7B preset's counts."""
+import json
+import os
+
+import pytest
+import torch
+
+from dist_harness import run_ranks
+from hf_cases import add_tokenizer_json, build_moe, hf_classes, rel_err
+
+pytest.importorskip("transformers")
+
+from moe_dist.cli import main as cli  # noqa: E402
+from moe_dist.config import ConfigError, load_config, save_config  # noqa: E402
+from moe_dist.hf import HFFormatError  # noqa: E402
+from moe_dist.hf.export import export, load_our_model  # noqa: E402
+from moe_dist.hf.importer import import_config, import_hf  # noqa: E402
+from moe_dist.hf.moe_checkpoint import MoECheckpoint  # noqa: E402
+from moe_dist.model import build_model, count_parameters  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CORPUS = os.path.join(ROOT, "tests", "data", "python-docs")
+TOL = 1e-5
+FAMILIES = ["mixtral", "olmoe"]
+
+
+def _tokens(vocab=96, shape=(3, 11), seed=1):
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _quiet(_):
+    pass
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_import_gives_transformers_logits(family, tmp_path):
+    src, out = str(tmp_path / family), str(tmp_path / "ours")
+    hf = build_moe(family, src, max_shard_size="40KB", vocab_size=320)  # several shards + index
+    assert os.path.exists(os.path.join(src, "model.safetensors.index.json"))
+    add_tokenizer_json(src, ["def f(x):\n    return x + 1\n" * 10], vocab_size=300)
+    assert cli(["import", "--hf", src, "--out", out, "--max-shard-gib", "0.00003", "train.steps=7"]) == 0
+    info = json.load(open(os.path.join(out, "import.json")))
+    assert info["family"] == family and info["tokenizer_files"][0] == "tokenizer.json"
+    assert len(info["weights"]) > 1  # our weights sharded too
+    cfg = load_config(os.path.join(out, "config.yaml"))
+    assert cfg.ckpt.init_from == os.path.abspath(out) and cfg.train.steps == 7
+    assert cfg.data.tokenizer == os.path.join(os.path.abspath(out), "tokenizer.json")
+    assert cfg.model.qk_norm == ("projection" if family == "olmoe" else "none")
+    assert cfg.model.moe.router_options == {"normalize": family == "mixtral"}  # OLMoE: norm_topk_prob false
+    ours, _, _ = load_our_model(out)
+    x = _tokens(vocab=320)
+    with torch.no_grad():
+        got, want = ours(x), hf(x).logits
+    assert rel_err(got, want) <= TOL, rel_err(got, want)
+    assert count_parameters(ours)["total"] == sum(p.numel() for p in hf.parameters()) == info["total_params"]
+    layer = ours.moe_layers()[0]
+    assert layer.last_routing.expert_ids.unique().numel() == 4  # every expert is used: routing matters
+    # the router alone: same experts and gates as transformers' (OLMoE: softmax probabilities, not renormalised)
+    h = torch.randn(50, 32, generator=torch.Generator().manual_seed(3))
+    theirs = hf.model.layers[0].mlp.gate
+    with torch.no_grad():
+        _, their_gates, their_ids = theirs(h)
+        routing = layer.router(h, layer.context)
+    assert torch.equal(routing.expert_ids, their_ids)
+    assert torch.allclose(routing.gates, their_gates.float(), rtol=1e-6, atol=1e-7)
+
+
+def _train_and_eval(rank, world, root):
+    from moe_dist.train.trainer import evaluate_run, train
+
+    common = ["run.plots=false", "run.tensorboard=false", "run.progress=false", "train.global_batch=4",
+              "train.seq_len=32", "train.lr=0.003", "train.warmup_steps=1", f"data.corpus={CORPUS}",
+              f"data.cache_dir={os.path.join(root, 'cache')}", "data.val_fraction=0.2", "eval.max_sequences=8",
+              "eval.batch=4", "model.moe.expert_kernel=loop", "parallel.ep=2"]
+    out = {}
+    for family in FAMILIES:
+        imported = os.path.join(root, f"ours_{family}")
+        config = os.path.join(imported, "config.yaml")
+        step0 = evaluate_run(load_config(config, common), imported, write_json=False)
+        summary = train(load_config(config, common + ["train.steps=2", "ckpt.every=2",
+                                                      f"run.dir={os.path.join(root, 'runs', family)}"]))
+        out[family] = {"step0": step0["val_loss"], "summary": summary}
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_import_train_at_ep2_and_export_back(tmp_path):
+    from moe_dist.train.trainer import evaluate_run
+
+    root = str(tmp_path)
+    texts = [open(os.path.join(CORPUS, "tutorial", "introduction.rst.txt"), encoding="utf-8").read()]
+    for family in FAMILIES:
+        src = os.path.join(root, family)
+        os.makedirs(src)
+        add_tokenizer_json(src, texts, vocab_size=300)
+        build_moe(family, src, vocab_size=320)
+        import_hf(src, os.path.join(root, f"ours_{family}"), log=_quiet)
+    results = run_ranks(_train_and_eval, 2, args=(root,), timeout=600)
+    for family in FAMILIES:
+        r0, r1 = results[0][family], results[1][family]
+        assert r0["summary"]["steps"] == 2 and r0["summary"]["train_loss"] == r1["summary"]["train_loss"]
+        assert torch.isfinite(torch.tensor(r0["summary"]["train_loss"]))
+        # the imported checkpoint evaluates alike on 1 process (all experts) and on 2 ranks at ep=2
+        imported = os.path.join(root, f"ours_{family}")
+        one = evaluate_run(load_config(os.path.join(imported, "config.yaml"),
+                                       [f"data.corpus={CORPUS}", f"data.cache_dir={os.path.join(root, 'cache')}",
+                                        "data.val_fraction=0.2", "train.seq_len=32", "eval.max_sequences=8",
+                                        "eval.batch=4", "run.progress=false", "model.moe.expert_kernel=loop"]),
+                           imported, write_json=False)
+        assert abs(one["val_loss"] - r0["step0"]) <= 1e-5 * one["val_loss"], (family, one["val_loss"], r0["step0"])
+        # the trained run (saved by 2 ranks at ep=2) exported back to its own format
+        run, hf_out = os.path.join(root, "runs", family), os.path.join(root, f"back_{family}")
+        assert cli(["export", "--checkpoint", run, "--format", family, "--out", hf_out]) == 0
+        assert os.path.exists(os.path.join(hf_out, "tokenizer.json"))
+        ours, _, _ = load_our_model(run)
+        hf = hf_classes(family)[1].from_pretrained(hf_out).eval()
+        x = _tokens(vocab=320)
+        with torch.no_grad():
+            assert rel_err(hf(x).logits, ours(x)) <= TOL
+        trained = ours.moe_layers()[0].experts.w1
+        imported_model, _, _ = load_our_model(imported)
+        assert not torch.equal(trained, imported_model.moe_layers()[0].experts.w1)  # the steps changed the experts
+
+
+def _our_model_dir(tmp_path, overrides):
+    """A seeded model of ours saved as a model directory (config.yaml + model.safetensors)."""
+    from moe_dist.upcycle.weights import save_model_weights
+
+    cfg = load_config(None, ["model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=24",
+                             "model.vocab_size=64", "model.n_layers=3", "model.moe.num_experts=4",
+                             "model.moe.top_k=2", "model.tie_embeddings=false", "model.init_std=0.3", *overrides])
+    model = build_model(cfg.model, cfg.model.vocab_size, seed=4)
+    d = str(tmp_path / "model")
+    save_model_weights(model, d)
+    save_config(cfg, os.path.join(d, "config.yaml"))
+    return d, model.eval()
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_export_olmoe_with_dense_blocks(normalize, tmp_path):
+    from transformers import OlmoeForCausalLM
+
+    d, ours = _our_model_dir(tmp_path, ["model.qk_norm=projection", "model.moe.layers=every_other",
+                                        f"model.moe.router_options={{normalize: {str(normalize).lower()}}}"])
+    out = str(tmp_path / "olmoe")
+    logs = []
+    export(d, "olmoe", out, log=logs.append)
+    assert json.load(open(os.path.join(out, "config.json")))["norm_topk_prob"] is normalize
+    assert any("dense blocks [0, 2]" in line for line in logs)
+    hf = OlmoeForCausalLM.from_pretrained(out).eval()
+    x = _tokens(vocab=64)
+    with torch.no_grad():
+        assert rel_err(hf(x).logits, ours(x)) <= TOL
+
+
+def test_export_refuses_what_the_format_cannot_hold(tmp_path):
+    d, _ = _our_model_dir(tmp_path, [])  # no q/k norm
+    with pytest.raises(HFFormatError, match=r"model.qk_norm='none' cannot be exported to OLMoE, whose attention always "
+                                            r"normalises the queries and keys; allowed: 'projection'"):
+        export(d, "olmoe", str(tmp_path / "o"), log=_quiet)
+    d2, _ = _our_model_dir(tmp_path / "b", ["model.qk_norm=projection"])
+    with pytest.raises(HFFormatError, match=r"model.qk_norm='projection' cannot be exported to Mixtral"):
+        export(d2, "mixtral", str(tmp_path / "m"), log=_quiet)
+    d3, _ = _our_model_dir(tmp_path / "c", ["model.qk_norm=projection", "model.moe.router=xmoe",
+                                             "parallel.dense=replicate"])
+    with pytest.raises(HFFormatError, match=r"model.moe.router='xmoe' cannot be exported to OLMoE.*allowed routers"):
+        export(d3, "olmoe", str(tmp_path / "o"), log=_quiet)
+    assert cli(["export", "--checkpoint", d, "--format", "olmoe", "--out", str(tmp_path / "o")]) == 2
+    d4, _ = _our_model_dir(tmp_path / "d", ["model.moe.router_options={normalize: false}"])
+    # Mixtral always renormalises: refused with the reason and the way out
+    with pytest.raises(HFFormatError, match=r"does not renormalise its gates.*allowed: normalize=true.*--format olmoe"):
+        export(d4, "mixtral", str(tmp_path / "m"), log=_quiet)
+
+
+def test_bad_inputs_are_refused_by_name(tmp_path, capsys):
+    src = str(tmp_path / "olmoe")
+    build_moe("olmoe", src, max_shard_size="40KB")
+    cfg_path = os.path.join(src, "config.json")
+    original = json.load(open(cfg_path))
+
+    def with_config(**changes):
+        json.dump({**original, **changes}, open(cfg_path, "w"))
+
+    with_config(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"])
+    with pytest.raises(HFFormatError, match=r"model_type='qwen2_moe' \(architectures=\['Qwen2MoeForCausalLM'\]\) is not "
+                                            r"supported; allowed model_type: \[.*'mixtral', 'olmoe'\]"):
+        MoECheckpoint(src)
+    with_config(architectures=["OlmoeForSequenceClassification"])
+    with pytest.raises(HFFormatError, match=r"architectures=\['OlmoeForSequenceClassification'\] is not supported; "
+                                            r"`moe-dist import` reads model_type='olmoe' as 'OlmoeForCausalLM'"):
+        MoECheckpoint(src)
+    with_config(clip_qkv=8.0)
+    with pytest.raises(HFFormatError, match=r"clip_qkv=8.0 is not supported \(clipping of the query, key and value "
+                                            r"activations\); allowed: None"):
+        MoECheckpoint(src)
+    with_config(model_type="llama", architectures=["LlamaForCausalLM"])
+    with pytest.raises(HFFormatError, match=r"model_type='llama' cannot be read here; `moe-dist import` reads model_type "
+                                            r"in \['mixtral', 'olmoe'\] \(a dense checkpoint is read by `moe-dist upcycle`\)"):
+        MoECheckpoint(src)
+    with_config(intermediate_size=32)  # the weights say 24
+    with pytest.raises(HFFormatError, match=r"tensor 'model.layers.0.mlp.experts.0.gate_proj.weight' has shape \[24, 32\] "
+                                            r"but config.json \(.*intermediate_size=32.*\) implies \[32, 32\]"):
+        import_hf(src, str(tmp_path / "o"), log=_quiet)
+    capsys.readouterr()
+    assert cli(["import", "--hf", src, "--out", str(tmp_path / "o")]) == 2  # the same error as one line, exit 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("moe-dist import: error: ") and "intermediate_size=32" in err[0]
+    with_config()
+    with pytest.raises(ConfigError, match=r"model.moe.num_experts: 8 differs from the checkpoint's 4 .*leave "
+                                          r"model.moe.num_experts out or set it to 4"):
+        import_config(MoECheckpoint(src).spec, ["model.moe.num_experts=8"])
+    with pytest.raises(ConfigError, match=r"model.moe.router_options: \{'normalize': True\} differs from the checkpoint's"):
+        import_config(MoECheckpoint(src).spec, ["model.moe.router_options={normalize: true}"])
+    # a missing shard
+    index = json.load(open(os.path.join(src, "model.safetensors.index.json")))
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1
+    os.remove(os.path.join(src, shards[-1]))
+    with pytest.raises(HFFormatError, match=rf"shards named in model.safetensors.index.json are missing: \['{shards[-1]}'\]"):
+        import_hf(src, str(tmp_path / "o"), log=_quiet)
+    assert cli(["import", "--hf", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")]) == 2
+
+
+def test_olmoe_preset_counts():
+    from moe_dist.plan import plan
+
+    preset = plan(os.path.join(ROOT, "configs", "olmoe-1b-7b.yaml"), 1, 8, 80)
+    assert abs(preset["total_params"] / 6.92e9 - 1) <= 0.01 and abs(preset["active_params"] / 1.28e9 - 1) <= 0.01
+    published = plan(os.path.join(ROOT, "configs", "hf", "olmoe-1b-7b.json"), 1, 8, 80)
+    assert (published["total_params"], published["active_params"]) == (preset["total_params"], preset["active_params"])
+    text = open(os.path.join(ROOT, "configs", "olmoe-1b-7b.yaml")).read()
+    assert f"total {preset['total_params']:,}" in text and f"active per token {preset['active_params']:,}" in text
+    assert f"ep: {preset['recommended']['ep']} " in text  # the preset uses the planner's layout
+    script = open(os.path.join(ROOT, "launch", "slurm", "presets", "olmoe-1b-7b.sbatch")).read()
+    assert "PRESET=olmoe-1b-7b" in script and "import --hf" in script
+    # the preset's architecture is the published config's: import would accept it over that checkpoint
+    from moe_dist.config.load import read_yaml
+    from moe_dist.hf import hf_model_spec, read_hf_config
+
+    spec = hf_model_spec(read_hf_config(os.path.join(ROOT, "configs", "hf", "olmoe-1b-7b.json")))
+    assert import_config(spec, base=read_yaml(os.path.join(ROOT, "configs", "olmoe-1b-7b.yaml"))).model.qk_norm == "projection"
