@@ -20,7 +20,8 @@ moe_dist_python() {
 #     MODE=children  to CMD's child processes (torchrun's workers); CMD then starts with SIGUSR1 and
 #                    SIGTERM ignored so that a signal sent to the whole process tree cannot kill the
 #                    launcher before its workers have saved.
-#   Sets RUN_RC (CMD's exit status) and RUN_SIGNALLED (the signal name, or empty).
+#   Sets RUN_RC (the job's exit status: CMD's, or 2 / 75 when the ranks reported them, see
+#   moe_dist/exits.py; needs $PY) and RUN_SIGNALLED (the signal name, or empty).
 run_forwarding_signals() {
   local mode=$1
   shift
@@ -28,6 +29,9 @@ run_forwarding_signals() {
   RUN_RC=0
   _RUN_PID=""
   _RUN_MODE=$mode
+  # the ranks report their exit codes here (moe_dist/exits.py): the launcher's own status loses them
+  MOE_DIST_STATUS_DIR=$(mktemp -d "${TMPDIR:-/tmp}/moe-dist-status.XXXXXX")
+  export MOE_DIST_STATUS_DIR
   trap '_forward_signal USR1' USR1
   trap '_forward_signal TERM' TERM
   if [ "$mode" = children ]; then
@@ -42,6 +46,10 @@ run_forwarding_signals() {
     kill -0 "$_RUN_PID" 2>/dev/null || break  # still running: wait was interrupted by a signal
   done
   trap - USR1 TERM
+  if [ -n "${PY:-}" ]; then
+    RUN_RC=$("$PY" -m moe_dist.exits "$MOE_DIST_STATUS_DIR" "$RUN_RC" 2>/dev/null || echo "$RUN_RC")
+  fi
+  rm -rf "$MOE_DIST_STATUS_DIR"
 }
 
 _forward_signal() {

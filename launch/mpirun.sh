@@ -47,6 +47,7 @@ if "$MPIRUN" --version 2>/dev/null | grep -q "Open MPI"; then  # Open MPI does n
   for v in MOE_DIST_MPI4PY MASTER_ADDR MASTER_PORT OMP_NUM_THREADS PYTHONPATH; do
     [ -n "${!v:-}" ] && MPI_ARGS+=(-x "$v")
   done
+  MPI_ARGS+=(-x MOE_DIST_STATUS_DIR)  # exported by run_forwarding_signals (launch/lib.sh) before mpirun starts
   [ "$(id -u)" = 0 ] && MPI_ARGS+=(--allow-run-as-root)
 fi
 

@@ -6,9 +6,9 @@
 Each subcommand lives in its own module, named in :data:`COMMANDS`; the module defines
 ``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``, and sets
 ``LAUNCHABLE = True`` if it runs as one rank of a distributed job. For those, this module
-adds ``--nproc N``: start N local processes with torch.distributed.run (torchrun) running
-the same command without ``--nproc``; an optional ``preflight(args, world_size) -> int``
-checks the arguments first (non-zero = do not launch). Without it the command is one rank of whatever
+adds ``--nproc N``: start N local processes (:mod:`moe_dist.local_launch`: it forwards signals
+and keeps the job's exit code) running the same command without ``--nproc``; an optional
+``preflight(args, world_size) -> int`` checks the arguments first (non-zero = do not launch). Without it the command is one rank of whatever
 launched it (torchrun, srun, mpirun) or a single process. Adding a subcommand = one line
 in COMMANDS plus its module.
 """
@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
-import os
-import subprocess
 import sys
 from typing import Optional, Sequence
 
@@ -47,24 +45,6 @@ def _strip_nproc(argv: Sequence[str]) -> list[str]:
             continue
         out.append(a)
     return out
-
-
-def launch_local(nproc: int, argv: Sequence[str]) -> int:
-    """Run ``moe-dist <argv>`` as ``nproc`` local ranks under torchrun; returns its exit code."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)  # the children get theirs from torchrun
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={nproc}",
-           "--module", "moe_dist.cli", *argv]
-    try:
-        return subprocess.call(cmd, env=env)
-    except KeyboardInterrupt:
-        return 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,8 +77,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         code = preflight(args, nproc) if preflight else 0
         if code:
             return code
-        return launch_local(nproc, _strip_nproc(argv))
-    code = int(args._module.run(args) or 0)
+        from .local_launch import launch_local
+
+        return launch_local(nproc, _strip_nproc(argv), args.command)
+    from .exits import run_process
+
+    code = run_process(args.command, lambda: args._module.run(args))
     # a model sharded over a device mesh keeps the mesh, and the mesh its process groups:
     # free them now, while the interpreter is whole (see dist.bootstrap.shutdown)
     gc.collect()

@@ -45,9 +45,9 @@ def trained(cfg, seed=0, steps=1):
 
 
 def snapshot(directory):
-    """path -> SHA-256 of every file under ``directory``."""
+    """path -> SHA-256 of every file under ``directory`` (but the run lock's note of who holds it)."""
     return {p: sha256_file(p) for p in sorted(glob.glob(os.path.join(directory, "**"), recursive=True))
-            if os.path.isfile(p)}
+            if os.path.isfile(p) and os.path.basename(p) != "run.lock"}
 
 
 def same_state(a, b):
@@ -248,6 +248,36 @@ def test_metadata_unpickler_refuses_code(tmp_path):
     with pytest.raises(CheckpointError, match="refusing to unpickle"):
         SafeFileSystemReader(str(tmp_path / "evil")).read_metadata()
     assert not os.path.exists(tmp_path / "pwned")
+
+
+def test_metadata_unpickler_enum_members_as_python_3_11_2_pickles_them(tmp_path):
+    """Debian bookworm's Python 3.11.2 (the Docker image's) pickles an enum member as getattr(cls, name):
+    that form loads; getattr of anything but an enum member is refused."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    member = list(_MEM_FORMAT_ENCODING)[0]
+
+    class AsGetattr:
+        def __init__(self, obj, name):
+            self.args = (obj, name)
+
+        def __reduce__(self):
+            return (getattr, self.args)
+
+    for name, payload, ok in [("enum", AsGetattr(_MEM_FORMAT_ENCODING, member.name), True),
+                              ("escape", AsGetattr(_MEM_FORMAT_ENCODING, "__init__"), False),
+                              ("set", AsGetattr(set, "__init__"), False)]:
+        os.makedirs(tmp_path / name)
+        with open(tmp_path / name / ".metadata", "wb") as f:
+            pickle.dump(payload, f)
+        if ok:
+            from moe_dist.train.checkpoint.files import _MetadataUnpickler
+
+            with open(tmp_path / name / ".metadata", "rb") as f:
+                assert _MetadataUnpickler(f).load() is member
+        else:
+            with pytest.raises(CheckpointError, match="refusing to unpickle"):
+                SafeFileSystemReader(str(tmp_path / name)).read_metadata()
 
 
 def test_trainer_resume_settings_and_refusals(tmp_path):

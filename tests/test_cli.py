@@ -34,7 +34,7 @@ def test_two_rank_train_end_to_end(run_dir):
     d, res = run_dir
     out = res.stdout
     assert out.count("done: 8 steps") == 1  # rank 0 alone reports
-    assert "2 process(es) [torchrun, gloo" in out and "ep=2, dense=fsdp" in out
+    assert "2 process(es) [local, gloo" in out and "ep=2, dense=fsdp" in out
     assert "validation perplexity" in out and "unigram baseline perplexity" in out
     for name in ("config.yaml", "metrics.jsonl", "run.json", "summary.json", "plots/loss.png", "plots/expert_load.png",
                  "checkpoints/step_000008/COMPLETE", "checkpoints/step_000008/meta.json"):
@@ -45,7 +45,7 @@ def test_two_rank_train_end_to_end(run_dir):
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
     assert all(len(r["moe"]["0"]["expert_counts"]) == 4 for r in rows)
     info = json.load(open(d / "run.json"))
-    assert (info["world_size"], info["ep"], info["dense"], info["launcher"]) == (2, 2, "fsdp", "torchrun")
+    assert (info["world_size"], info["ep"], info["dense"], info["launcher"]) == (2, 2, "fsdp", "local")
     meta = json.load(open(d / "checkpoints/step_000008/meta.json"))
     assert meta["sampler"]["consumed"] == 8 * 8 and meta["ep"] == 2
 

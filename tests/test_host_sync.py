@@ -193,10 +193,10 @@ def step_syncs(trainer):
     engine = trainer.engine
     update = engine.step
     with count_host_syncs() as log:
-        def tagged_update():
+        def tagged_update(*args, **kwargs):
             log.tag = "update"
             try:
-                return update()
+                return update(*args, **kwargs)
             finally:
                 log.tag = ""
         engine.step = tagged_update

@@ -245,6 +245,8 @@ class TrainConfig:
     dtype: Literal["fp32", "bf16"] = knob("fp32", "bf16 = autocast matmuls to bfloat16 (fp32 master weights; FSDP2 gathers "
                                                  "bf16 copies and reduces gradients in fp32; router math stays fp32)")
     activation_checkpointing: bool = knob(False, "recompute each block in backward (non-reentrant)")
+    max_nonfinite_steps: int = knob(5, "stop after this many consecutive steps whose loss or gradient norm is not "
+                                    "finite (each such step is skipped: not applied, marked in metrics.jsonl)", min=1)
     engine: Literal["native", "deepspeed"] = knob("native", "who reduces gradients and steps the optimizer: native "
                                                    "(parallel.dense) or deepspeed (ZeRO-1/2, deepspeed.* keys; needs "
                                                    "the deepspeed extra)")

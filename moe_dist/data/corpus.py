@@ -53,9 +53,24 @@ def _relative(path: Path, corpus: str) -> str:
     return path.name if root.is_file() else path.relative_to(root).as_posix()
 
 
+MAX_BAD_BYTES = 0.01  # a "text" file with more undecodable UTF-8 than this share (or any NUL byte) is not text
+
+
+def not_text(data: bytes) -> Optional[str]:
+    """Why ``data`` is not UTF-8 text (NUL bytes, or more than 1% of it undecodable), or None."""
+    if b"\0" in data:
+        return "it holds NUL bytes (a binary file?)"
+    text = data.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd") - data.decode("utf-8", errors="ignore").count("\ufffd")
+    if bad > MAX_BAD_BYTES * max(len(text), 1):
+        return f"{bad / max(len(text), 1):.0%} of it is not valid UTF-8"
+    return None
+
+
 def read_documents(corpus: str, pattern: Optional[str] = None, fmt: str = "auto",
-                   jsonl_field: str = "text") -> Iterator[Document]:
-    """Documents in a stable order."""
+                   jsonl_field: str = "text", skipped: Optional[list] = None) -> Iterator[Document]:
+    """Documents in a stable order. Files that are not text are left out; ``skipped`` (a list) is
+    given ``(relative path, why)`` for each."""
     for path in corpus_files(corpus, pattern):
         rel = _relative(path, corpus)
         if _is_jsonl(path, fmt):
@@ -66,14 +81,21 @@ def read_documents(corpus: str, pattern: Optional[str] = None, fmt: str = "auto"
                     try:
                         rec = json.loads(line)
                     except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{i + 1}: not valid JSON ({e.msg}); data.format='jsonl' expects one "
-                                         "JSON object per line") from None
+                        raise ValueError(f"{path}:{i + 1}: not valid JSON: {e.msg} at line {i + 1}, column {e.colno} "
+                                         f"(character {e.pos + 1} of the line); data.format='jsonl' expects one JSON "
+                                         "object per line") from None
                     if not isinstance(rec, dict) or not isinstance(rec.get(jsonl_field), str):
                         raise ValueError(f"{path}:{i + 1}: no string field {jsonl_field!r} (data.jsonl_field)")
                     if rec[jsonl_field]:
                         yield Document(f"{rel}:{i + 1}", rec[jsonl_field])
         else:
-            text = path.read_text(encoding="utf-8", errors="replace")
+            data = path.read_bytes()
+            why = not_text(data)
+            if why:
+                if skipped is not None:
+                    skipped.append((rel, why))
+                continue
+            text = data.decode("utf-8", errors="replace")
             if text:
                 yield Document(rel, text)
 

@@ -61,7 +61,12 @@ def data_key(data_cfg, fingerprint: Optional[str] = None) -> tuple[str, dict]:
 
 def _build(directory: str, data_cfg, spec: dict, log) -> None:
     t0 = time.perf_counter()
-    docs = list(read_documents(data_cfg.corpus, data_cfg.pattern, data_cfg.format, data_cfg.jsonl_field))
+    skipped: list[tuple[str, str]] = []
+    docs = list(read_documents(data_cfg.corpus, data_cfg.pattern, data_cfg.format, data_cfg.jsonl_field, skipped))
+    if skipped:
+        shown = "; ".join(f"{name}: {why}" for name, why in skipped[:5])
+        log(f"warning: data: left out {len(skipped)} file(s) of data.corpus that are not text ({shown}"
+            f"{'; ...' if len(skipped) > 5 else ''})")
     train_docs = [d.text for d in docs if not is_validation(d.name, data_cfg.val_fraction)]
     val_docs = [d.text for d in docs if is_validation(d.name, data_cfg.val_fraction)]
     if not train_docs or not val_docs:
@@ -82,7 +87,8 @@ def _build(directory: str, data_cfg, spec: dict, log) -> None:
     write_manifest(directory, {
         "format": FORMAT,
         "source": {"corpus": os.path.abspath(data_cfg.corpus), "pattern": data_cfg.pattern, "format": data_cfg.format,
-                   "jsonl_field": data_cfg.jsonl_field, "sha256": spec["corpus_sha256"], "documents": len(docs)},
+                   "jsonl_field": data_cfg.jsonl_field, "sha256": spec["corpus_sha256"], "documents": len(docs),
+                   "not_text": [name for name, _why in skipped]},
         "tokenizer": {"sha256": tok.sha256, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
                       "file": "tokenizer.model", "trained": not data_cfg.tokenizer, **spec["tokenizer"]},
         "dtype": dtype.str,

@@ -26,7 +26,7 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from .groups import ParallelGroups, build_parallel_groups
+from .groups import ParallelGroups, build_parallel_groups, set_group_timeout
 
 DEFAULT_PORT = 29517
 
@@ -41,7 +41,7 @@ class LaunchInfo:
     local_world_size: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int = DEFAULT_PORT
-    launcher: str = "single"  # torchrun | slurm | openmpi | pmix | mpich | mvapich | mpi4py | single | external
+    launcher: str = "single"  # torchrun | local | slurm | openmpi | pmix | mpich | mvapich | mpi4py | single | external
 
     def __post_init__(self):
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -142,7 +142,7 @@ def detect_launch(environ: Optional[Mapping[str, str]] = None, use_mpi4py: Optio
         return LaunchInfo(rank=_int(env, "RANK"), world_size=size, local_rank=_int(env, "LOCAL_RANK") or 0,
                           local_world_size=_int(env, "LOCAL_WORLD_SIZE") or size,
                           master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=_port(env, DEFAULT_PORT),
-                          launcher="torchrun")
+                          launcher=env.get("MOE_DIST_LAUNCHER", "torchrun"))  # "local": moe-dist --nproc
 
     # a Slurm job *step* (srun); a batch script alone also has SLURM_PROCID=0 but is one process
     in_step = any(env.get(v) for v in ("SLURM_STEP_ID", "SLURM_STEPID", "SLURM_STEP_NUM_TASKS"))
@@ -262,6 +262,7 @@ def init_distributed(ep: int = 1, num_experts: Optional[int] = None, *, backend:
         launch = detect_launch(environ)
         dev = pick_device(device, launch.local_rank)
         be, owns = None, False
+        set_group_timeout(timeout_s)  # every group of this job, not only the default one
         if launch.world_size > 1:
             be = pick_backend(backend, dev)
             dist.init_process_group(be, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",

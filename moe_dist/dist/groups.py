@@ -7,10 +7,46 @@ parallel group of a rank is the strided set of ranks that hold the same experts
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch.distributed as dist
+
+# the timeout every group is created with (parallel.timeout_s; set by init_distributed), so that a
+# collective on any group, not only the default one, gives up after it instead of torch's 30 minutes
+_timeout: Optional[datetime.timedelta] = None
+# id(group) -> (name, global ranks) of the groups made here, kept after the groups are destroyed so that
+# an error report written afterwards can still name them (None = the default group)
+_named: dict[Optional[int], tuple[str, list[int]]] = {}
+
+
+def set_group_timeout(seconds: Optional[float]) -> None:
+    """The timeout of the groups created from now on by :func:`new_group` (None = torch's default)."""
+    global _timeout
+    _timeout = None if seconds is None else datetime.timedelta(seconds=seconds)
+
+
+def group_timeout() -> Optional[datetime.timedelta]:
+    return _timeout
+
+
+def new_group(ranks: Optional[Sequence[int]] = None, backend: Optional[str] = None,
+              name: str = "") -> dist.ProcessGroup:
+    """``dist.new_group`` with the configured timeout (collective: every rank calls it)."""
+    ranks = list(range(dist.get_world_size())) if ranks is None else list(ranks)
+    group = dist.new_group(ranks, timeout=_timeout, backend=backend)
+    _named[id(group)] = (name, ranks)
+    return group
+
+
+def describe_group(group) -> Optional[tuple[str, list[int]]]:
+    """(name, global ranks) of a group made by :func:`new_group` or the default group, else None."""
+    if group is None or (dist.is_initialized() and group is dist.group.WORLD):
+        if None not in _named and dist.is_initialized():
+            _named[None] = _named[id(dist.group.WORLD)] = ("world", list(range(dist.get_world_size())))
+        return _named.get(None)
+    return _named.get(id(group))
 
 
 @dataclass
@@ -38,17 +74,18 @@ def build_parallel_groups(ep_size: int, num_experts: Optional[int] = None) -> Pa
             raise ValueError(f"parallel.ep={ep_size} needs torch.distributed to be initialised (world size 1 allows only ep=1)")
         return ParallelGroups.single()
     world, rank = dist.get_world_size(), dist.get_rank()
+    describe_group(None)  # remember the default group's ranks while it exists
     if ep_size < 1 or world % ep_size:
         raise ValueError(f"parallel.ep={ep_size} must be >= 1 and divide the world size {world}")
     if num_experts is not None and num_experts % ep_size:
         raise ValueError(f"parallel.ep={ep_size} must divide model.moe.num_experts={num_experts}")
     ep_group = edp_group = None
     for start in range(0, world, ep_size):  # every rank must create every group, in the same order
-        g = dist.new_group(list(range(start, start + ep_size)))
+        g = new_group(range(start, start + ep_size), name="ep")
         if start <= rank < start + ep_size:
             ep_group = g
     for off in range(ep_size):
-        g = dist.new_group(list(range(off, world, ep_size)))
+        g = new_group(range(off, world, ep_size), name="edp")
         if rank % ep_size == off:
             edp_group = g
     return ParallelGroups(

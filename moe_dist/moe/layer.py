@@ -146,6 +146,10 @@ class MoELayer(nn.Module):
             bias.add_(self.expert_bias_rate * torch.sign(c.mean() - c).to(bias.dtype))
         self._pending_counts = None
 
+    def discard_step(self) -> None:
+        """The optimizer step was not applied (a non-finite loss): forget its expert-bias counts."""
+        self._pending_counts = None
+
     def extra_metrics(self) -> dict:
         """Router figures and the expert bias, for metrics.jsonl (host values; call at log time)."""
         out = dict(self.router.extra_metrics())

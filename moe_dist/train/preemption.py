@@ -23,7 +23,8 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-EXIT_PREEMPTED = 75
+from ..exits import EXIT_PREEMPTED  # 75, EX_TEMPFAIL (moe_dist/exits.py defines every exit code)
+
 SIGNALS = ("SIGUSR1", "SIGTERM")
 
 

@@ -9,6 +9,7 @@ ranks computes what one process computes on the whole batch.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import sys
@@ -24,6 +25,7 @@ from ..config.load import config_to_dict
 from ..data import PreparedData, TrainSampler, load_prepared, prepare_data
 from ..diagnostics import RoutingDiagnostics
 from ..dist.bootstrap import Runtime, init_distributed, shutdown
+from ..exits import JobStopped
 from ..hardware import peak_rss_bytes, slow_bf16_note
 from ..model import count_parameters
 from ..parallel.kernel_choice import agree_expert_kernels
@@ -36,6 +38,11 @@ from .model_setup import build_meta_model, is_weights_directory, weights_filler
 from .optim import lr_at, set_lr
 from .parallelize import parallelize
 from .preemption import PreemptionHandler, stop_if_requested
+from .run_lock import RunDirLock
+
+
+class TrainingDiverged(JobStopped):
+    """Too many consecutive non-finite steps, or non-finite state about to be saved."""
 
 
 def default_threads(rt: Runtime) -> int:
@@ -76,6 +83,20 @@ def resolve_vocab(cfg: Config, data: PreparedData) -> int:
     return cfg.model.vocab_size
 
 
+MIN_STEPS_OF_DATA = 4  # a training set smaller than this many steps' tokens is worth a warning
+
+
+def small_corpus_note(train_tokens: int, global_batch: int, seq_len: int, steps: int) -> str:
+    """A warning when the training split holds fewer than a few steps' tokens ('' otherwise)."""
+    per_step = global_batch * seq_len
+    if train_tokens >= MIN_STEPS_OF_DATA * per_step:
+        return ""
+    return (f"warning: data: the training split has {train_tokens:,} tokens, {train_tokens / per_step:.2g} step(s) of "
+            f"train.global_batch x train.seq_len = {per_step:,} tokens: every step sees the same text again "
+            f"({steps * per_step / max(train_tokens, 1):.1f} epochs over train.steps={steps}); add text to data.corpus "
+            "or lower train.global_batch / train.seq_len")
+
+
 class Trainer:
     """The training loop around a model it builds, an engine (``train.engine``: how the model is spread
     and updated) and the checkpoints (``ckpt.*``, ``resume``), both given their parts explicitly."""
@@ -87,6 +108,27 @@ class Trainer:
         self.is_main = self.rt.is_main
         self.run_dir = cfg.run.dir
         self._bar = None
+        self.lock = RunDirLock(self.run_dir)
+        try:
+            self._setup()
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _take_run_dir(self) -> None:
+        """Rank 0 locks run.dir for the run's life (before anything in it is touched); all ranks
+        refuse together if another live run holds it."""
+        refusal = self.lock.acquire() if self.is_main else None
+        if self.rt.distributed:
+            box = [refusal]
+            dist.broadcast_object_list(box, src=0)
+            refusal = box[0]
+        if refusal:
+            raise ConfigError(refusal)
+
+    def _setup(self) -> None:
+        cfg = self.cfg
+        self._take_run_dir()
         if self.is_main:
             os.makedirs(os.path.join(self.run_dir, "checkpoints"), exist_ok=True)
             os.makedirs(os.path.join(self.run_dir, "plots"), exist_ok=True)
@@ -119,6 +161,7 @@ class Trainer:
             self.engine.state_loaded()  # DeepSpeed: the loaded state into its ZeRO partitions
         self.metrics = MetricsLogger(self.run_dir if self.is_main else None, cfg.run.tensorboard)
         self.preemption = PreemptionHandler(self.rt.device)  # SIGUSR1/SIGTERM: checkpoint and exit 75
+        self.nonfinite_in_a_row, self.skipped_steps = 0, 0
         if self.is_main:
             save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
             self._write_run_info()
@@ -192,15 +235,48 @@ class Trainer:
             self.engine.backward(lm_sum / step_tokens + aux)
             self.moe_stats.add()
             sums += torch.stack([lm_sum.detach().double(), aux.detach().double()])
-        grad_norm = self.engine.step()  # reduce, clip, update
-        self.engine.zero_grad()
-        for layer in self.moe:
-            layer.after_optimizer_step()  # the router's per-step state and the expert bias
         if self.rt.distributed:
             dist.all_reduce(sums, group=self.rt.groups.dp)
-        self.step += 1
         lm_total, aux_total = sums.tolist()  # the step's one read of the losses
-        return {"loss": lm_total / step_tokens, "aux_loss": aux_total, "lr": lr, "grad_norm": grad_norm}
+        # reduce, clip, update; a step whose global loss or gradient norm is not finite is not applied
+        grad_norm = self.engine.step(loss_finite=math.isfinite(lm_total) and math.isfinite(aux_total))
+        skipped = self.engine.skipped
+        self.engine.zero_grad()
+        for layer in self.moe:  # the router's per-step state and the expert bias; a skipped step's counts are dropped
+            if skipped:
+                layer.discard_step()
+            else:
+                layer.after_optimizer_step()
+        self.step += 1
+        row = {"loss": lm_total / step_tokens, "aux_loss": aux_total, "lr": lr, "grad_norm": grad_norm}
+        if skipped:
+            row["skipped"] = True
+        return row
+
+    def check_finite(self, row: dict) -> Optional[TrainingDiverged]:
+        """Count a skipped step; after ``train.max_nonfinite_steps`` of them in a row, the error that
+        stops training (raised once the step's metrics row is written). An engine that cannot skip
+        (DeepSpeed) stops at the first non-finite step, before anything is saved."""
+        finite = math.isfinite(row["loss"]) and math.isfinite(row["aux_loss"]) and math.isfinite(row["grad_norm"])
+        if finite:
+            self.nonfinite_in_a_row = 0
+            return None
+        limit = self.cfg.train.max_nonfinite_steps
+        if not row.get("skipped"):
+            return TrainingDiverged(f"step {self.step}: loss {row['loss']}, gradient norm {row['grad_norm']} are not "
+                                    f"finite and train.engine={self.cfg.train.engine} cannot skip the update; stopped "
+                                    "before saving (lower train.lr; resume=auto continues from the last checkpoint)")
+        self.nonfinite_in_a_row += 1
+        self.skipped_steps += 1
+        self.log(f"step {self.step}: loss {row['loss']:.4g}, gradient norm {row['grad_norm']:.4g}: not finite, the "
+                 f"update was skipped ({self.nonfinite_in_a_row} in a row, train.max_nonfinite_steps={limit})")
+        if self.nonfinite_in_a_row < limit:
+            return None
+        first = self.step - self.nonfinite_in_a_row + 1
+        return TrainingDiverged(f"training diverged: steps {first}..{self.step} had a non-finite loss or gradient "
+                                f"norm ({limit} in a row = train.max_nonfinite_steps), none was applied; the last "
+                                f"applied step is {first - 1}. Lower train.lr (or raise train.warmup_steps) and "
+                                "resume=auto continues from the last checkpoint")
 
     def probe_fluctuation(self) -> dict:
         """Routing fluctuation of a fixed probe set (each rank's first validation batch) since the
@@ -214,8 +290,24 @@ class Trainer:
     def validate(self) -> dict:
         return evaluate(self.model, self.val_batches, self.rt.device, self.cfg.train.dtype, self.rt.groups.dp)
 
+    def state_is_finite(self) -> bool:
+        """Collective: every weight and optimizer state entry of every rank is finite (one read)."""
+        tensors = [p for p in self.model.parameters()]
+        tensors += [v for state in self.engine.optimizer.state.values() for v in state.values()
+                    if torch.is_tensor(v) and v.is_floating_point()]
+        flags = [torch.isfinite(t.to_local() if hasattr(t, "to_local") else t).all() for t in tensors]
+        flags = [f.to(self.rt.device) for f in flags if f.device.type != "meta"]
+        ok = torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=self.rt.device)
+        ok = ok.to(torch.int32).view(1)
+        if self.rt.distributed:
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        return bool(ok.item())
+
     def save(self) -> str:
         with self.engine.state_for_save():
+            if not self.state_is_finite():  # never a checkpoint that resume=auto would walk back into
+                raise TrainingDiverged(f"step {self.step}: the model or optimizer state holds non-finite values; "
+                                       "no checkpoint was saved (resume=auto continues from the last one)")
             return self.checkpoints.save(self.step)
 
     # ---- the loop -------------------------------------------------------------------------
@@ -230,6 +322,9 @@ class Trainer:
                  f"{self.rt.device}, {torch.get_num_threads()} thread(s) each], ep={self.rt.groups.ep_size}, "
                  f"dense={self.engine.dense_layout()}; data: "
                  f"{self.data.train.count:,} train tokens, {cfg.train.global_batch}x{cfg.train.seq_len} tokens per step")
+        small = small_corpus_note(self.data.train.count, cfg.train.global_batch, cfg.train.seq_len, steps)
+        if small:
+            self.log(small)
         slow = slow_bf16_note(self.rt.device, cfg.train.dtype)
         if slow:
             self.log(slow)
@@ -243,19 +338,24 @@ class Trainer:
                 dt = time.perf_counter() - t0
                 step_tokens = cfg.train.global_batch * cfg.train.seq_len
                 tokens_seen += step_tokens
+                diverged = self.check_finite(row)
                 row = {"step": self.step, **row, "tokens_per_s": step_tokens / dt, "tokens": tokens_seen,
-                       "epoch": round(self.sampler.epoch, 4), "elapsed_s": round(time.perf_counter() - t_start, 2)}
+                       "epoch": round(self.sampler.epoch, 4), "elapsed_s": round(time.perf_counter() - t_start, 2),
+                       "skipped_steps": self.skipped_steps}
                 last = self.step == steps
                 if (cfg.eval.every and self.step % cfg.eval.every == 0) or last:
                     last_val = self.validate()
                     fluct = self.probe_fluctuation()
                     row.update(val_loss=last_val["loss"], val_ppl=last_val["ppl"])
                     self.log(f"step {self.step}/{steps}: val loss {last_val['loss']:.4f}, perplexity {last_val['ppl']:.2f}")
-                if self.step % cfg.run.log_every == 0 or last or "val_loss" in row or self.step == 1:
+                if (self.step % cfg.run.log_every == 0 or last or "val_loss" in row or self.step == 1
+                        or row.get("skipped")):
                     row["moe"] = self.moe_stats.summary(self.rt.groups.dp, self.rt.device)
                     for layer, figs in self.diagnostics.update(self.step, row["moe"]).items():
                         row["moe"][layer].update({k: v for k, v in figs.items() if k != "load"}, **fluct.get(layer, {}))
                     self.metrics.log(row)
+                if diverged:
+                    raise diverged
                 if self._bar is not None:
                     self._bar.update(1)
                     self._bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
@@ -295,10 +395,16 @@ class Trainer:
         try:
             self.checkpoints.wait()  # an async save in flight
             self.preemption.restore()
-            self.metrics.close()
+            try:
+                self.metrics.close()
+            except OSError as e:
+                if sys.exc_info()[0] is None:
+                    raise
+                self.log(f"metrics: could not finish writing metrics.jsonl: {e}")  # the error in flight matters more
             if self._owns_runtime:
                 shutdown(self.rt)
         finally:
+            self.lock.release()
             self.engine.close()
 
 

@@ -16,11 +16,13 @@ sampler position, learning-rate schedule, layout, the resolved config) and ``COM
 manifest).
 """
 from .checkpointer import Checkpointer, config_sha256, load_checkpoint, save_checkpoint
-from .files import META, CheckpointError, IncompleteCheckpoint, latest_checkpoint, read_manifest, step_dir
+from .files import (META, CheckpointError, DamagedCheckpoint, IncompleteCheckpoint, latest_checkpoint, read_manifest,
+                    step_dir)
 from .files import MARKER as COMPLETE  # the completion marker's file name (kept for callers of the first version)
 from .resume import TrainingCheckpoints, model_differences
 from .state import expert_keyed_state_dict, optimizer_state_dict
 
-__all__ = ["COMPLETE", "META", "CheckpointError", "IncompleteCheckpoint", "Checkpointer", "TrainingCheckpoints",
+__all__ = ["COMPLETE", "META", "CheckpointError", "DamagedCheckpoint", "IncompleteCheckpoint",
+           "Checkpointer", "TrainingCheckpoints",
            "config_sha256", "expert_keyed_state_dict", "latest_checkpoint", "load_checkpoint", "model_differences",
            "optimizer_state_dict", "read_manifest", "save_checkpoint", "step_dir"]

@@ -12,9 +12,11 @@ over a separate gloo process group while training goes on.
 from __future__ import annotations
 
 import datetime
+import errno
 import hashlib
 import json
 import os
+import shutil
 import threading
 from typing import Callable, Optional
 
@@ -23,8 +25,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
+from ...dist.groups import new_group
+from ...exits import JobStopped
 from .collective import agree, all_gather, collectively, distributed, quiet_single_process
-from .files import (FORMAT, FORMAT_VERSION, MARKER, META, CheckpointError, SafeFileSystemReader, check_files,
+from .files import (FORMAT, FORMAT_VERSION, MARKER, META, CheckpointError, DamagedCheckpoint, SafeFileSystemReader,
+                    check_files,
                     corrupted_error, data_files, file_record, partial_dir, prune, publish, read_manifest, shard,
                     start_partial, step_dir, write_json_durably)
 from .rng import RNG, rng_prefix, rng_state, set_rng_state
@@ -42,6 +47,61 @@ def _layout(model: nn.Module, state: dict) -> dict:
     ep = layers[0].num_experts // layers[0].experts.num_experts if layers else 1
     dense = "fsdp" if any(type(t).__name__ == "DTensor" for t in state.values()) else ("replicated" if world > 1 else "local")
     return {"world_size": world, "ep": ep, "edp": world // ep, "dp": world, "dense": dense}
+
+
+class NoSpaceLeft(JobStopped):
+    """A save failed for lack of disk space (one line: where, how much was needed and is free)."""
+
+
+_FULL = ("No space left on device", "Disk quota exceeded")
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (or a cause, or a rank's failure inside DCP's CheckpointException) is ENOSPC / EDQUOT."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(words in str(e) for words in _FULL):
+            return True
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f if isinstance(f, BaseException) else getattr(f, "exc_value", None) for f in failures.values()]
+    return False
+
+
+def out_of_space(partial: str, need: int) -> bool:
+    """After a failed save: what it still had to write exceeds the free space (torch.save's zip
+    writer reports ENOSPC as "unexpected pos", without the errno)."""
+    root = os.path.dirname(partial)
+    if not need or not os.path.isdir(root):
+        return False
+    written = sum(os.path.getsize(os.path.join(partial, n)) for n in os.listdir(partial)
+                  if os.path.isfile(os.path.join(partial, n))) if os.path.isdir(partial) else 0
+    return shutil.disk_usage(root).free < need - written
+
+
+def _local_bytes(state: dict) -> int:
+    total = 0
+    for v in state.values():
+        if torch.is_tensor(v):
+            local = v.to_local() if hasattr(v, "to_local") else v
+            total += local.numel() * local.element_size()
+    return total
+
+
+def no_space_error(partial: str, step: int, need: int) -> NoSpaceLeft:
+    root = os.path.dirname(partial)
+    free = shutil.disk_usage(root).free if os.path.isdir(root) else 0
+    return NoSpaceLeft(f"cannot save the checkpoint of step {step}: no space left on the device of {root} (the save "
+                       f"needs about {need / 2**20:.1f} MiB, {free / 2**20:.1f} MiB are free there now); free some "
+                       f"space, then resume=auto continues from the last complete checkpoint (it first removes the "
+                       f"unfinished {os.path.basename(partial)})")
 
 
 # ---- the checkpointer ------------------------------------------------------------------------------
@@ -63,16 +123,30 @@ class Checkpointer:
         # is not gloo, and always for async saves (their collectives run in a background thread)
         self.group = None
         if distributed() and (async_save or dist.get_backend() != "gloo"):
-            self.group = dist.new_group(backend="gloo")
+            self.group = new_group(backend="gloo", name="checkpoint")
         self._thread: Optional[threading.Thread] = None
         self._pending: Optional[tuple[int, str]] = None  # (step, final path) of the save in flight
         self._error: Optional[BaseException] = None
+        self._need = 0
 
     # ---- save ------------------------------------------------------------------------------------------
     def save(self, step: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
              meta: Optional[dict] = None, config: Optional[dict] = None, rng_device: Optional[torch.device] = None) -> str:
         """Collective: every rank calls it. Returns the checkpoint's final directory (complete
-        once this returns, or, with async_save, once :meth:`wait` returns)."""
+        once this returns, or, with async_save, once :meth:`wait` returns). A full disk raises
+        :class:`NoSpaceLeft` on every rank."""
+        try:
+            return self._save(step, model, optimizer, meta=meta, config=config, rng_device=rng_device)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            partial = partial_dir(self.run_dir, step)
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            if not (disk_full(e) or out_of_space(partial, self._need)):
+                raise
+            raise no_space_error(partial, step, self._need) from None
+
+    def _save(self, step: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], *, meta: Optional[dict],
+              config: Optional[dict], rng_device: Optional[torch.device]) -> str:
         final = step_dir(self.run_dir, step)
         if self._pending is not None and self._pending[0] == step:
             self.wait()  # this step is already being saved (e.g. a preemption right after a periodic save)
@@ -93,6 +167,7 @@ class Checkpointer:
             manifest["config_sha256"] = config_sha256(config)
             manifest["model_config_sha256"] = config_sha256(config.get("model", {}))
         expected = [k for k in global_keys(model, state) if not k.startswith(RNG)]
+        self._need = _local_bytes(state) * self.world  # for the message of a full disk (ranks hold similar shares)
         meta = {"step": step, **(meta or {})}
         partial = partial_dir(self.run_dir, step)
         error = None
@@ -167,9 +242,11 @@ class Checkpointer:
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
-        self._pending = None
+        pending, self._pending = self._pending, None
         error, self._error = self._error, None
         if error is not None:
+            if pending and (disk_full(error) or out_of_space(partial_dir(self.run_dir, pending[0]), self._need)):
+                raise no_space_error(partial_dir(self.run_dir, pending[0]), pending[0], self._need) from None
             raise error
 
     @property
@@ -202,7 +279,7 @@ class Checkpointer:
                 with open(os.path.join(path, META), encoding="utf-8") as f:
                     return json.load(f), manifest
             except (OSError, json.JSONDecodeError) as e:
-                raise CheckpointError(f"{os.path.join(path, META)}: not readable ({e})") from None
+                raise DamagedCheckpoint(f"{os.path.join(path, META)}: not readable ({e})") from None
 
         meta, manifest = collectively(read, self.group)
         self.verify_files(path, manifest)

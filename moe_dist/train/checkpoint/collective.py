@@ -12,7 +12,13 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from .files import CheckpointError, IncompleteCheckpoint
+from .files import CheckpointError, DamagedCheckpoint, IncompleteCheckpoint
+
+_KINDS = {"incomplete": IncompleteCheckpoint, "damaged": DamagedCheckpoint, "other": CheckpointError}
+
+
+def _kind(error: CheckpointError) -> str:
+    return next(k for k, cls in _KINDS.items() if isinstance(error, cls))
 
 
 def distributed() -> bool:
@@ -46,13 +52,13 @@ def collectively(fn: Callable, group):
         if not isinstance(e, CheckpointError):
             error = CheckpointError(f"{type(e).__name__}: {e}")
             error.__cause__ = e
-    report = None if error is None else (isinstance(error, IncompleteCheckpoint), str(error))
+    report = None if error is None else (_kind(error), str(error))
     reports = [r for r in all_gather(report, group) if r]
     if error is not None:
         raise error
     if reports:
-        incomplete, message = reports[0]
-        raise (IncompleteCheckpoint if incomplete else CheckpointError)(message)
+        kind, message = reports[0]
+        raise _KINDS[kind](message)
     return result
 
 

@@ -17,6 +17,7 @@ cannot run code.
 """
 from __future__ import annotations
 
+import enum
 import hashlib
 import io
 import json
@@ -46,6 +47,15 @@ class CheckpointError(ValueError):
 
 class IncompleteCheckpoint(CheckpointError, FileNotFoundError):
     """The directory has no (valid) completion marker: a save never finished there."""
+
+
+class DamagedCheckpoint(CheckpointError):
+    """A complete checkpoint whose files no longer match its manifest (missing, truncated,
+    corrupted, unreadable metadata): ``resume=auto`` sets it aside and takes the previous one."""
+
+
+LEFTOVER = re.compile(r"^step_\d+(\.partial|\.partial\.deleting-.*|\.deleting-.*|\.superseded-\d+)$")
+DAMAGED_SUFFIX = ".damaged"
 
 
 def step_dir(run_dir: str, step: int) -> str:
@@ -147,7 +157,7 @@ def check_files(path: str, manifest: dict, names: Iterable[str], checksums: bool
 
 
 def corrupted_error(path: str, problems: list[str]) -> CheckpointError:
-    return CheckpointError(f"checkpoint {path} is damaged and was not loaded (nothing was changed): "
+    return DamagedCheckpoint(f"checkpoint {path} is damaged and was not loaded (nothing was changed): "
                            + "; ".join(problems))
 
 
@@ -208,6 +218,47 @@ def scan(run_dir: str) -> tuple[list[tuple[int, str]], list[tuple[int, str, str]
     return sorted(complete), sorted(incomplete)
 
 
+def remove_leftovers(run_dir: str) -> list[tuple[str, int]]:
+    """Delete what unfinished saves and deletions left under ``run_dir/checkpoints`` (``.partial``
+    directories, ``.deleting-*`` and ``.superseded-*`` copies, ``*.tmp`` files): none is ever loaded,
+    and on a full disk they hold the space a resumed run needs. Call only while no save runs (the
+    run-directory lock). Returns ``(path, bytes freed)``."""
+    root = os.path.join(run_dir, "checkpoints")
+    removed = []
+    candidates = [os.path.join(root, n) for n in (os.listdir(root) if os.path.isdir(root) else ()) if LEFTOVER.match(n)]
+    candidates += [os.path.join(run_dir, n) for n in (os.listdir(run_dir) if os.path.isdir(run_dir) else ())
+                   if n.endswith(".tmp")]
+    for path in sorted(candidates):
+        size = _tree_bytes(path)
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.remove(path)
+            except OSError:
+                continue
+        removed.append((path, size))
+    return removed
+
+
+def _tree_bytes(path: str) -> int:
+    if not os.path.isdir(path):
+        return os.path.getsize(path) if os.path.exists(path) else 0
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files
+               if os.path.exists(os.path.join(d, f)))
+
+
+def set_aside(path: str) -> str:
+    """Rename a damaged checkpoint to ``step_N.damaged`` (``.damaged-2``, ... if taken): never
+    deleted, never loaded, never pruned. Returns its new path."""
+    target, n = path + DAMAGED_SUFFIX, 1
+    while os.path.exists(target):
+        n += 1
+        target = f"{path}{DAMAGED_SUFFIX}-{n}"
+    os.rename(path, target)
+    return target
+
+
 def latest_checkpoint(run_dir: str, log: Optional[Callable[[str], None]] = None) -> Optional[str]:
     """The complete checkpoint with the highest step, or None. ``log`` is told about every
     incomplete checkpoint of a higher step that was skipped."""
@@ -243,6 +294,16 @@ def prune(run_dir: str, keep: int, log: Callable[[str], None] = lambda _m: None)
 _SAFE_BUILTINS = {"set", "frozenset", "slice", "complex", "tuple", "list", "dict"}
 
 
+def _enum_member(cls, name: str):
+    """``getattr(cls, name)`` restricted to an enum's members: how early Python 3.11 releases (Debian
+    bookworm's 3.11.2, the Docker image's) pickle an enum member; anything else is refused (a free
+    getattr would let a pickle reach any attribute of an allowed class)."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls.__members__[name]
+    raise pickle.UnpicklingError(f"checkpoint metadata asks for getattr({getattr(cls, '__name__', type(cls).__name__)}, "
+                                 f"{name!r}), which is not an enum member; refusing to unpickle it")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles only what DCP metadata holds: its own dataclasses and enums, torch.Size,
     dtypes, layouts and paths."""
@@ -262,6 +323,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         elif module == "builtins" and name in _SAFE_BUILTINS:
             return super().find_class(module, name)
+        elif (module, name) == ("builtins", "getattr"):
+            return _enum_member
         raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a checkpoint's metadata "
                                      "never holds; refusing to unpickle it")
 
@@ -278,7 +341,7 @@ class SafeFileSystemReader(FileSystemReader):
         try:
             metadata = _MetadataUnpickler(io.BytesIO(data)).load()
         except Exception as e:  # noqa: BLE001 - any failure means the file is not usable metadata
-            raise CheckpointError(f"{path}: not readable checkpoint metadata ({e})") from None
+            raise DamagedCheckpoint(f"{path}: not readable checkpoint metadata ({e})") from None
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         if getattr(metadata, "storage_meta", None) is None:

@@ -19,7 +19,7 @@ import torch.nn as nn
 from ...config import ConfigError
 from .checkpointer import Checkpointer
 from .collective import barrier, broadcast
-from .files import META, CheckpointError, latest_checkpoint, scan
+from .files import META, CheckpointError, DamagedCheckpoint, latest_checkpoint, remove_leftovers, scan, set_aside
 
 if TYPE_CHECKING:
     from ...dist.bootstrap import Runtime
@@ -102,26 +102,29 @@ class TrainingCheckpoints:
         self.checkpointer.wait()
 
     # ---- resume ----------------------------------------------------------------------------------------
-    def _resolve(self) -> tuple[Optional[str], list[str], Optional[str]]:
-        """(checkpoint to load or None, notes, error) for the ``resume`` setting; rank 0 only."""
+    def _resolve(self) -> tuple[list[str], list[str], Optional[str]]:
+        """(checkpoints to try, in order, notes, error) for the ``resume`` setting; rank 0 only.
+        ``resume=auto`` lists every complete checkpoint, newest first (a damaged one falls back to
+        the one before); an explicit path is the only one tried."""
         choice, notes = self.config["resume"], []
         if choice == "none":
-            return None, notes, None
+            return [], notes, None
         if choice == "auto":
-            path = latest_checkpoint(self.run_dir, log=notes.append)
-            if path is None:
+            latest_checkpoint(self.run_dir, log=notes.append)  # notes on unfinished newer ones
+            paths = [p for _step, p in reversed(scan(self.run_dir)[0])]
+            if not paths:
                 notes.append(f"resume=auto: no complete checkpoint in {os.path.join(self.run_dir, 'checkpoints')}; "
                              "starting from step 0")
-            return path, notes, None
+            return paths, notes, None
         if not os.path.isdir(choice):
-            return None, notes, (f"resume: {choice!r} is not a directory; allowed: auto, none, a checkpoint directory "
+            return [], notes, (f"resume: {choice!r} is not a directory; allowed: auto, none, a checkpoint directory "
                                  "(<run>/checkpoints/step_NNNNNN) or a run directory (its latest checkpoint)")
         if not os.path.exists(os.path.join(choice, META)) and os.path.isdir(os.path.join(choice, "checkpoints")):
             path = latest_checkpoint(choice, log=notes.append)
             if path is None:
-                return None, notes, f"resume: run directory {choice!r} has no complete checkpoint"
-            return path, notes, None
-        return choice, notes, None
+                return [], notes, f"resume: run directory {choice!r} has no complete checkpoint"
+            return [path], notes, None
+        return [choice], notes, None
 
     def _check_compatible(self, path: str, meta: dict, manifest: dict) -> None:
         saved_model = (meta.get("config") or {}).get("model")
@@ -147,21 +150,39 @@ class TrainingCheckpoints:
         step, checkpoints of another timeline). Returns the step to continue from (0 when
         nothing was loaded); :attr:`resumed_from` is the checkpoint loaded, or None."""
         group = self.checkpointer.group
-        decision = self._resolve() if self.rt.is_main else None
-        path, notes, error = broadcast(decision, group)
+        decision = None
+        if self.rt.is_main:
+            for leftover, size in remove_leftovers(self.run_dir):  # first: they may hold the space we need
+                self.log(f"checkpoint: removed {leftover}, left by a save that did not finish ({size / 2**20:.1f} MiB)")
+            decision = self._resolve()
+        paths, notes, error = broadcast(decision, group)
         for note in notes:
             self.log(note)
         if error:
             raise ConfigError(error)
-        step = 0
-        if path is not None:
-            meta, manifest = self.checkpointer.load(path, self.model, self.optimizer, rng_device=self.rt.device,
-                                                    before_load=lambda m, man: self._check_compatible(path, m, man))
+        step, path = 0, None
+        for i, candidate in enumerate(paths):
+            try:
+                meta, manifest = self.checkpointer.load(
+                    candidate, self.model, self.optimizer, rng_device=self.rt.device,
+                    before_load=lambda m, man, c=candidate: self._check_compatible(c, m, man))
+            except DamagedCheckpoint as e:
+                if self.config["resume"] != "auto":
+                    raise  # an explicit choice is refused, not replaced
+                if self.rt.is_main:
+                    aside = set_aside(candidate)
+                    later = (f"falling back to {paths[i + 1]}" if i + 1 < len(paths)
+                             else "no older one: starting from step 0")
+                    self.log(f"resume=auto: skipped {candidate}: {e}; kept as {aside}; {later}")
+                barrier(group)
+                continue
+            path = candidate
             step = int(meta["step"])
             if meta.get("diagnostics") and self.diagnostics is not None:
                 self.diagnostics.load_state_dict(meta["diagnostics"])
             self.resumed_from = os.path.abspath(path)
             self._report(path, step, meta, manifest)
+            break
         if self.rt.is_main:
             self._tidy(path, step)
         barrier(group)

@@ -8,8 +8,8 @@ happens to the gradients and the weights. One optimizer step of the trainer is::
         engine.set_gradient_sync(last micro-batch)
         loss = f(engine.forward(tokens))
         engine.backward(loss)                       # loss = this rank's share of the global loss
-    grad_norm = engine.step()                       # reduce, clip, update: the global norm before clipping
-    engine.zero_grad()
+    grad_norm = engine.step(loss_finite)            # reduce, clip, update: the global norm before clipping
+    engine.zero_grad()                              # (engine.skipped: a non-finite step was not applied)
 
 Checkpoints read and write the weights through the model and the optimizer state through
 ``engine.optimizer`` (per parameter, full tensors, like ``torch.optim.AdamW.state``); an
@@ -32,6 +32,7 @@ class Engine(abc.ABC):
 
     model: nn.Module
     optimizer: torch.optim.Optimizer  # per parameter: the trainer sets its lr, checkpoints read and write its state
+    skipped: bool = False  # the last step() was not applied (non-finite loss or gradient norm)
 
     def __init__(self, cfg, rt, log: Callable[[str], None] = print):
         self.cfg, self.rt, self.log = cfg, rt, log
@@ -54,10 +55,12 @@ class Engine(abc.ABC):
         """Gradients of ``loss``, this rank's share of the step's global loss (gradients are summed over ranks)."""
 
     @abc.abstractmethod
-    def step(self) -> float:
+    def step(self, loss_finite: bool = True) -> float:
         """After the last backward of a step: finish reducing the gradients, clip them to
-        ``train.grad_clip``, step the optimizer. Returns the global gradient norm before clipping
-        (every dense weight and every expert counted once)."""
+        ``train.grad_clip``, step the optimizer, unless the step's global loss (``loss_finite``)
+        or gradient norm is not finite: then nothing is applied and :attr:`skipped` is set.
+        Returns the global gradient norm before clipping (every dense weight and every expert
+        counted once)."""
 
     @abc.abstractmethod
     def zero_grad(self) -> None:

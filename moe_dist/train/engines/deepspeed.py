@@ -361,7 +361,9 @@ class DeepSpeedEngine(Engine):
     def backward(self, loss: torch.Tensor) -> None:
         self.ds_engine.backward(loss * self._loss_factor, scale_wrt_gas=False)
 
-    def step(self) -> float:
+    def step(self, loss_finite: bool = True) -> float:
+        """DeepSpeed applies the step whatever the norm (fp32 / bf16 have no overflow skip): a
+        non-finite step is reported (:attr:`skipped` stays False) and the trainer stops on it."""
         lr = self.optimizer.param_groups[0]["lr"]
         for group in self.ds_engine.optimizer.param_groups:
             group["lr"] = lr

@@ -7,6 +7,7 @@ The optimizer is :func:`moe_dist.train.optim.build_optimizer`'s AdamW.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -31,10 +32,12 @@ class NativeEngine(Engine):
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def step(self) -> float:
+    def step(self, loss_finite: bool = True) -> float:
         self.par.finish_gradients()
         grad_norm = self.par.clip_gradients(self.cfg.train.grad_clip)
-        self.optimizer.step()
+        self.skipped = not (loss_finite and math.isfinite(grad_norm))  # the same on every rank: global figures
+        if not self.skipped:
+            self.optimizer.step()
         return grad_norm
 
     def zero_grad(self) -> None:

@@ -1,0 +1,147 @@
+"""How one process of a job ends: its exit code, what it prints, and its report to the local launcher.
+
+Exit codes (the same from one process, from ``moe-dist ... --nproc N`` and from the launch scripts):
+
+    0    done
+    1    failed: an internal error (with its traceback), a collective that timed out, training that
+         diverged (too many consecutive non-finite steps)
+    2    bad input: configuration, data, checkpoint, command line (one line, printed once)
+    75   stopped by SIGTERM / SIGUSR1 after saving a checkpoint: requeue, ``resume=auto`` continues
+    130  interrupted (Ctrl-C)
+    128+N  a rank was killed by signal N (``--nproc`` only)
+
+Under ``moe-dist --nproc N`` (:mod:`moe_dist.local_launch`) every rank writes what ended it to
+``$MOE_DIST_REPORT_DIR/rank_<r>.json`` instead of printing tracebacks, and the launcher shows the
+one that explains the failure; elsewhere (torchrun, srun, mpirun, one process) a rank prints
+its own: a traceback for an internal error, one line for a timed-out collective, a lost peer or
+an interruption. The launch scripts set ``MOE_DIST_STATUS_DIR``: ranks print as usual and
+also report, and ``python -m moe_dist.exits DIR RC`` turns the launcher's exit status (torchrun
+says 1 for any failure, MPICH ORs the ranks' codes) back into the job's.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from typing import Callable, Optional
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: checkpoint saved, please requeue
+EXIT_INTERRUPTED = 130
+REPORT_DIR_ENV = "MOE_DIST_REPORT_DIR"  # report instead of printing (moe-dist --nproc)
+STATUS_DIR_ENV = "MOE_DIST_STATUS_DIR"  # report and print as usual (the launch scripts: torchrun, mpirun)
+KINDS = {EXIT_OK: "ok", EXIT_USAGE: "usage", EXIT_PREEMPTED: "preempted", EXIT_INTERRUPTED: "interrupted"}
+
+
+class JobStopped(Exception):
+    """The run ended for a reason it states in one line (no traceback): training that diverged,
+    a checkpoint that cannot be written. ``exit_code`` is the process's."""
+
+    exit_code = EXIT_FAILED
+
+
+def process_rank() -> int:
+    """This process's rank as its launcher set it (0 without one)."""
+    for var in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK"):
+        value = os.environ.get(var, "").strip()
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def write_report(directory: str, rank: int, report: dict) -> None:
+    """Atomically write ``rank_<rank>.json`` (best effort: a full disk must not hide the real error)."""
+    path = os.path.join(directory, f"rank_{rank}.json")
+    try:
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(report, f)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass
+
+
+def read_report(directory: str, rank: int) -> Optional[dict]:
+    try:
+        with open(os.path.join(directory, f"rank_{rank}.json"), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _collective_failure(exc: BaseException, rank: int, command: str) -> Optional[tuple[str, str]]:
+    """(kind, one line) for a collective that timed out or lost its peer, else None."""
+    from .dist.collective_errors import failed_collective
+    from .dist.groups import group_timeout
+
+    info = failed_collective(exc)
+    if info is None or not (info.timed_out or info.peer_lost):
+        return None
+    timeout = group_timeout()
+    line = f"moe-dist {command}: rank {rank}: " + info.describe(timeout.total_seconds() if timeout else None)
+    return ("timeout" if info.timed_out else "peer_lost"), line
+
+
+def run_process(command: str, fn: Callable[[], int]) -> int:
+    """Run one process's command ``fn`` and return its exit code (``SystemExit`` passes through
+    with its code). Reports to the local launcher when ``MOE_DIST_REPORT_DIR`` is set."""
+    report_dir, rank = os.environ.get(REPORT_DIR_ENV), process_rank()
+    status_dir = report_dir or os.environ.get(STATUS_DIR_ENV)
+    code, kind, line, trace = EXIT_FAILED, "error", "", ""
+    try:
+        code = int(fn() or 0)
+        kind = KINDS.get(code, "error")
+        return code
+    except SystemExit as e:  # Preempted (75) and friends: their code, unchanged
+        code = e.code if isinstance(e.code, int) else (EXIT_OK if e.code is None else EXIT_FAILED)
+        kind = KINDS.get(code, "error")
+        raise
+    except JobStopped as e:
+        code, kind, line = e.exit_code, "stopped", f"moe-dist {command}: {e}"
+        if not report_dir and rank == 0:
+            print(line, file=sys.stderr, flush=True)
+        return code
+    except KeyboardInterrupt:
+        code, kind = EXIT_INTERRUPTED, "interrupted"
+        line = f"moe-dist {command}: interrupted"
+        if not report_dir and rank == 0:
+            print(line, file=sys.stderr, flush=True)
+        return code
+    except BaseException as e:  # noqa: BLE001 - reported, then the process ends with EXIT_FAILED (DCP raises
+        # CheckpointException, a BaseException)
+        trace = traceback.format_exc()
+        found = _collective_failure(e, rank, command)
+        if found:
+            kind, line = found
+        if not report_dir:
+            print(line or trace.rstrip(), file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    finally:
+        if status_dir:
+            write_report(status_dir, rank, {"rank": rank, "pid": os.getpid(), "code": code, "kind": kind,
+                                            "line": line, "traceback": trace})
+
+
+def job_exit_code(codes: list[int], launcher_rc: int) -> int:
+    """The job's exit code from its ranks' codes: 2 if a rank had a user error, 75 if the ranks that
+    ended on their own were stopped for preemption, else the launcher's own status."""
+    if EXIT_USAGE in codes:
+        return EXIT_USAGE
+    if codes and EXIT_PREEMPTED in codes and all(c in (EXIT_OK, EXIT_PREEMPTED) for c in codes):
+        return EXIT_PREEMPTED
+    return launcher_rc
+
+
+def main(argv: list[str]) -> int:
+    """``python -m moe_dist.exits DIR RC``: print the job's exit code from the reports in DIR."""
+    directory, rc = argv[0], int(argv[1])
+    names = sorted(n for n in os.listdir(directory) if n.startswith("rank_") and n.endswith(".json"))
+    codes = [r["code"] for r in (read_report(directory, int(n[5:-5])) for n in names) if r]
+    print(job_exit_code(codes, rc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

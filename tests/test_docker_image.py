@@ -1,0 +1,153 @@
+"""docker/Dockerfile.cpu built and run by a real Docker engine (marker ``docker``, opt-in).
+
+Needs a Docker engine and the local Debian base image that ``scripts/docker_engine.sh`` provides
+(it starts dockerd and makes the base with debootstrap; no registry is needed), and the torch CPU
+wheel on local disk (``scripts/docker_build_local.sh`` serves it to the build). Run with
+
+    bash scripts/docker_engine.sh && MOE_DIST_DOCKER=1 .venv/bin/python -m pytest -m docker tests/test_docker_image.py
+
+(.ci/run does this). The image is built once for the module (a few minutes from scratch, seconds
+from Docker's layer cache), then:
+
+* ``docker run IMAGE --help`` exits 0 and a wrong option exits 2 (argparse's usage error), once;
+* the container runs as the image's non-root user (uid 1000);
+* ``moe-dist train --config configs/test.yaml --nproc 2`` trains in a container with ``runs/``
+  mounted from the host; ``docker stop`` makes it checkpoint at the next step and exit 75; a
+  second container continues from the mounted checkpoint (``resume=auto``) to the last step; the
+  host sees metrics (one row per step), plots and checkpoints, all owned by the image's user.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+import uuid
+
+import pytest
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(2400)]  # the first test builds
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TAG = "moe-dist:cpu-test"
+UID = 1000  # the image's USER_UID default
+STEPS = 60
+
+
+def _docker(*args: str, timeout: float = 600, check: bool = False) -> subprocess.CompletedProcess:
+    return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout, check=check)
+
+
+@pytest.fixture(scope="module")
+def image() -> str:
+    if os.environ.get("MOE_DIST_DOCKER") != "1":
+        pytest.skip("opt-in (builds an image, minutes): bash scripts/docker_engine.sh && MOE_DIST_DOCKER=1 "
+                    "pytest -m docker tests/test_docker_image.py")
+    if shutil.which("docker") is None:
+        pytest.skip("no docker command (bash scripts/docker_engine.sh installs and starts the engine)")
+    info = subprocess.run(["docker", "info"], capture_output=True, text=True)
+    if info.returncode:
+        why = os.environ.get("MOE_DIST_DOCKER_UNAVAILABLE") or (info.stderr or info.stdout).strip()[-300:]
+        pytest.skip(f"no Docker engine answers: {why}")
+    base = os.environ.get("BASE_IMAGE", "local/debian:bookworm")
+    if _docker("image", "inspect", base).returncode:
+        pytest.skip(f"base image {base} is missing: bash scripts/docker_engine.sh makes it")
+    t0 = time.time()
+    build = subprocess.run(["bash", os.path.join(REPO, "scripts", "docker_build_local.sh"), TAG],
+                           capture_output=True, text=True, timeout=3600, env={**os.environ, "BASE_IMAGE": base})
+    if build.returncode == 3:
+        pytest.skip(build.stderr.strip())
+    assert build.returncode == 0, build.stdout[-4000:] + build.stderr[-4000:]
+    size = int(_docker("image", "inspect", "--format", "{{.Size}}", TAG, check=True).stdout)
+    print(f"\ndocker build {TAG}: {time.time() - t0:.0f} s, {size / 1e9:.2f} GB")
+    return TAG
+
+
+def test_help_and_usage_error(image):
+    ok = _docker("run", "--rm", image, "--help")
+    assert ok.returncode == 0, ok.stderr
+    assert "usage: moe-dist" in ok.stdout and "train" in ok.stdout
+    bad = _docker("run", "--rm", image, "train", "--config", "configs/test.yaml", "--no-such-option")
+    assert bad.returncode == 2, (bad.returncode, bad.stdout, bad.stderr)
+    errors = [line for line in bad.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "--no-such-option" in errors[0], bad.stderr
+
+
+def test_runs_as_the_image_user(image):
+    ids = _docker("run", "--rm", "--entrypoint", "id", image, check=True).stdout
+    assert f"uid={UID}(moe) gid={UID}(moe)" in ids, ids
+
+
+def _metrics(run_dir: str) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    rows = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # a row being written
+                pass
+    return rows
+
+
+def test_train_stop_and_resume_from_a_mounted_volume(image):
+    host = tempfile.mkdtemp(prefix="moe-dist-docker-")
+    runs = os.path.join(host, "runs")
+    os.makedirs(runs)
+    os.chown(runs, UID, UID)  # a directory the container's user may write, as on a cluster's shared storage
+    run_dir = os.path.join(runs, "docker")
+    name = f"moe-dist-test-{uuid.uuid4().hex[:8]}"
+    train = ["--ipc=host", "-v", f"{runs}:/opt/moe_dist/runs", image, "train", "--config", "configs/test.yaml",
+             "--nproc", "2", "run.dir=runs/docker", f"train.steps={STEPS}", "run.progress=false",
+             "run.print_every=1"]
+    try:
+        started = _docker("run", "-d", "--name", name, *train, check=True)
+        assert started.stdout.strip()
+        deadline = time.time() + 300
+        while not any(r.get("step", 0) >= 3 for r in _metrics(run_dir)):
+            state = _docker("inspect", "--format", "{{.State.Running}}", name).stdout.strip()
+            assert state == "true" and time.time() < deadline, _docker("logs", name).stderr[-3000:]
+            time.sleep(0.5)
+        stop = _docker("stop", "--time", "120", name)  # SIGTERM to the container's moe-dist
+        assert stop.returncode == 0, stop.stderr
+        code = int(_docker("inspect", "--format", "{{.State.ExitCode}}", name, check=True).stdout)
+        logs = _docker("logs", name)
+        first = logs.stdout + logs.stderr
+        assert code == 75, (code, first[-3000:])
+        m = re.search(r"(?:SIGTERM|SIGUSR1) received: stopped after step (\d+)/%d, checkpoint (\S+);" % STEPS, first)
+        assert m, first[-3000:]
+        stopped = int(m.group(1))
+        assert 3 <= stopped < STEPS
+        assert os.path.exists(os.path.join(run_dir, "checkpoints", "step_%06d" % stopped, "COMPLETE")), \
+            os.listdir(os.path.join(run_dir, "checkpoints"))
+
+        second = _docker("run", "--rm", *train, "resume=auto", timeout=900)
+        out = second.stdout + second.stderr
+        assert second.returncode == 0, out[-4000:]
+        assert re.search(r"resumed from \S+step_%06d at step %d" % (stopped, stopped), out), out[:3000]
+        steps_run = [int(s) for s in re.findall(r"^step (\d+)/%d " % STEPS, out, flags=re.M)]
+        assert steps_run and steps_run[0] > stopped and steps_run[-1] == STEPS, steps_run
+
+        # the host sees the run: one metrics row per step (none twice), plots, both checkpoints
+        assert [r["step"] for r in _metrics(run_dir)] == list(range(1, STEPS + 1))
+        assert glob.glob(os.path.join(run_dir, "plots", "*.png"))
+        for step in (stopped, STEPS):
+            assert os.path.exists(os.path.join(run_dir, "checkpoints", "step_%06d" % step, "COMPLETE"))
+        # ... every file and directory written by the containers belongs to the image's user, not root
+        owners = {}
+        for dirpath, dirnames, filenames in os.walk(run_dir):
+            for p in [dirpath] + [os.path.join(dirpath, f) for f in filenames]:
+                st = os.lstat(p)
+                owners.setdefault((st.st_uid, st.st_gid), []).append(os.path.relpath(p, runs))
+        assert set(owners) == {(UID, UID)}, {k: v[:5] for k, v in owners.items()}
+        print(f"\ndocker: stopped at step {stopped}/{STEPS} (exit 75), resumed in a new container to {STEPS}")
+    finally:
+        _docker("rm", "-f", name)
+        # the files belong to uid 1000; root (this test) removes them
+        shutil.rmtree(host, ignore_errors=True)
