@@ -316,3 +316,14 @@ def test_new_options_add_no_host_reads():
         layer.after_optimizer_step()
     assert len(fwd) == 1, fwd.describe()
     assert len(rest) == 0, rest.describe()
+
+
+def test_a_skipped_step_does_not_move_the_bias():
+    layer = make(dict(expert_bias=True, expert_bias_rate=0.1))
+    layer(torch.randn(20, D))
+    layer.discard_step()  # the trainer's path for a step with a non-finite loss
+    layer.after_optimizer_step()
+    assert torch.count_nonzero(layer.expert_bias) == 0
+    layer(torch.randn(20, D))
+    layer.after_optimizer_step()
+    assert torch.count_nonzero(layer.expert_bias) > 0
