@@ -74,6 +74,18 @@ class MoEConfig:
     z_loss_coef: float = knob(0.001, "router z-loss weight", min=0)
     activation: Literal["swiglu", "gelu"] = knob("swiglu", "expert activation")
     expert_kernel: Literal["auto", "loop", "bmm", "grouped_mm"] = knob("auto", "expert matmul kernel (auto = timed)")
+    balance_loss: Literal["batch", "sequence"] = knob("batch", "load-balance loss: batch (Switch/GShard over the batch) or "
+                                                      "sequence (DeepSeek-V2/V3: per sequence, averaged over sequences)")
+    shared_d_ff: Optional[int] = knob(None, "hidden size of the always-active shared expert(s) beside the routed ones "
+                                      "(null = none)", min=1)
+    shared_gate: bool = knob(False, "scale the shared expert per token by sigmoid(x w) (Qwen2-MoE's shared_expert_gate)")
+    expert_bias: bool = knob(False, "aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the router "
+                             "probabilities for choosing only, updated after each optimizer step from the global counts")
+    expert_bias_rate: float = knob(1e-3, "expert-bias update per step: bias += rate * sign(mean count - count)", min=0)
+    router_dtype: Literal["fp32", "fp64"] = knob("fp32", "dtype of the router's scores and softmax")
+    granularity: int = knob(1, "moe-dist upcycle / plan of a dense checkpoint: split each dense FFN into G experts "
+                            "(num_experts and top_k given per dense copy are multiplied by G, d_ff = model.d_ff / G); "
+                            "the written config holds the expanded values and granularity 1", min=1)
 
     def check(self, n_layers: int) -> None:
         from ..moe.routers import ROUTERS, router_options  # registry: routers register on import
@@ -86,6 +98,18 @@ class MoEConfig:
             _fail("model.moe.router_options", f"unknown option(s) {unknown} for router {self.router!r}; allowed: {allowed}")
         if self.top_k > self.num_experts:
             _fail("model.moe.top_k", f"{self.top_k} must be between 1 and model.moe.num_experts={self.num_experts}")
+        cls = ROUTERS[self.router]
+        if self.expert_bias and not getattr(cls, "supports_expert_bias", False):
+            _fail("model.moe.expert_bias", f"not allowed with router {self.router!r} (it does not choose by top-k of its "
+                  f"probabilities); allowed routers: {sorted(n for n, c in ROUTERS.items() if c.supports_expert_bias)}")
+        if self.router_dtype != "fp32" and not getattr(cls, "supports_fp64", False):
+            _fail("model.moe.router_dtype", f"{self.router_dtype} is not allowed with router {self.router!r}; allowed "
+                  f"routers: {sorted(n for n, c in ROUTERS.items() if c.supports_fp64)} (the others compute in fp32)")
+        if self.shared_gate and not self.shared_d_ff:
+            _fail("model.moe.shared_gate", "true needs a shared expert: set model.moe.shared_d_ff")
+        if self.granularity != 1:
+            _fail("model.moe.granularity", f"{self.granularity}: read only by `moe-dist upcycle` and `moe-dist plan` of a "
+                  "dense checkpoint (a model config gives the expanded num_experts, top_k and d_ff); allowed here: 1")
         if isinstance(self.layers, list):
             if not self.layers:
                 _fail("model.moe.layers", "an empty list; allowed: every, every_other or a non-empty list of block indices")

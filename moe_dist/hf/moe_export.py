@@ -45,6 +45,11 @@ def check_exportable(model, cfg, arch: MoEArchitecture) -> list[str]:
                             "allowed: 'swiglu'")
     if m.qkv_bias:
         raise HFFormatError(f"model.qkv_bias=true cannot be exported to {name} (no attention biases); allowed: false")
+    if m.moe.shared_d_ff:
+        raise HFFormatError(f"model.moe.shared_d_ff cannot be exported to {name} (no shared experts); allowed: null")
+    if m.moe.expert_bias:
+        raise HFFormatError(f"model.moe.expert_bias=true cannot be exported to {name} (its router has no selection "
+                            "bias); allowed: false")
     if m.qk_norm != arch.qk_norm:
         has = "always normalises" if arch.qk_norm != "none" else "never normalises"
         raise HFFormatError(f"model.qk_norm={m.qk_norm!r} cannot be exported to {name}, whose attention {has} the "

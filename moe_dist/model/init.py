@@ -10,13 +10,15 @@ start from the same weights and a rank generates only the rows it owns.
 
 Recipes, by module:
 
-* ``nn.Linear`` / ``nn.Embedding`` carrying ``init_std`` (set where the model builds them):
-  weight ~ N(0, init_std) in blocks of :data:`ROW_BLOCK` rows, bias = 0;
+* ``nn.Linear`` / ``nn.Embedding`` carrying ``init_std`` (set where the model builds them, the MoE
+  layer's shared expert and its gate included): weight ~ N(0, init_std) in blocks of
+  :data:`ROW_BLOCK` rows, bias = 0;
 * ``RMSNorm`` (block norms, the final norm, attention's q/k norms): ones;
 * ``GroupedExperts``: :meth:`~moe_dist.moe.experts.GroupedExperts.reset_parameters` with a
   base seed keyed by the layer's name (one generator per global expert);
 * a router (small: ``E x d`` numbers): built fresh on the CPU by its own class under a seed
-  keyed by its name, then copied (each rank keeps its shard).
+  keyed by its name, then copied (each rank keeps its shard); its buffers too (the expert bias
+  starts at zero).
 
 Any other parameter or buffer is an internal error, so a new module type cannot slip
 through uninitialised.

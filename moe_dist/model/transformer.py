@@ -42,7 +42,9 @@ class Block(nn.Module):
                                 drop_policy=m.drop_policy, capacity_scope=m.capacity_scope, loss_scope=m.loss_scope,
                                 aux_loss_coef=m.aux_loss_coef, z_loss_coef=m.z_loss_coef, activation=m.activation,
                                 expert_kernel=m.expert_kernel, layer_idx=idx, init_std=cfg.init_std,
-                                out_init_std=out_std)
+                                out_init_std=out_std, balance_loss=m.balance_loss, shared_d_ff=m.shared_d_ff,
+                                shared_gate=m.shared_gate, expert_bias=m.expert_bias,
+                                expert_bias_rate=m.expert_bias_rate, router_dtype=m.router_dtype)
         else:
             self.ffn = SwiGLU(cfg.d_model, cfg.d_ff, cfg.init_std, out_std)
 

@@ -223,9 +223,30 @@ class GroupedExperts(nn.Module):
 
     @torch.no_grad()
     def load_dense(self, w_gate: torch.Tensor, w_down: torch.Tensor, w_up: Optional[torch.Tensor] = None,
-                   noise_std: float = 0.0, seed: int = 0) -> None:
+                   noise_std: float = 0.0, seed: int = 0, granularity: int = 1) -> None:
         """Initialise every local expert from a dense FFN given in ``nn.Linear`` layout
-        (``w_gate, w_up: [d_ff, d_model]``, ``w_down: [d_model, d_ff]``), optionally plus noise."""
+        (``w_gate, w_up: [d_ff, d_model]``, ``w_down: [d_model, d_ff]``), optionally plus noise.
+
+        granularity ``G > 1`` (granular upcycling, arXiv 2410.07524): the dense hidden size is
+        ``G * d_ff`` and global expert ``e`` gets slice ``e % G`` of it (hidden units
+        ``[g*d_ff, (g+1)*d_ff)``), its down projection scaled by ``G``: top-(k*G) of whole virtual
+        groups with renormalised gates then sums to the dense FFN."""
+        G = int(granularity)
+        if G > 1:
+            if tuple(w_gate.shape) != (G * self.d_ff, self.d_model) or tuple(w_down.shape) != (self.d_model, G * self.d_ff):
+                raise ValueError(f"dense FFN shapes gate {tuple(w_gate.shape)}, down {tuple(w_down.shape)} do not split "
+                                 f"into {G} experts of d_ff={self.d_ff} (d_model={self.d_model})")
+            if (w_up is None) != (self.w3 is None):
+                raise ValueError("dense FFN and experts disagree on the activation (gated up projection present in one only)")
+            gen = torch.Generator().manual_seed(seed)
+            for i in range(self.num_experts):
+                sl = slice((self.offset + i) % G * self.d_ff, ((self.offset + i) % G + 1) * self.d_ff)
+                for w, src in ((self.w1, w_gate[sl].t()), (self.w3, None if w_up is None else w_up[sl].t()),
+                               (self.w2, w_down[:, sl].t() * G)):
+                    if w is not None:
+                        noise = torch.randn(src.shape, generator=gen) * noise_std if noise_std else 0.0
+                        w[i].copy_(src.to(w.dtype) + noise)
+            return
         if tuple(w_gate.shape) != (self.d_ff, self.d_model) or tuple(w_down.shape) != (self.d_model, self.d_ff):
             raise ValueError(f"dense FFN shapes gate {tuple(w_gate.shape)}, down {tuple(w_down.shape)} do not match "
                              f"experts d_model={self.d_model}, d_ff={self.d_ff}")

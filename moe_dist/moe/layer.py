@@ -17,11 +17,15 @@ from .capacity import CAPACITY_SCOPES, DROP_POLICIES, expert_capacity, keep_by_p
 from .counting import count_values
 from .dispatch import combine, dispatch
 from .experts import GroupedExperts
-from .losses import LOSS_SCOPES, load_balance_share, load_balance_value, z_loss_share
+from .losses import (BALANCE_LOSSES, LOSS_SCOPES, load_balance_share, load_balance_value, sequence_balance_sum,
+                     z_loss_share)
 from .routers import build_router
 from .routers.base import count_nonfinite, nonfinite_logits_error
-from .routing import Routing, RoutingContext
+from .routing import Routing, RoutingContext, is_recomputing
+from .shared import SharedExpert, init_linear
 from .stats import MoEStats
+
+ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
 def _check_choice(key: str, value, allowed) -> None:
@@ -42,7 +46,18 @@ class MoELayer(nn.Module):
         ``max(min_capacity, ceil(cf * tokens * k / E))`` pairs (``eval_capacity_factor`` in eval).
     drop_policy: ``position`` (first come) or ``probs`` (lowest gate dropped first).
     capacity_scope: ``global`` (drops as one process would on the whole batch) or ``local``
-        (per source rank). loss_scope: ``global`` or ``local`` for the aux / z statistics.
+        (per source rank). loss_scope: ``global`` or ``local`` for the aux / z statistics and
+        the expert-bias counts.
+    balance_loss: ``batch`` (Switch / GShard over the batch) or ``sequence`` (DeepSeek-V2/V3:
+        the same loss per sequence, averaged over sequences; needs ``[B, S, d]`` input or
+        ``context.batch_shape``).
+    shared_d_ff: hidden size of the always-active shared expert (None / 0: none);
+        shared_gate: scale it per token by ``sigmoid(x w)`` (Qwen2-MoE's ``shared_expert_gate``).
+    expert_bias: aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the router's
+        probabilities for choosing only, updated after each optimizer step by
+        ``expert_bias_rate * sign(mean count - count)`` from the step's per-expert counts over
+        the stats group (``loss_scope=global``) or this rank (``local``).
+    router_dtype: ``fp32`` or ``fp64`` for the router's scores and softmax.
     """
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int = 2, *, router: str = "topk",
@@ -51,7 +66,9 @@ class MoELayer(nn.Module):
                  drop_policy: str = "position", capacity_scope: str = "global", loss_scope: str = "global",
                  aux_loss_coef: float = 0.01, z_loss_coef: float = 0.001, activation: str = "swiglu",
                  expert_kernel: str = "auto", layer_idx: int = 0, init_std: float = 0.02,
-                 out_init_std: Optional[float] = None):
+                 out_init_std: Optional[float] = None, balance_loss: str = "batch", shared_d_ff: Optional[int] = None,
+                 shared_gate: bool = False, expert_bias: bool = False, expert_bias_rate: float = 1e-3,
+                 router_dtype: str = "fp32"):
         super().__init__()
         if num_experts < 1:
             raise ValueError(f"model.moe.num_experts must be >= 1, got {num_experts}")
@@ -65,16 +82,31 @@ class MoELayer(nn.Module):
         _check_choice("model.moe.drop_policy", drop_policy, DROP_POLICIES)
         _check_choice("model.moe.capacity_scope", capacity_scope, CAPACITY_SCOPES)
         _check_choice("model.moe.loss_scope", loss_scope, LOSS_SCOPES)
+        _check_choice("model.moe.balance_loss", balance_loss, BALANCE_LOSSES)
+        _check_choice("model.moe.router_dtype", router_dtype, ROUTER_DTYPES)
+        if shared_d_ff is not None and shared_d_ff < 0:
+            raise ValueError(f"model.moe.shared_d_ff must be >= 0 or null (no shared expert), got {shared_d_ff}")
+        if shared_gate and not shared_d_ff:
+            raise ValueError("model.moe.shared_gate=true needs a shared expert (model.moe.shared_d_ff > 0)")
+        if not (isinstance(expert_bias_rate, (int, float)) and math.isfinite(expert_bias_rate) and expert_bias_rate >= 0):
+            raise ValueError(f"model.moe.expert_bias_rate must be a number >= 0, got {expert_bias_rate!r}")
         self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
         self.capacity_factor = capacity_factor
         self.eval_capacity_factor = capacity_factor if eval_capacity_factor is None else eval_capacity_factor
         self.min_capacity, self.drop_policy = min_capacity, drop_policy
         self.capacity_scope, self.loss_scope = capacity_scope, loss_scope
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
-        self._router_spec = (router, d_model, num_experts, top_k, dict(router_options or {}))
-        self.router = build_router(*self._router_spec[:4], **self._router_spec[4])
+        self.balance_loss, self.router_dtype = balance_loss, router_dtype
+        self.expert_bias_rate = float(expert_bias_rate)
+        self._router_spec = (router, d_model, num_experts, top_k, dict(router_options or {}), bool(expert_bias),
+                             router_dtype)
+        self.router = self._build_router()
         self.experts = GroupedExperts(num_experts, d_model, d_ff, activation=activation, kernel=expert_kernel,
                                       init_std=init_std, out_init_std=out_init_std)
+        self.shared_expert = (SharedExpert(d_model, shared_d_ff, activation, init_std, out_init_std)
+                              if shared_d_ff else None)
+        self.shared_expert_gate = init_linear(d_model, 1, init_std) if shared_gate else None
+        self._pending_counts: Optional[torch.Tensor] = None  # expert-bias counts of the current optimizer step
         self.groups = ParallelGroups.single()
         self.context = RoutingContext(layer_idx=layer_idx)
         self.aux_loss: Optional[torch.Tensor] = None
@@ -85,7 +117,45 @@ class MoELayer(nn.Module):
         """A new router like this layer's, built on the CPU from the global RNG (what
         ``moe_dist.model.init`` copies into a router that was built on the meta device)."""
         with torch.device("cpu"):
-            return build_router(*self._router_spec[:4], **self._router_spec[4])
+            return self._build_router()
+
+    def _build_router(self) -> nn.Module:
+        name, d_model, num_experts, top_k, options, expert_bias, router_dtype = self._router_spec
+        router = build_router(name, d_model, num_experts, top_k, **options)
+        if expert_bias:
+            router.enable_expert_bias(name)
+        router.set_compute_dtype(ROUTER_DTYPES[router_dtype], name)
+        return router
+
+    @property
+    def expert_bias(self) -> Optional[torch.Tensor]:
+        """The aux-loss-free selection bias ``[E]`` (fp32, identical on every rank), or None."""
+        return self.router.selection_bias()
+
+    # ---- once per optimizer step (the trainer calls it on every rank) -------------------
+    @torch.no_grad()
+    def after_optimizer_step(self) -> None:
+        """The router's own per-step update, then the expert bias: ``b += rate * sign(mean(c) - c)``
+        from the per-expert counts ``c`` of the step's training forwards. The counts are the ones the
+        layer already reduced for its losses (global over the stats group, or this rank's for
+        ``loss_scope=local``): no collective, no host read, the same arithmetic on every rank."""
+        self.router.after_optimizer_step(self.context)
+        bias = self.expert_bias
+        if bias is not None and self._pending_counts is not None:
+            c = self._pending_counts.to(bias.device)
+            bias.add_(self.expert_bias_rate * torch.sign(c.mean() - c).to(bias.dtype))
+        self._pending_counts = None
+
+    def discard_step(self) -> None:
+        """The optimizer step was not applied (a non-finite loss): forget its expert-bias counts."""
+        self._pending_counts = None
+
+    def extra_metrics(self) -> dict:
+        """Router figures and the expert bias, for metrics.jsonl (host values; call at log time)."""
+        out = dict(self.router.extra_metrics())
+        if self.expert_bias is not None:
+            out["expert_bias"] = [float(v) for v in self.expert_bias.detach().double().cpu()]
+        return out
 
     # ---- parallelism (applied from outside) ---------------------------------------------
     def set_groups(self, groups: ParallelGroups) -> None:
@@ -118,6 +188,7 @@ class MoELayer(nn.Module):
         if x.shape[-1] != self.d_model:
             raise ValueError(f"MoELayer expects [..., {self.d_model}] input, got {tuple(x.shape)}")
         shape = x.shape
+        n_seq = self._num_sequences(x) if self.balance_loss == "sequence" else 0
         x2 = x.reshape(-1, self.d_model)
         n_tok = x2.shape[0]
         ctx = self.context
@@ -132,36 +203,52 @@ class MoELayer(nn.Module):
         E, k = self.num_experts, routing.top_k
         probs = routing.probs
 
-        # one small collective: every rank's [counts, prob sums, z sum, entropy sum, non-finite logits, tokens]
+        # the sequence-level loss summed over this rank's sequences (gradient through the probabilities)
+        seq_loss_sum = sequence_balance_sum(probs, routing.expert_ids, n_seq) if self.balance_loss == "sequence" else None
+        # one small collective: every rank's [counts, prob sums, z sum, entropy sum, non-finite logits,
+        # sequence-loss sum, sequences, tokens]
         with torch.no_grad():
             counts_local = count_values(routing.expert_ids, E).double()
             lse = torch.logsumexp(routing.logits, -1) if routing.logits is not None else None
             entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
             nonfinite = count_nonfinite(routing.logits if routing.logits is not None else probs)
+            seq_sum = seq_loss_sum.detach().double().view(1) if n_seq else counts_local.new_zeros(1)
             row = torch.cat([counts_local, probs.sum(0).double(),
                              (lse.square().sum() if lse is not None else probs.new_zeros(())).double().view(1),
                              entropy.sum().double().view(1), nonfinite.double().view(1),
-                             counts_local.new_full((1,), n_tok)])
-            rows = all_gather_tensor(row, stats_group)  # [R, 2E+4]
+                             seq_sum, counts_local.new_full((1,), n_seq), counts_local.new_full((1,), n_tok)])
+            rows = all_gather_tensor(row, stats_group)  # [R, 2E+6]
             tot = rows.sum(0)
             counts_r, psum_r, tokens_r = rows[:, :E], rows[:, E:2 * E], rows[:, -1]
             counts_g, tokens_g = tot[:E], tot[-1]
             nonfinite_g = tot[2 * E + 2]
 
         # auxiliary losses: a differentiable share, a global value (token counts stay on the device)
+        seq_r, nseq_r = rows[:, 2 * E + 3], rows[:, 2 * E + 4]
         if self.loss_scope == "global":
             tokens_f = tokens_g.to(probs.dtype)
-            aux_share = load_balance_share(probs, counts_g.float(), tokens_f, k)
+            if self.balance_loss == "sequence":
+                aux_share = seq_loss_sum / nseq_r.sum().clamp_min(1).to(probs.dtype)
+                aux_value = seq_r.sum() / nseq_r.sum().clamp_min(1)
+            else:
+                aux_share = load_balance_share(probs, counts_g.float(), tokens_f, k)
+                aux_value = load_balance_value(counts_g, tot[E:2 * E], tokens_g, k)
             z_share = z_loss_share(routing.logits, tokens_f) if routing.logits is not None else probs.new_zeros(())
-            aux_value = load_balance_value(counts_g, tot[E:2 * E], tokens_g, k)
             z_value = tot[2 * E] / tokens_g.clamp_min(1)
         else:
             local_tokens = float(max(n_tok, 1))
-            aux_share = load_balance_share(probs, counts_local.float(), local_tokens, k) / ranks
+            if self.balance_loss == "sequence":
+                aux_share = seq_loss_sum / (max(n_seq, 1) * ranks)
+                aux_value = (seq_r / nseq_r.clamp_min(1)).mean()
+            else:
+                aux_share = load_balance_share(probs, counts_local.float(), local_tokens, k) / ranks
+                aux_value = load_balance_value(counts_r, psum_r, tokens_r, k).mean()
             z_share = (z_loss_share(routing.logits, local_tokens) / ranks) if routing.logits is not None else probs.new_zeros(())
-            aux_value = load_balance_value(counts_r, psum_r, tokens_r, k).mean()
             z_value = (rows[:, 2 * E] / tokens_r.clamp_min(1)).mean()
         self.aux_loss = self.aux_loss_coef * aux_share + self.z_loss_coef * z_share
+        if self.expert_bias is not None and self.training and not is_recomputing():
+            seen = counts_g if self.loss_scope == "global" else counts_local
+            self._pending_counts = seen if self._pending_counts is None else self._pending_counts + seen
 
         keep, capacity, dropped = self._capacity_keep(routing, counts_g, counts_r, tokens_g, tokens_r, n_tok, me, x.device)
 
@@ -174,11 +261,25 @@ class MoELayer(nn.Module):
             raise nonfinite_logits_error(f"layer {ctx.layer_idx} router", bad, global_tokens * E)
         y = self.experts(routed, plan.local_counts, plan.segments)
         out = combine(y, plan, n_tok, self.groups.ep)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x2)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x2)) * shared
+            out = out + shared.to(out.dtype)
 
         self.stats = MoEStats(expert_counts=counts_g, dropped=dropped, pairs=tokens_g * k, tokens=tokens_g,
                               aux_loss=aux_value, z_loss=z_value, entropy=tot[2 * E + 1] / tokens_g.clamp_min(1),
                               capacity=capacity, extras=dict(routing.extras))
         return out.to(x.dtype).reshape(shape)
+
+    def _num_sequences(self, x: torch.Tensor) -> int:
+        """Sequences in this rank's input for the sequence-level loss: ``B`` of a ``[B, S, d]``
+        input, else of ``context.batch_shape``."""
+        shape = tuple(x.shape[:-1]) if x.dim() == 3 else self.context.batch_shape
+        if shape is None or len(shape) != 2 or shape[0] * shape[1] != x.numel() // self.d_model:
+            raise ValueError(f"model.moe.balance_loss='sequence' needs [batch, seq, {self.d_model}] input or "
+                             f"context.batch_shape; got input {tuple(x.shape)} and batch_shape {self.context.batch_shape}")
+        return int(shape[0])
 
     def _capacity_keep(self, routing: Routing, counts_g, counts_r, tokens_g, tokens_r, n_tok: int, me: int, device):
         """``(keep [T, k] bool or None, capacity, dropped pairs)``; the capacity is computed on the

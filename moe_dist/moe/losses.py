@@ -36,3 +36,27 @@ def load_balance_value(counts: torch.Tensor, prob_sums: torch.Tensor, tokens: to
     f = counts / (tokens.unsqueeze(-1) * top_k)
     p = prob_sums / tokens.unsqueeze(-1)
     return counts.shape[-1] * (f * p).sum(-1)
+
+
+BALANCE_LOSSES = ("batch", "sequence")
+
+
+def sequence_balance_sum(probs: torch.Tensor, expert_ids: torch.Tensor, num_sequences: int) -> torch.Tensor:
+    """DeepSeek-V2/V3's sequence-wise balance loss summed over this rank's sequences:
+    ``sum_b E * sum_e f_{b,e} P_{b,e}`` with, over the ``S`` tokens of sequence ``b``,
+    ``f_{b,e} = count_{b,e} / (S k)`` and ``P_{b,e} = mean_t p_{t,e}`` (gradient through P only).
+
+    probs: ``[B*S, E]``; expert_ids: ``[B*S, k]``, rows sequence-major. A sequence's term
+    depends on that sequence alone, so the global loss (the sum over every rank's sequences
+    divided by the global number of sequences) does not depend on how sequences are split."""
+    tokens, num_experts = probs.shape
+    if num_sequences == 0 or tokens == 0:
+        return probs.sum() * 0.0
+    seq_len, k = tokens // num_sequences, expert_ids.shape[1]
+    seq_of_row = torch.arange(tokens, device=probs.device) // seq_len
+    flat = (expert_ids + (seq_of_row * num_experts)[:, None]).reshape(-1)
+    counts = torch.zeros(num_sequences * num_experts, dtype=probs.dtype, device=probs.device)
+    counts = counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=probs.dtype)).view(num_sequences, num_experts)
+    f = counts / (seq_len * k)
+    p = probs.view(num_sequences, seq_len, num_experts).sum(1) / seq_len
+    return num_experts * (f * p).sum()

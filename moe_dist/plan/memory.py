@@ -110,6 +110,8 @@ def block_activation_elems(s: BlockShape, is_moe: bool, act_bytes: int, seq_len:
     attn = 2 * s.d_model + (2 * s.n_heads + 3 * s.n_kv_heads) * s.head_dim
     if is_moe:
         ffn = 2 * s.d_model + s.top_k * (2 * s.d_model + 3 * s.expert_d_ff) + 2 * s.num_experts * 4 / act_bytes
+        if s.shared_d_ff:  # the shared expert's hidden activations and output (and its gate)
+            ffn += 3 * s.shared_d_ff + s.d_model + (2 if s.shared_gate else 0)
         if attention_probs:
             ffn += s.n_heads * seq_len * 4 / act_bytes
     else:

@@ -25,13 +25,16 @@ class BlockShape:
     num_experts: int
     top_k: int
     gated: bool  # SwiGLU experts (3 matrices) or GELU (2)
+    shared_d_ff: int = 0  # hidden size of the always-active shared expert of an MoE layer (0: none)
+    shared_gate: bool = False
 
 
 def block_shape(model_cfg) -> BlockShape:
     m = model_cfg
     return BlockShape(d_model=m.d_model, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads or m.n_heads,
                       head_dim=m.d_model // m.n_heads, d_ff=m.d_ff, expert_d_ff=m.moe.d_ff or m.d_ff,
-                      num_experts=m.moe.num_experts, top_k=m.moe.top_k, gated=m.moe.activation == "swiglu")
+                      num_experts=m.moe.num_experts, top_k=m.moe.top_k, gated=m.moe.activation == "swiglu",
+                      shared_d_ff=m.moe.shared_d_ff or 0, shared_gate=bool(m.moe.shared_gate and m.moe.shared_d_ff))
 
 
 def router_params(model_cfg) -> int:
@@ -62,16 +65,19 @@ def count_params(model_cfg, moe_blocks: Optional[list[int]] = None) -> dict:
     dense_ffn = 3 * s.d_model * s.d_ff
     per_expert = (3 if s.gated else 2) * s.d_model * s.expert_d_ff
     router = router_params(m) if n_moe else 0
+    shared_expert = (3 if s.gated else 2) * s.d_model * s.shared_d_ff + (s.d_model if s.shared_gate else 0)
     embedding = m.vocab_size * s.d_model
     head = 0 if m.tie_embeddings else m.vocab_size * s.d_model
-    shared = embedding + head + s.d_model + m.n_layers * (attn + norms) + n_dense * dense_ffn + n_moe * router
+    shared = (embedding + head + s.d_model + m.n_layers * (attn + norms) + n_dense * dense_ffn
+              + n_moe * (router + shared_expert))
     experts_total = n_moe * s.num_experts * per_expert
     experts_active = n_moe * s.top_k * per_expert
     return {
         "total": shared + experts_total, "active": shared + experts_active,
         "embedding": embedding, "lm_head": head, "attention": m.n_layers * attn, "norms": m.n_layers * norms + s.d_model,
         "dense_ffn": n_dense * dense_ffn, "experts": experts_total, "routers": n_moe * router,
+        "shared_experts": n_moe * shared_expert,
         "per_expert": per_expert, "moe_layers": n_moe, "dense_layers": n_dense,
-        "largest_dense_block": attn + norms + max(dense_ffn if n_dense else 0, router),
+        "largest_dense_block": attn + norms + max(dense_ffn if n_dense else 0, (router + shared_expert) if n_moe else 0),
         "dense_params": shared,  # everything but the experts: replicated or FSDP-sharded over data ranks
     }

@@ -15,6 +15,7 @@ from typing import Iterable, Optional
 import yaml
 
 from ..config import ConfigError, apply_overrides, config_from_dict, load_config
+from ..config.granularity import expand_granularity
 from ..hf.config import HFModelSpec, config_path, hf_model_spec, is_hf_config
 from .memory import (GIB, STAGES, Units, Workload, activation_bytes, all_to_all_bytes, autocast_copy_bytes,
                      engine_state_bytes, fsdp_gathered_bytes, fsdp_head_grad_bytes, fsdp_reduce_peak_bytes,
@@ -74,7 +75,11 @@ def load_plan_input(path: str, overrides: Iterable[str] = (), seq_len: Optional[
     if path.endswith(".json") or is_hf_config(raw):
         spec: HFModelSpec = hf_model_spec(raw, where=path)
         plans_moe = spec.is_moe or any(o.split("=", 1)[0].strip().startswith("model.moe.") for o in overrides)
-        cfg = config_from_dict(apply_overrides({"model": json.loads(json.dumps(spec.model))}, overrides))
+        ours = apply_overrides({"model": json.loads(json.dumps(spec.model))}, overrides)
+        moe = ours["model"].setdefault("moe", {}) if isinstance(ours.get("model"), dict) else None
+        if isinstance(moe, dict):  # granular upcycling: what `moe-dist upcycle` would write
+            expand_granularity(moe, spec.model["d_ff"])
+        cfg = config_from_dict(ours)
         moe_blocks = cfg.model.moe.layer_indices(cfg.model.n_layers) if plans_moe else []
         max_pos = int(raw.get("max_position_embeddings") or DEFAULT_HF_SEQ_LEN)
         return PlanInput(source=path, kind=f"hf:{spec.family}", model=cfg.model, moe_blocks=moe_blocks,

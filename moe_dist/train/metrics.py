@@ -145,7 +145,7 @@ class MoEStepStats:
                 row["capacity"] = int(capacity[idx])
             row.update(extras.get(idx, {}))
             row.update(local.get(idx, {}))
-            row.update(_plain(layer.router.extra_metrics()))
+            row.update(_plain(layer.extra_metrics()))  # router figures, expert bias
             out[str(idx)] = row
         return out
 

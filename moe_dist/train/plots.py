@@ -58,6 +58,31 @@ def plot_expert_load(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def plot_expert_bias(rows: list[dict], path: str) -> None:
+    """One panel per MoE layer with an aux-loss-free expert bias: each expert's bias over steps."""
+    rows = [r for r in rows if r.get("moe")]
+    layers = sorted({k for r in rows for k, v in r["moe"].items() if "expert_bias" in v}, key=int)
+    if not layers:
+        return
+    fig, axes = plt.subplots(len(layers), 1, figsize=(8, 1.2 + 1.8 * len(layers)), dpi=120, squeeze=False)
+    for ax, layer in zip(axes[:, 0], layers):
+        have = [r for r in rows if "expert_bias" in r["moe"].get(layer, {})]
+        bias = np.array([r["moe"][layer]["expert_bias"] for r in have], dtype=float)  # [steps, E]
+        steps = [r["step"] for r in have]
+        for e in range(bias.shape[1]):
+            ax.plot(steps, bias[:, e], lw=1, label=f"expert {e}" if bias.shape[1] <= 16 else None)
+        ax.axhline(0.0, color="gray", lw=0.8, ls="--")
+        ax.set_ylabel(f"block {layer}\nbias")
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("optimizer step")
+    axes[0, 0].set_title("Aux-loss-free expert bias (added to the router probabilities for choosing)")
+    if len(axes[0, 0].get_legend_handles_labels()[0]):
+        axes[0, 0].legend(fontsize=6, ncol=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def make_plots(run_dir: str, baseline_loss: float | None = None) -> list[str]:
     rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     out_dir = os.path.join(run_dir, "plots")
@@ -65,4 +90,6 @@ def make_plots(run_dir: str, baseline_loss: float | None = None) -> list[str]:
     paths = [os.path.join(out_dir, "loss.png"), os.path.join(out_dir, "expert_load.png")]
     plot_losses(rows, paths[0], baseline_loss)
     plot_expert_load(rows, paths[1])
+    paths.append(os.path.join(out_dir, "expert_bias.png"))
+    plot_expert_bias(rows, paths[2])
     return [p for p in paths if os.path.exists(p)]

@@ -242,9 +242,11 @@ class Trainer:
         grad_norm = self.engine.step(loss_finite=math.isfinite(lm_total) and math.isfinite(aux_total))
         skipped = self.engine.skipped
         self.engine.zero_grad()
-        if not skipped:
-            for layer in self.moe:
-                layer.router.after_optimizer_step(layer.context)
+        for layer in self.moe:  # the router's per-step state and the expert bias; a skipped step's counts are dropped
+            if skipped:
+                layer.discard_step()
+            else:
+                layer.after_optimizer_step()
         self.step += 1
         row = {"loss": lm_total / step_tokens, "aux_loss": aux_total, "lr": lr, "grad_norm": grad_norm}
         if skipped:

@@ -23,6 +23,7 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 
 from ..config import Config, ConfigError, apply_overrides, config_from_dict, save_config
+from ..config.granularity import expand_granularity
 from ..hf.config import HFModelSpec, source_dtype
 from ..hf.dense import DenseCheckpoint
 from ..hf.safetensors_io import ShardedWriter
@@ -55,9 +56,13 @@ def upcycle_config(spec: HFModelSpec, overrides: Iterable[str] = (), base: Optio
                               f"{spec.model[key]!r})")
         model[key] = spec.model[key]
     moe = model.setdefault("moe", {})
-    if moe.get("d_ff") not in (None, spec.model["d_ff"]):
+    if not isinstance(moe, dict):
+        raise ConfigError("model.moe: expected a mapping")
+    sliced = expand_granularity(moe, spec.model["d_ff"]) > 1  # experts are d_ff / G slices (moe.d_ff checked and set)
+    if not sliced and moe.get("d_ff") not in (None, spec.model["d_ff"]):
         raise ConfigError(f"model.moe.d_ff: {moe['d_ff']} differs from the dense FFN's intermediate_size="
-                          f"{spec.model['d_ff']}; upcycled experts are copies of it (allowed: null or {spec.model['d_ff']})")
+                          f"{spec.model['d_ff']}; upcycled experts are copies of it (allowed: null or {spec.model['d_ff']}; "
+                          "or set model.moe.granularity to split it)")
     if moe.get("activation", "swiglu") != "swiglu":
         raise ConfigError(f"model.moe.activation: {moe['activation']!r}; upcycled experts copy a SwiGLU FFN "
                           "(allowed: 'swiglu')")
@@ -75,6 +80,28 @@ def _block_seed(seed: int, i: int) -> int:
     return seed * 1_000_003 + i
 
 
+def granularity(cfg: Config) -> int:
+    """G of a granular upcycling: the dense FFN's hidden size over the experts' (1: whole copies)."""
+    m = cfg.model
+    expert_d_ff = m.moe.d_ff or m.d_ff
+    if m.d_ff % expert_d_ff or m.moe.num_experts % (m.d_ff // expert_d_ff) or m.moe.top_k % (m.d_ff // expert_d_ff):
+        raise ConfigError(f"model.moe.d_ff={expert_d_ff}: upcycled experts are the dense FFN (d_ff={m.d_ff}) or equal "
+                          "slices of it, with num_experts and top_k multiples of the number of slices")
+    return m.d_ff // expert_d_ff
+
+
+@torch.no_grad()
+def virtual_group_router_(router, groups: int) -> None:
+    """Virtual-group initialisation (arXiv 2410.07524): the ``G`` experts of one dense copy
+    (experts ``n*G .. n*G+G-1``) get the same router rows, so they score alike and top-(k*G)
+    chooses whole copies."""
+    for name in router.per_expert_tensors:
+        t = getattr(router, name, None)
+        if t is not None:
+            view = t.view(t.shape[0] // groups, groups, *t.shape[1:])
+            view.copy_(view[:, :1].expand_as(view))
+
+
 @torch.no_grad()
 def upcycled_tensors(ckpt: DenseCheckpoint, cfg: Config, noise_std: float = 0.0,
                      seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
@@ -82,6 +109,7 @@ def upcycled_tensors(ckpt: DenseCheckpoint, cfg: Config, noise_std: float = 0.0,
     the tied output projection, if any, is not repeated)."""
     _check_options(noise_std, seed)
     m = cfg.model
+    G = granularity(cfg)
     moe_blocks = set(m.moe.layer_indices(m.n_layers))
     yield "embed.weight", ckpt.embedding().float()
     for i in range(m.n_layers):
@@ -92,11 +120,15 @@ def upcycled_tensors(ckpt: DenseCheckpoint, cfg: Config, noise_std: float = 0.0,
         gate, up, down = ckpt.ffn(i)
         if block.is_moe:
             block.ffn.experts.load_dense(gate.float(), down.float(), up.float(), noise_std=noise_std,
-                                         seed=_block_seed(seed, i))
+                                         seed=_block_seed(seed, i), granularity=G)
+            if G > 1:
+                virtual_group_router_(block.ffn.router, G)
+            if block.ffn.shared_expert is not None:  # starts silent: the upcycled model computes the dense function
+                block.ffn.shared_expert.w2.weight.zero_()
         else:
             state.update({"ffn.w1.weight": gate, "ffn.w3.weight": up, "ffn.w2.weight": down})
         result = block.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-        owned = ("ffn.router.", "ffn.experts.")
+        owned = ("ffn.router.", "ffn.experts.", "ffn.shared_expert.", "ffn.shared_expert_gate.")
         missing = [k for k in result.missing_keys if not k.startswith(owned)]
         if missing or result.unexpected_keys:  # a mapping bug, not a user error
             raise RuntimeError(f"block {i}: weights not mapped {missing}, unexpected {result.unexpected_keys}")
@@ -136,6 +168,8 @@ def preserves_function(cfg: Config, tokens: int = 24, tol: float = 1e-4) -> Opti
             for layer in model.moe_layers():
                 gate, up, down = torch.randn(24, 16) * 0.3, torch.randn(24, 16) * 0.3, torch.randn(16, 24) * 0.3
                 layer.experts.load_dense(gate, down, up)
+                if layer.shared_expert is not None:  # as upcycling leaves it: silent at first
+                    layer.shared_expert.w2.weight.zero_()
                 ref = SwiGLU(16, 24, 0.02, 0.02)
                 ref.w1.weight.copy_(gate), ref.w3.weight.copy_(up), ref.w2.weight.copy_(down)
                 layer.register_forward_hook(lambda mod, inp, out, ref=ref: captured.append((ref(inp[0]), out)))
@@ -191,7 +225,8 @@ def upcycle(dense_dir: str, out_dir: str, overrides: Iterable[str] = (), *, base
     info = {
         "source": os.path.abspath(dense_dir), "family": ckpt.family, "notes": ckpt.spec.notes,
         "moe_layers": cfg.model.moe.layer_indices(cfg.model.n_layers), "num_experts": cfg.model.moe.num_experts,
-        "top_k": cfg.model.moe.top_k, "router": cfg.model.moe.router, "noise_std": noise_std, "seed": seed,
+        "top_k": cfg.model.moe.top_k, "granularity": granularity(cfg), "router": cfg.model.moe.router,
+        "noise_std": noise_std, "seed": seed,
         "dtype": str(out_dtype).replace("torch.", ""), "weights": files, "tokenizer_files": copied,
         "tokenizer_entries": n_tok, "preserves_function": preserved,
         "total_params": counts["total"], "active_params": counts["active"],

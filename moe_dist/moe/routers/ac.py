@@ -96,6 +96,8 @@ class AdaptiveClusteringRouter(Router):
     normalize: renormalise the gates over the chosen k (default: k > 1).
     """
 
+    supports_expert_bias = True
+
     def __init__(self, d_model: int, num_experts: int, top_k: int, *, start_layer: int = 2, dispersion: str = "mad",
                  eps: float = 1e-4, clamp: Optional[float] = 10.0, weight_norm: str = "feature", min_count: int = 2,
                  scope: str = "global", eval_mode: str = "batch", momentum: float = 0.1, base: str = "embedding",
@@ -172,5 +174,5 @@ class AdaptiveClusteringRouter(Router):
             router_input = x
         logits = fp32_linear(router_input, self.router_weight())
         probs = torch.softmax(logits, dim=-1)
-        expert_ids, gates = select_topk(logits, probs, self.top_k, self.normalize)
+        expert_ids, gates = select_topk(logits, probs, self.top_k, self.normalize, self.selection_bias())
         return Routing(expert_ids=expert_ids, gates=gates, probs=probs, logits=logits, extras=extras)

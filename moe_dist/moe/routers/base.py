@@ -25,6 +25,14 @@ class Router(nn.Module):
     # Routing.extras that describe this rank's tokens only, and how the metrics combine them over
     # the ranks holding distinct tokens: "mean" (weighted by router rows) or "sum"
     local_extras: dict[str, str] = {}
+    # the aux-loss-free expert bias (DeepSeek-V3) is added to the probabilities this router passes
+    # to select_topk; routers that choose otherwise (Sinkhorn, Symphony's graph) leave this False
+    supports_expert_bias = False
+    # router_dtype=fp64: routers whose scores and softmax follow ``self.compute_dtype``
+    supports_fp64 = False
+    # router tensors with one row per expert along dim 0 (granular upcycling duplicates them per virtual group)
+    per_expert_tensors: tuple[str, ...] = ()
+    compute_dtype = torch.float32
 
     def __init__(self, d_model: int, num_experts: int, top_k: int):
         super().__init__()
@@ -36,6 +44,35 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:
         return self.route(x, ctx)
+
+    # ---- options the MoE layer sets after construction -------------------------------------
+    def enable_expert_bias(self, name: str = "") -> None:
+        """Register the per-expert selection bias (a persistent fp32 buffer, zeros: router state that
+        checkpoints save; every rank holds the same values, updated by the MoE layer)."""
+        if not self.supports_expert_bias:
+            raise ValueError(f"model.moe.expert_bias=true is not allowed with router {name or type(self).__name__!r} (it "
+                             "does not choose by top-k of its probabilities: Sinkhorn balances by itself, Symphony "
+                             f"chooses through its graph); allowed routers: {_routers_with('supports_expert_bias')}")
+        self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32), persistent=True)
+
+    def set_compute_dtype(self, dtype: torch.dtype, name: str = "") -> None:
+        if dtype != torch.float32 and not self.supports_fp64:
+            raise ValueError(f"model.moe.router_dtype=fp64 is not allowed with router {name or type(self).__name__!r}; "
+                             "allowed routers: "
+                             f"{_routers_with('supports_fp64')} (the others compute in fp32)")
+        self.compute_dtype = dtype
+
+    def selection_bias(self) -> torch.Tensor | None:
+        """The expert bias added to the probabilities for choosing (None when disabled)."""
+        return self._buffers.get("expert_bias")
+
+    def _apply(self, fn, recurse=True):
+        bias = self._buffers.get("expert_bias")
+        super()._apply(fn, recurse)
+        after = self._buffers.get("expert_bias")
+        if after is not None and after.dtype != torch.float32:  # a dtype cast: the bias stays fp32
+            self._buffers["expert_bias"] = after.float() if bias.is_meta else bias.to(after.device)
+        return self
 
     def route(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:  # pragma: no cover - abstract
         raise NotImplementedError(f"{type(self).__name__} must implement route()")
@@ -50,10 +87,18 @@ class Router(nn.Module):
         (Symphony's graph, schedules) update it here."""
 
 
-def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Router scores in fp32 whatever the model dtype (autocast disabled)."""
+def _routers_with(flag: str) -> list[str]:
+    from .registry import ROUTERS
+
+    return sorted(n for n, c in ROUTERS.items() if getattr(c, flag, False))
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Router scores in fp32 (or ``dtype``, e.g. fp64 for ``router_dtype=fp64``) whatever the
+    model dtype (autocast disabled)."""
     with torch.autocast(device_type=x.device.type, enabled=False):
-        return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        return F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
 
 
 def count_nonfinite(logits: torch.Tensor) -> torch.Tensor:
@@ -70,12 +115,17 @@ def nonfinite_logits_error(where: str, bad: int, total: int) -> FloatingPointErr
     )
 
 
-def select_topk(scores: torch.Tensor, probs: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def select_topk(scores: torch.Tensor, probs: torch.Tensor, k: int, normalize: bool,
+                bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose the ``k`` highest ``scores`` per token; gates are the chosen ``probs``.
 
     With ``normalize`` the gates are renormalised to sum to one over the chosen experts.
+    ``bias`` (``[E]``, the aux-loss-free expert bias): choose by ``probs + bias`` instead, the
+    gates still the unbiased ``probs`` (DeepSeek-V3; no gradient through the bias).
     Returns ``(expert_ids [T, k], gates [T, k])``.
     """
+    if bias is not None:
+        scores = probs.detach() + bias.to(probs.dtype)
     expert_ids = torch.topk(scores, k, dim=-1, sorted=True).indices
     gates = probs.gather(-1, expert_ids)
     if normalize:

@@ -58,6 +58,8 @@ class FrozenRouter(Router):
     :meth:`router_weights`.
     """
 
+    supports_expert_bias = supports_fp64 = True
+
     def __init__(self, d_model: int, num_experts: int, top_k: int, *, k_min: Optional[int] = None,
                  k_max: Optional[int] = None, k_schedule_steps: Optional[int] = None, eval_k: Optional[int] = None,
                  normalize: Optional[bool] = None):
@@ -135,10 +137,10 @@ class FrozenRouter(Router):
 
     def route(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:
         weight, bias = self.router_weights()
-        logits = fp32_linear(x, weight, bias)
+        logits = fp32_linear(x, weight, bias, dtype=self.compute_dtype)
         probs = torch.softmax(logits, dim=-1)
         k = self.current_k(ctx)
-        expert_ids, gates = select_topk(logits, probs, k, default_normalize(k, self.normalize))
+        expert_ids, gates = select_topk(logits, probs, k, default_normalize(k, self.normalize), self.selection_bias())
         return Routing(expert_ids=expert_ids, gates=gates, probs=probs, logits=logits,
                        extras={"k": torch.tensor(float(k))})
 

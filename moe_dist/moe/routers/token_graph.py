@@ -176,6 +176,7 @@ class TokenGraphRouter(WrappingRouter):
     """Shared tail of both token-graph routers: mixed probabilities -> top-k -> Routing."""
 
     local_extras = {"topk_changed": "mean"}  # share of tokens whose top-k set the mixing changed
+    supports_expert_bias = True
 
     def __init__(self, d_model, num_experts, top_k, base, base_options, normalize, aux_probs, detach_graph, name):
         super().__init__(d_model, num_experts, top_k, base, base_options, name)
@@ -186,7 +187,7 @@ class TokenGraphRouter(WrappingRouter):
         self.detach_graph = bool(detach_graph)
 
     def finish(self, base: Routing, mixed: torch.Tensor, extras: dict) -> Routing:
-        expert_ids, gates = select_topk(mixed, mixed, self.top_k, self.normalize)
+        expert_ids, gates = select_topk(mixed, mixed, self.top_k, self.normalize, self.selection_bias())
         with torch.no_grad():
             extras = {**base.extras, **extras, "topk_changed": topk_set_changed(expert_ids, base.expert_ids).float().mean()}
         return Routing(expert_ids=expert_ids, gates=gates, probs=mixed if self.aux_probs == "mixed" else base.probs,

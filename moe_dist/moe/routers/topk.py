@@ -26,6 +26,9 @@ class TopKRouter(Router):
         top_k degrades at another k (HyperRouter's SMoE baseline; ``moe-dist eval --k``).
     """
 
+    supports_expert_bias = supports_fp64 = True
+    per_expert_tensors = ("weight", "noise_weight")
+
     def __init__(self, d_model: int, num_experts: int, top_k: int, *, normalize: bool | None = None,
                  noisy: bool = False, init_std: float = 0.02, eval_k: int | None = None):
         super().__init__(d_model, num_experts, top_k)
@@ -44,15 +47,15 @@ class TopKRouter(Router):
         return self.noisy and self.training
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
-        return fp32_linear(x, self.weight)
+        return fp32_linear(x, self.weight, dtype=self.compute_dtype)
 
     def route(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:
         logits = self.scores(x)
         if self.noisy and self.training:
-            noise_std = F.softplus(fp32_linear(x, self.noise_weight))
+            noise_std = F.softplus(fp32_linear(x, self.noise_weight, dtype=self.compute_dtype))
             eps = layout_invariant_normal((self.num_experts,), ctx, x.shape[0], salt=1, device=x.device)
             logits = logits + eps * noise_std
         probs = torch.softmax(logits, dim=-1)
         k = self.eval_k if self.eval_k is not None and not self.training else self.top_k
-        expert_ids, gates = select_topk(logits, probs, k, self.normalize)
+        expert_ids, gates = select_topk(logits, probs, k, self.normalize, self.selection_bias())
         return Routing(expert_ids=expert_ids, gates=gates, probs=probs, logits=logits)

@@ -19,6 +19,9 @@ class XMoERouter(Router):
     """dim: routing dimension (paper: 16). init_temperature: initial tau (learned in log space,
     clamped to [min_temperature, 1])."""
 
+    supports_expert_bias = supports_fp64 = True
+    per_expert_tensors = ("expert_embed",)
+
     def __init__(self, d_model: int, num_experts: int, top_k: int, *, dim: int = 16,
                  init_temperature: float = 0.07, min_temperature: float = 0.01,
                  normalize: bool | None = None, init_std: float = 0.02):
@@ -40,10 +43,10 @@ class XMoERouter(Router):
 
     def route(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:
         with torch.autocast(device_type=x.device.type, enabled=False):
-            z = F.normalize(fp32_linear(x, self.proj), dim=-1)
-            e = F.normalize(self.expert_embed.float(), dim=-1)
-            logits = (z @ e.t()) / self.temperature()
+            z = F.normalize(fp32_linear(x, self.proj, dtype=self.compute_dtype), dim=-1)
+            e = F.normalize(self.expert_embed.to(self.compute_dtype), dim=-1)
+            logits = (z @ e.t()) / self.temperature().to(self.compute_dtype)
         probs = torch.softmax(logits, dim=-1)
-        expert_ids, gates = select_topk(logits, probs, self.top_k, self.normalize)
+        expert_ids, gates = select_topk(logits, probs, self.top_k, self.normalize, self.selection_bias())
         return Routing(expert_ids=expert_ids, gates=gates, probs=probs, logits=logits,
                        extras={"temperature": self.temperature().detach()})

@@ -26,7 +26,10 @@ if TYPE_CHECKING:
 
 # model settings that decide the tensors' names and shapes: a checkpoint of another value is refused
 STRUCTURAL_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings", "qkv_bias",
-                   "moe.layers", "moe.router", "moe.num_experts", "moe.d_ff", "moe.activation")
+                   "moe.layers", "moe.router", "moe.num_experts", "moe.d_ff", "moe.activation", "moe.shared_d_ff",
+                   "moe.shared_gate", "moe.expert_bias")
+# keys added later: a checkpoint written before them holds their default
+ADDED_KEY_DEFAULTS = {"moe.shared_d_ff": None, "moe.shared_gate": False, "moe.expert_bias": False}
 SCHEDULE_KEYS = ("lr", "min_lr_ratio", "warmup_steps", "steps")
 
 
@@ -42,7 +45,7 @@ def model_differences(saved: dict, current: dict) -> tuple[list[str], list[str]]
                 out[prefix + k] = v
         return out
 
-    a, b = flat(saved), flat(current)
+    a, b = {**ADDED_KEY_DEFAULTS, **flat(saved)}, {**ADDED_KEY_DEFAULTS, **flat(current)}
     structural, other = [], []
     for key in sorted(set(a) | set(b)):
         if a.get(key) != b.get(key):

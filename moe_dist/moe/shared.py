@@ -1,0 +1,41 @@
+"""Shared experts: an always-active feed-forward block beside the routed experts
+(DeepSeekMoE, Qwen2-MoE), with an optional sigmoid gate per token (Qwen2-MoE's
+``shared_expert_gate``): ``out = routed(x) + sigmoid(x w_g) * shared(x)``.
+
+Every token of a rank goes through it on that rank, so it couples no tokens across ranks; its
+weights are dense weights (FSDP2-sharded or replicated with the blocks, gradients summed over
+the data-parallel ranks). Its ``nn.Linear`` layers carry ``init_std`` like the model's own, so
+:mod:`moe_dist.model.init` fills them layout-independently.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def init_linear(d_in: int, d_out: int, std: float) -> nn.Linear:
+    layer = nn.Linear(d_in, d_out, bias=False)
+    layer.init_std = std  # the recipe moe_dist.model.init follows
+    nn.init.normal_(layer.weight, std=std)
+    return layer
+
+
+class SharedExpert(nn.Module):
+    """``w2(act(w1 x) [* w3 x])``: SwiGLU (``activation="swiglu"``, as Qwen2-MoE's shared
+    expert) or a GELU MLP, hidden size ``d_ff`` (the whole of the shared experts: several
+    shared experts of size h are one of size n*h)."""
+
+    def __init__(self, d_model: int, d_ff: int, activation: str = "swiglu", init_std: float = 0.02,
+                 out_init_std: Optional[float] = None):
+        super().__init__()
+        self.activation = activation
+        self.w1 = init_linear(d_model, d_ff, init_std)
+        self.w3 = init_linear(d_model, d_ff, init_std) if activation == "swiglu" else None
+        self.w2 = init_linear(d_ff, d_model, init_std if out_init_std is None else out_init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(self.w1(x)) * self.w3(x) if self.w3 is not None else F.gelu(self.w1(x))
+        return self.w2(h)
