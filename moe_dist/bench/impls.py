@@ -48,7 +48,7 @@ class MoEDistImpl(Impl):
     impl = "moe_dist"
 
     def __init__(self, work: Workload, router: str, groups: ParallelGroups, router_options: Optional[dict] = None,
-                 expert_kernel: str = "auto"):
+                 expert_kernel: str = "loop"):
         s, ref = work.sizes, work.reference
         self.work, self.router = work, router
         layer = MoELayer(s.d_model, s.d_ff, s.num_experts, s.top_k, router=router, router_options=router_options,

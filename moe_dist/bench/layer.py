@@ -85,7 +85,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity-factor", type=_capacity, default=None, help="'none' = dropless (default)")
     p.add_argument("--min-capacity", type=int, default=0)
     add_size_arguments(p)
-    p.add_argument("--expert-kernel", type=_kernels, default=["auto"],
+    p.add_argument("--expert-kernel", type=_kernels, default=["loop"],
                    help="the layer's expert kernel(s), comma-separated, each timed in the same rounds: auto (the "
                         "trainer's choice, decided once over all ranks), loop, bmm, grouped_mm; with auto and fixed "
                         "kernels together the table shows auto's time over the best fixed kernel's")

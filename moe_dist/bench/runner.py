@@ -45,7 +45,7 @@ class BenchConfig:
     threads: Optional[int] = None  # per process; default: the cores shared out evenly
     device: str = "cpu"
     seed: int = 0
-    expert_kernels: list = field(default_factory=lambda: ["auto"])  # each timed in the same rounds
+    expert_kernels: list = field(default_factory=lambda: ["loop"])  # each timed in the same rounds
     memory: bool = True
     malloc: str = "default"  # "keep": glibc keeps freed memory (moe_dist.bench.allocator)
 

@@ -73,7 +73,7 @@ class MoEConfig:
     aux_loss_coef: float = knob(0.01, "load-balance loss weight", min=0)
     z_loss_coef: float = knob(0.001, "router z-loss weight", min=0)
     activation: Literal["swiglu", "gelu"] = knob("swiglu", "expert activation")
-    expert_kernel: Literal["auto", "loop", "bmm", "grouped_mm"] = knob("auto", "expert matmul kernel (auto = timed)")
+    expert_kernel: Literal["auto", "loop", "bmm", "grouped_mm"] = knob("loop", "expert matmul kernel: loop (measured best or tied in most cases, bench/results.md), bmm, grouped_mm, or auto (timed once per expert shape, the same on every rank)")
     balance_loss: Literal["batch", "sequence"] = knob("batch", "load-balance loss: batch (Switch/GShard over the batch) or "
                                                       "sequence (DeepSeek-V2/V3: per sequence, averaged over sequences)")
     shared_d_ff: Optional[int] = knob(None, "hidden size of the always-active shared expert(s) beside the routed ones "

@@ -181,7 +181,7 @@ class GroupedExperts(nn.Module):
     """
 
     def __init__(self, num_experts: int, d_model: int, d_ff: int, *, activation: str = "swiglu",
-                 kernel: str = "auto", offset: int = 0, init_std: float = 0.02, out_init_std: Optional[float] = None):
+                 kernel: str = "loop", offset: int = 0, init_std: float = 0.02, out_init_std: Optional[float] = None):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"model.moe.activation={activation!r} not allowed; allowed: {list(ACTIVATIONS)}")

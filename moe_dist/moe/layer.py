@@ -65,7 +65,7 @@ class MoELayer(nn.Module):
                  eval_capacity_factor: Optional[float] = None, min_capacity: int = 0,
                  drop_policy: str = "position", capacity_scope: str = "global", loss_scope: str = "global",
                  aux_loss_coef: float = 0.01, z_loss_coef: float = 0.001, activation: str = "swiglu",
-                 expert_kernel: str = "auto", layer_idx: int = 0, init_std: float = 0.02,
+                 expert_kernel: str = "loop", layer_idx: int = 0, init_std: float = 0.02,
                  out_init_std: Optional[float] = None, balance_loss: str = "batch", shared_d_ff: Optional[int] = None,
                  shared_gate: bool = False, expert_bias: bool = False, expert_bias_rate: float = 1e-3,
                  router_dtype: str = "fp32"):
