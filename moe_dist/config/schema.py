@@ -11,12 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
+from ..errors import ConfigError
+
 DEFAULT_CORPUS = "/usr/share/doc/python3.11/html/_sources"
 MOE_LAYER_PATTERNS = ("every", "every_other")
-
-
-class ConfigError(ValueError):
-    """A configuration value is unknown, of the wrong type or out of range."""
 
 
 def knob(default: Any, help: str, **bounds: Any) -> Any:

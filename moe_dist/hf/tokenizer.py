@@ -12,6 +12,7 @@ import shutil
 from typing import Optional
 
 from .config import HFFormatError
+from ..errors import InputError, UserError
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "vocab.json", "merges.txt", "generation_config.json")
@@ -101,11 +102,11 @@ class JsonTokenizerBackend:
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise ValueError("a tokenizer.json needs the `tokenizers` package: pip install 'moe_dist[hf]'") from None
+            raise UserError("a tokenizer.json needs the `tokenizers` package: pip install 'moe_dist[hf]'") from None
         try:
             self.tok = Tokenizer.from_str(data.decode("utf-8"))
         except Exception as e:  # tokenizers raises its own exception type
-            raise ValueError(f"not a readable tokenizer.json: {e}") from None
+            raise InputError(f"not a readable tokenizer.json: {e}") from None
         self._eos = next((i for i in map(self.tok.token_to_id, EOS_TOKENS) if i is not None), -1)
 
     def encode(self, text):

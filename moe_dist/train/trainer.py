@@ -25,6 +25,7 @@ from ..config.load import config_to_dict
 from ..data import PreparedData, TrainSampler, load_prepared, prepare_data
 from ..diagnostics import RoutingDiagnostics
 from ..dist.bootstrap import Runtime, init_distributed, shutdown
+from ..errors import CheckpointError, MissingInputError
 from ..exits import JobStopped
 from ..hardware import peak_rss_bytes, slow_bf16_note
 from ..model import count_parameters
@@ -446,7 +447,7 @@ def evaluate_run(cfg: Config, checkpoint: Optional[str] = None, rt: Optional[Run
     try:
         path = checkpoint or latest_checkpoint(cfg.run.dir)
         if path is None:
-            raise FileNotFoundError(f"no complete checkpoint under {os.path.join(cfg.run.dir, 'checkpoints')} (run.dir)")
+            raise MissingInputError(f"no complete checkpoint under {os.path.join(cfg.run.dir, 'checkpoints')} (run.dir)")
         data = load_data(cfg, rt, log)
         vocab = resolve_vocab(cfg, data)
         model = build_meta_model(cfg, vocab)
@@ -454,7 +455,7 @@ def evaluate_run(cfg: Config, checkpoint: Optional[str] = None, rt: Optional[Run
         parallelize(model, rt, cfg.parallel, fill=weights_filler(cfg, path if weights else None), dtype=cfg.train.dtype)
         meta = {"step": 0} if weights else load_checkpoint(model, path)
         if meta.get("tokenizer_sha256") not in (None, data.tokenizer.sha256):
-            raise ValueError(f"{path} was trained with another tokenizer (sha256 {meta['tokenizer_sha256'][:12]}...) than "
+            raise CheckpointError(f"{path} was trained with another tokenizer (sha256 {meta['tokenizer_sha256'][:12]}...) than "
                              f"the data settings give now ({data.tokenizer.sha256[:12]}...); check the data.* keys")
         batches = validation_batches(data, cfg.train.seq_len, cfg.eval, rt.groups.dp_rank, rt.groups.dp_size)
         val = evaluate(model, batches, rt.device, cfg.train.dtype, rt.groups.dp)

@@ -6,6 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..routing import Routing, RoutingContext
+from ...errors import ConfigError
 
 
 class Router(nn.Module):
@@ -37,9 +38,9 @@ class Router(nn.Module):
     def __init__(self, d_model: int, num_experts: int, top_k: int):
         super().__init__()
         if num_experts < 1:
-            raise ValueError(f"model.moe.num_experts must be >= 1, got {num_experts}")
+            raise ConfigError(f"model.moe.num_experts must be >= 1, got {num_experts}")
         if not 1 <= top_k <= num_experts:
-            raise ValueError(f"model.moe.top_k must be in [1, num_experts={num_experts}], got {top_k}")
+            raise ConfigError(f"model.moe.top_k must be in [1, num_experts={num_experts}], got {top_k}")
         self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
 
     def forward(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:
