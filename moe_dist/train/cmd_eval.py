@@ -60,7 +60,13 @@ def _config(args, *extra: str):
 
 def preflight(args, world_size: int) -> int:
     """Check the run directory and config before starting ``world_size`` processes."""
-    return user_errors("eval", lambda: _config(args).check_world(world_size) or 0)
+    def check() -> int:
+        from .preflight import check_before_launch
+
+        check_before_launch(_config(args), world_size, resume=False)
+        return 0
+
+    return user_errors("eval", check)
 
 
 def _k_values(text: str) -> list[int]:
