@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from ..errors import ConfigError
 from ..dist.collectives import all_gather_tensor, group_rank, group_size, subgroup_rows
 from ..dist.groups import ParallelGroups
 from .capacity import CAPACITY_SCOPES, DROP_POLICIES, expert_capacity, keep_by_position, keep_by_probs
@@ -30,7 +31,7 @@ ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 def _check_choice(key: str, value, allowed) -> None:
     if value not in allowed:
-        raise ValueError(f"{key}={value!r} is not allowed; allowed: {list(allowed)}")
+        raise ConfigError(f"{key}={value!r} is not allowed; allowed: {list(allowed)}")
 
 
 class MoELayer(nn.Module):
@@ -71,14 +72,14 @@ class MoELayer(nn.Module):
                  router_dtype: str = "fp32"):
         super().__init__()
         if num_experts < 1:
-            raise ValueError(f"model.moe.num_experts must be >= 1, got {num_experts}")
+            raise ConfigError(f"model.moe.num_experts must be >= 1, got {num_experts}")
         if not 1 <= top_k <= num_experts:
-            raise ValueError(f"model.moe.top_k={top_k} must be between 1 and model.moe.num_experts={num_experts}")
+            raise ConfigError(f"model.moe.top_k={top_k} must be between 1 and model.moe.num_experts={num_experts}")
         for key, cf in (("model.moe.capacity_factor", capacity_factor), ("model.moe.eval_capacity_factor", eval_capacity_factor)):
             if cf is not None and not (isinstance(cf, (int, float)) and math.isfinite(cf) and cf > 0):
-                raise ValueError(f"{key} must be > 0 or null (dropless), got {cf!r}")
+                raise ConfigError(f"{key} must be > 0 or null (dropless), got {cf!r}")
         if min_capacity < 0:
-            raise ValueError(f"model.moe.min_capacity must be >= 0, got {min_capacity}")
+            raise ConfigError(f"model.moe.min_capacity must be >= 0, got {min_capacity}")
         _check_choice("model.moe.drop_policy", drop_policy, DROP_POLICIES)
         _check_choice("model.moe.capacity_scope", capacity_scope, CAPACITY_SCOPES)
         _check_choice("model.moe.loss_scope", loss_scope, LOSS_SCOPES)
@@ -160,7 +161,7 @@ class MoELayer(nn.Module):
     # ---- parallelism (applied from outside) ---------------------------------------------
     def set_groups(self, groups: ParallelGroups) -> None:
         if self.num_experts % groups.ep_size:
-            raise ValueError(f"parallel.ep={groups.ep_size} must divide model.moe.num_experts={self.num_experts}")
+            raise ConfigError(f"parallel.ep={groups.ep_size} must divide model.moe.num_experts={self.num_experts}")
         self.groups = groups
         self.context.stats_group, self.context.ep_group = groups.dp, groups.ep
 

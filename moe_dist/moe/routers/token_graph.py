@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ...errors import ConfigError
 from ..counting import count_values
 from ..routing import Routing, RoutingContext
 from .base import default_normalize, select_topk
@@ -181,7 +182,7 @@ class TokenGraphRouter(WrappingRouter):
     def __init__(self, d_model, num_experts, top_k, base, base_options, normalize, aux_probs, detach_graph, name):
         super().__init__(d_model, num_experts, top_k, base, base_options, name)
         if aux_probs not in AUX_PROBS:
-            raise ValueError(f"model.moe.router_options.aux_probs={aux_probs!r} is not allowed; allowed: {list(AUX_PROBS)}")
+            raise ConfigError(f"model.moe.router_options.aux_probs={aux_probs!r} is not allowed; allowed: {list(AUX_PROBS)}")
         self.normalize = default_normalize(top_k, normalize)
         self.aux_probs = aux_probs
         self.detach_graph = bool(detach_graph)
@@ -213,9 +214,9 @@ class SimilarityRouter(TokenGraphRouter):
                  aux_probs: str = "mixed"):
         super().__init__(d_model, num_experts, top_k, base, base_options, normalize, aux_probs, detach_graph, "similarity")
         if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
-            raise ValueError(f"model.moe.router_options.temperature must be > 0, got {temperature!r}")
+            raise ConfigError(f"model.moe.router_options.temperature must be > 0, got {temperature!r}")
         if similarity not in SIMILARITIES:
-            raise ValueError(f"model.moe.router_options.similarity={similarity!r} is not allowed; allowed: {list(SIMILARITIES)}")
+            raise ConfigError(f"model.moe.router_options.similarity={similarity!r} is not allowed; allowed: {list(SIMILARITIES)}")
         self.temperature, self.similarity = float(temperature), similarity
         self.similarity_weight = nn.Parameter(torch.eye(d_model)) if learn_similarity else None
 
@@ -318,9 +319,9 @@ class AttentionRouter(TokenGraphRouter):
                  normalize: Optional[bool] = None, aux_probs: str = "mixed"):
         super().__init__(d_model, num_experts, top_k, base, base_options, normalize, aux_probs, detach_graph, "attention")
         if not (isinstance(sigma, (int, float)) and math.isfinite(sigma) and sigma > 0):
-            raise ValueError(f"model.moe.router_options.sigma must be > 0, got {sigma!r}")
+            raise ConfigError(f"model.moe.router_options.sigma must be > 0, got {sigma!r}")
         if output_scale is not None and not (isinstance(output_scale, (int, float)) and math.isfinite(output_scale)):
-            raise ValueError(f"model.moe.router_options.output_scale must be a number or null (1/heads), got {output_scale!r}")
+            raise ConfigError(f"model.moe.router_options.output_scale must be a number or null (1/heads), got {output_scale!r}")
         self.sigma, self.likelihood, self.output_scale = float(sigma), bool(likelihood), output_scale
 
     @torch.no_grad()
