@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -88,8 +89,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if code:
             return code
         from .local_launch import launch_local
+        from .train.trainer import THREADS_DEFAULTED
 
-        return launch_local(nproc, _strip_nproc(argv), args.command)
+        defaulted = "OMP_NUM_THREADS" not in os.environ  # then the launcher's value is a default, not the user's
+        if defaulted:
+            os.environ[THREADS_DEFAULTED] = "1"
+        try:
+            return launch_local(nproc, _strip_nproc(argv), args.command)
+        finally:
+            if defaulted:
+                os.environ.pop(THREADS_DEFAULTED, None)
     from .exits import run_process
 
     code = run_process(args.command, lambda: args._module.run(args))

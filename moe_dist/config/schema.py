@@ -39,7 +39,8 @@ class RunConfig:
 
     dir: str = knob("runs/default", "run directory (config.yaml, metrics.jsonl, checkpoints/, plots/, tb/)")
     device: Literal["auto", "cpu", "cuda"] = knob("auto", "auto = cuda when available, else cpu")
-    threads: Optional[int] = knob(None, "torch intra-op threads per process (null = cores / local processes)", min=1)
+    threads: Optional[int] = knob(None, "torch intra-op threads per process (null = OMP_NUM_THREADS if set, else "
+                                  "cores / local processes)", min=1)
     progress: Union[Literal["auto"], bool] = knob("auto", "progress bar on rank 0: true, false or auto (= only on a terminal)")
     log_every: int = knob(1, "steps between metrics.jsonl rows", min=1)
     print_every: int = knob(10, "steps between log lines when there is no progress bar", min=1)

@@ -46,12 +46,28 @@ class TrainingDiverged(JobStopped):
     """Too many consecutive non-finite steps, or non-finite state about to be saved."""
 
 
-def default_threads(rt: Runtime) -> int:
+# set by `moe-dist ... --nproc N` when the user had no OMP_NUM_THREADS: the launcher's value is then
+# the default (cores / local processes), not the user's choice
+THREADS_DEFAULTED = "MOE_DIST_THREADS_DEFAULTED"
+
+
+def _cores() -> int:
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, rt.launch.local_world_size))
+        return os.cpu_count() or 1
+
+
+def thread_choice(run_threads: Optional[int], local_world_size: int, env=os.environ) -> tuple[int, str]:
+    """``(torch threads per process, why)``: ``run.threads`` if set, else the user's
+    ``OMP_NUM_THREADS`` (a positive integer), else the cores this process may use / local processes."""
+    if run_threads:
+        return run_threads, "run.threads"
+    omp = env.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) >= 1 and env.get(THREADS_DEFAULTED) != "1":
+        return int(omp), "OMP_NUM_THREADS"
+    cores, local = _cores(), max(1, local_world_size)
+    return max(1, cores // local), f"{cores} core(s) / {local} local process(es)"
 
 
 def setup_runtime(cfg: Config, rt: Optional[Runtime] = None) -> Runtime:
@@ -59,8 +75,9 @@ def setup_runtime(cfg: Config, rt: Optional[Runtime] = None) -> Runtime:
         rt = init_distributed(cfg.parallel.ep, cfg.model.moe.num_experts, backend=cfg.parallel.backend,
                               device=cfg.run.device, timeout_s=cfg.parallel.timeout_s)
     cfg.check_world(rt.world_size)
-    torch.set_num_threads(cfg.run.threads or default_threads(rt))
+    torch.set_num_threads(thread_choice(cfg.run.threads, rt.launch.local_world_size)[0])
     return rt
+
 
 
 def load_data(cfg: Config, rt: Runtime, log: Callable[[str], None]) -> PreparedData:
@@ -320,7 +337,8 @@ class Trainer:
                  f"token), {len(self.moe)} MoE layers x {cfg.model.moe.num_experts} experts, top-{cfg.model.moe.top_k}, "
                  f"router {cfg.model.moe.router}")
         self.log(f"parallel: {self.rt.world_size} process(es) [{self.rt.launch.launcher}, {self.rt.backend or 'no backend'}, "
-                 f"{self.rt.device}, {torch.get_num_threads()} thread(s) each], ep={self.rt.groups.ep_size}, "
+                 f"{self.rt.device}, {torch.get_num_threads()} thread(s) each from "
+                 f"{thread_choice(cfg.run.threads, self.rt.launch.local_world_size)[1]}], ep={self.rt.groups.ep_size}, "
                  f"dense={self.engine.dense_layout()}; data: "
                  f"{self.data.train.count:,} train tokens, {cfg.train.global_batch}x{cfg.train.seq_len} tokens per step")
         small = small_corpus_note(self.data.train.count, cfg.train.global_batch, cfg.train.seq_len, steps)
