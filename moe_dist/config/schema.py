@@ -262,6 +262,8 @@ class EvalConfig:
     every: int = knob(0, "steps between validations (0 = only at the end)", min=0)
     max_sequences: int = knob(256, "validation sequences (of train.seq_len) evaluated, at most", min=1)
     batch: int = knob(16, "validation sequences per forward, over all ranks", min=1)
+    probe_every: int = knob(10, "steps between routing-fluctuation probes (one forward of the first validation "
+                            "batch, compared with the previous probe; 0 = at validations only)", min=0)
 
 
 @dataclass

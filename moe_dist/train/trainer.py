@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from ..config import Config, ConfigError, save_config
 from ..config.load import config_to_dict
 from ..data import PreparedData, TrainSampler, load_prepared, prepare_data
-from ..diagnostics import RoutingDiagnostics
+from ..diagnostics import RoutingDiagnostics, format_routing_summary, routing_summary
 from ..dist.bootstrap import Runtime, init_distributed, shutdown
 from ..errors import CheckpointError, MissingInputError
 from ..exits import JobStopped
@@ -34,7 +34,7 @@ from ..moe import collect_aux_loss, moe_layers
 from .checkpoint import TrainingCheckpoints, latest_checkpoint, load_checkpoint
 from .engines import create_engine
 from .evaluate import autocast, evaluate, format_report, unigram_baseline, validation_batches
-from .metrics import MetricsLogger, MoEStepStats
+from .metrics import MetricsLogger, MoEStepStats, read_metrics
 from .model_setup import build_meta_model, is_weights_directory, weights_filler
 from .optim import lr_at, set_lr
 from .parallelize import parallelize
@@ -305,6 +305,10 @@ class Trainer:
         with autocast(self.rt.device, self.cfg.train.dtype):
             return self.diagnostics.evaluate_probe(self.model, probe, self.step, group=self.rt.groups.dp)
 
+    def _probe_due(self, last: bool, validated: bool) -> bool:
+        every = self.cfg.eval.probe_every
+        return bool(every and self.step % every == 0) or last or (not every and validated)
+
     def validate(self) -> dict:
         return evaluate(self.model, self.val_batches, self.rt.device, self.cfg.train.dtype, self.rt.groups.dp)
 
@@ -350,6 +354,8 @@ class Trainer:
         baseline = unigram_baseline(self.data, cfg.train.seq_len, cfg.eval)
         self._bar = self._progress()
         tokens_seen, last_val, row = self.step * cfg.train.global_batch * cfg.train.seq_len, None, {"loss": None}
+        if cfg.eval.probe_every and self.step == 0:
+            self.probe_fluctuation()  # the reference the first probe compares with
         try:
             while self.step < steps:
                 t0 = time.perf_counter()
@@ -364,10 +370,11 @@ class Trainer:
                 last = self.step == steps
                 if (cfg.eval.every and self.step % cfg.eval.every == 0) or last:
                     last_val = self.validate()
-                    fluct = self.probe_fluctuation()
                     row.update(val_loss=last_val["loss"], val_ppl=last_val["ppl"])
                     self.log(f"step {self.step}/{steps}: val loss {last_val['loss']:.4f}, perplexity {last_val['ppl']:.2f}")
-                if (self.step % cfg.run.log_every == 0 or last or "val_loss" in row or self.step == 1
+                if self._probe_due(last, "val_loss" in row):
+                    fluct = self.probe_fluctuation()
+                if (self.step % cfg.run.log_every == 0 or last or "val_loss" in row or fluct or self.step == 1
                         or row.get("skipped")):
                     row["moe"] = self.moe_stats.summary(self.rt.groups.dp, self.rt.device)
                     for layer, figs in self.diagnostics.update(self.step, row["moe"]).items():
@@ -408,6 +415,7 @@ class Trainer:
                 self.diagnostics.write_pngs(os.path.join(self.run_dir, "plots"), include=("fluctuation", "graph"))
             self.log(f"done: {self.step} steps in {wall:.0f}s; run directory {self.run_dir}")
             self.log(format_report(last_val, baseline))
+            self.log(format_routing_summary(routing_summary(read_metrics(os.path.join(self.run_dir, "metrics.jsonl")))))
         return summary
 
     def close(self) -> None:
