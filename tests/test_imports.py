@@ -116,3 +116,19 @@ def test_each_train_module_imports_first():
     done = subprocess.run([sys.executable, "-c", _FRESH_IMPORTS, *names], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_test_modules_do_not_import_each_other():
+    """Shared test cases live in helper modules (moe_cases, probe_router, ...), never in a test_*
+    module that another imports (that would run its tests' module code twice and hide the coupling)."""
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    bad = []
+    for name in sorted(os.listdir(tests_dir)):
+        if not name.endswith(".py"):
+            continue
+        tree = ast.parse(open(os.path.join(tests_dir, name), encoding="utf-8").read(), name)
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            bad += [f"{name}: {n}" for n in names if n.split(".")[0].startswith("test_")]
+    assert not bad, f"test modules imported by others (move the shared cases into a helper module): {bad}"
