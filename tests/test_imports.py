@@ -81,6 +81,36 @@ def test_engines_and_checkpoints_do_not_import_the_trainer():
     assert {"moe_dist.train.engines", "moe_dist.train.checkpoint"} <= _reachable(graph, TRAINER)
 
 
+# the packages of moe_dist from the top (commands) down; a module imports only from its own package
+# or from packages on a lower line (tests/test_imports.py is where this order is written down)
+LAYERS = (
+    ("moe_dist.cli",),
+    ("moe_dist.upcycle", "moe_dist.bench"),
+    ("moe_dist.plan",),
+    ("moe_dist.hf",),
+    ("moe_dist.train",),
+    ("moe_dist.data", "moe_dist.diagnostics", "moe_dist.parallel", "moe_dist.config", "moe_dist.weights"),
+    ("moe_dist.model",),
+    ("moe_dist.moe",),
+    ("moe_dist.dist",),
+    ("moe_dist.errors", "moe_dist.hardware"),
+)
+
+
+def _package(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def test_imports_point_down_the_layers():
+    level = {pkg: i for i, line in enumerate(LAYERS) for pkg in line}
+    graph = _graph()
+    unplaced = sorted({_package(m) for m in graph if m != "moe_dist"} - set(level))
+    assert not unplaced, f"packages missing from LAYERS: {unplaced}"
+    upward = [f"{m} -> {t}" for m, targets in sorted(graph.items()) if m != "moe_dist" for t in sorted(targets)
+              if _package(t) != _package(m) and level[_package(t)] <= level[_package(m)]]
+    assert not upward, "imports that do not point down the layers:\n" + "\n".join(upward)
+
+
 def test_no_import_cycle_in_train():
     graph = _graph()
     train = {m for m in graph if m.startswith("moe_dist.train")}

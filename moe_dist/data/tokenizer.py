@@ -21,7 +21,7 @@ class Tokenizer:
     def __init__(self, model_proto: bytes):
         self.proto = model_proto
         if model_proto.lstrip()[:1] == b"{":  # a Hugging Face tokenizer.json (Qwen2, Llama-3 checkpoints)
-            from ..hf.tokenizer import JsonTokenizerBackend
+            from .json_tokenizer import JsonTokenizerBackend
 
             self.sp = JsonTokenizerBackend(model_proto)
         else:

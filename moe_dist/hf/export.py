@@ -28,7 +28,7 @@ def _is_step_dir(path: str) -> bool:
 def locate(path: str) -> tuple[str, str, str]:
     """``(config.yaml, kind, weights path)`` with kind ``safetensors`` or ``dcp``."""
     from ..train.checkpoint import latest_checkpoint
-    from ..upcycle.weights import has_model_weights
+    from ..weights import has_model_weights
 
     if not os.path.isdir(path):
         raise MissingInputError(f"--checkpoint {path!r}: no such directory")
@@ -53,7 +53,7 @@ def load_our_model(path: str, overrides: Iterable[str] = ()):
     from ..model import build_model
     from ..model.init import materialize
     from ..train.checkpoint import load_checkpoint
-    from ..upcycle.weights import load_model_weights
+    from ..weights import load_model_weights
 
     config, kind, weights = locate(path)
     cfg = load_config(config, overrides)

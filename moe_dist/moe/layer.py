@@ -165,10 +165,6 @@ class MoELayer(nn.Module):
         self.groups = groups
         self.context.stats_group, self.context.ep_group = groups.dp, groups.ep
 
-    @property
-    def num_local_experts(self) -> int:
-        return self.experts.num_experts
-
     # ---- forward ------------------------------------------------------------------------
     def _capacity_factor(self) -> Optional[float]:
         return self.capacity_factor if self.training else self.eval_capacity_factor

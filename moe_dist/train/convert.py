@@ -4,7 +4,7 @@ torch.distributed.
     moe-dist convert --checkpoint runs/x/checkpoints/step_000100 --out runs/x/consolidated
 
 The output directory has the layout ``moe-dist upcycle`` writes, so ``ckpt.init_from``,
-``moe-dist export`` and :func:`moe_dist.upcycle.weights.load_model_weights` read it too:
+``moe-dist export`` and :func:`moe_dist.weights.load_model_weights` read it too:
 
 * ``model.safetensors``: every ``model.state_dict()`` tensor of the whole model (experts as
   ``[num_experts, ...]`` tensors in global order, tied weights under both names), so

@@ -24,13 +24,12 @@ import torch
 
 from ..config import Config, ConfigError, apply_overrides, config_from_dict, save_config
 from ..config.granularity import expand_granularity
+from ..errors import UsageError
 from ..hf.config import HFModelSpec, source_dtype
 from ..hf.dense import DenseCheckpoint
-from ..hf.safetensors_io import ShardedWriter
 from ..hf.tokenizer import check_tokenizer_fits, copy_tokenizer, tokenizer_file
 from ..model import Block, SwiGLU, TransformerLM, build_model
-from .weights import DTYPES
-from ..errors import UsageError
+from ..weights import DTYPES, ShardedWriter
 
 # our model keys that the checkpoint's config.json fixes
 ARCHITECTURE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "rope_theta", "rope_scaling",

@@ -324,35 +324,6 @@ class AttentionRouter(TokenGraphRouter):
             raise ConfigError(f"model.moe.router_options.output_scale must be a number or null (1/heads), got {output_scale!r}")
         self.sigma, self.likelihood, self.output_scale = float(sigma), bool(likelihood), output_scale
 
-    @torch.no_grad()
-    def bench_context(self, ctx: RoutingContext, x: torch.Tensor, heads: int = 8, kv_heads: Optional[int] = None,
-                      seed: int = 0, form: str = "scores") -> None:
-        """Fill ``ctx`` with synthetic inputs of a ``heads``-head causal attention over ``x``
-        ``[B, S, d]`` (``kv_heads`` key/value heads, GQA; default ``heads``) in the given ``form``
-        (``scores``, as the model hands them, or ``probs``), for layer benchmarks; gradients flow
-        into them as in a model."""
-        B, S, D = x.shape
-        dh = max(1, D // heads)
-        kv_heads = heads if kv_heads is None else kv_heads
-        if kv_heads < 1 or heads % kv_heads:
-            raise ValueError(f"bench_context: kv_heads={kv_heads} must divide heads={heads}")
-        g = torch.Generator(device=x.device).manual_seed(seed)
-        rnd = lambda *shape: torch.randn(shape, generator=g, device=x.device, dtype=torch.float32)  # noqa: E731
-        q, k = rnd(B, heads, S, dh), rnd(B, kv_heads, S, dh)
-        if form == "probs":
-            causal = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
-            scores = q @ k.repeat_interleave(heads // kv_heads, dim=1).transpose(-1, -2) / math.sqrt(dh)
-            ctx.attn_probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1).requires_grad_()
-        elif form == "scores":
-            ctx.extras[ATTN_QUERIES] = q.to(x.dtype).requires_grad_()
-            ctx.extras[ATTN_KEYS] = k.to(x.dtype).requires_grad_()
-        else:
-            raise ValueError(f"bench_context form={form!r}; allowed: ['scores', 'probs']")
-        ctx.extras[ATTN_VALUES] = (rnd(B, kv_heads, S, dh) / math.sqrt(dh)).to(x.dtype).requires_grad_()
-        ctx.extras[ATTN_OUT_WEIGHT] = (rnd(D, heads * dh) / math.sqrt(heads * dh)).to(x.dtype).requires_grad_()
-        ctx.extras[ATTN_OUTPUT] = rnd(B, S, D).to(x.dtype).requires_grad_()
-        ctx.causal = True
-
     def _value_path(self, ctx: RoutingContext):
         if not self.likelihood:
             return None
