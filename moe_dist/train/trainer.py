@@ -79,7 +79,6 @@ def setup_runtime(cfg: Config, rt: Optional[Runtime] = None) -> Runtime:
     return rt
 
 
-
 def load_data(cfg: Config, rt: Runtime, log: Callable[[str], None]) -> PreparedData:
     """The first process of each node builds the cache if needed (atomically); the rest wait."""
     directory = None
