@@ -124,3 +124,33 @@ def test_thread_choice_is_applied_and_printed(tmp_path):
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "1 thread(s) each from OMP_NUM_THREADS" in res.stdout
+
+
+def _collective_errors(rank, world):
+    """What each rank raises when one rank's step of a checkpoint load fails."""
+    from moe_dist.train.checkpoint.collective import collectively
+
+    out = {}
+    for kind, error in (("internal", KeyError("a bug")), ("user", CheckpointError("checkpoint x is damaged"))):
+        def step(error=error):
+            if rank == 1:
+                raise error
+            return "fine"
+        try:
+            collectively(step, None)
+            out[kind] = None
+        except Exception as e:  # noqa: BLE001 - the test looks at the type
+            out[kind] = (type(e).__name__, str(e))
+    return out
+
+
+def test_checkpoint_collective_keeps_internal_errors_internal():
+    """A refusal (CheckpointError) reaches every rank as a CheckpointError, the one-line user error;
+    a bug on one rank stays itself there and is a RuntimeError naming that rank on the others,
+    so neither is mistaken for a user error."""
+    from dist_harness import run_ranks
+
+    r0, r1 = run_ranks(_collective_errors, 2, timeout=60)
+    assert r1 == {"internal": ("KeyError", "'a bug'"), "user": ("CheckpointError", "checkpoint x is damaged")}
+    assert r0["internal"] == ("RuntimeError", "rank 1 of the checkpoint group failed: KeyError: 'a bug'")
+    assert r0["user"] == ("CheckpointError", "checkpoint x is damaged")

@@ -76,7 +76,7 @@ def import_hf(hf_dir: str, out_dir: str, overrides: Iterable[str] = (), *, base:
     """Read ``hf_dir`` (a Hugging Face MoE checkpoint directory) and write our checkpoint to
     ``out_dir``; returns what ``import.json`` records."""
     from ..model import build_model
-    from ..plan.params import count_params  # the planner's counts, so presets and imports agree
+    from ..model.params import count_params  # the planner's counts, so presets and imports agree
 
     t0 = time.perf_counter()
     if dtype != "auto" and dtype not in DTYPES:

@@ -185,7 +185,7 @@ def upcycle(dense_dir: str, out_dir: str, overrides: Iterable[str] = (), *, base
     """Read ``dense_dir`` (a Hugging Face checkpoint), write the upcycled model to ``out_dir``:
     ``config.yaml`` (our config; train with ``moe-dist train --config out/config.yaml``),
     ``model.safetensors`` (or shards + index), the tokenizer files, ``upcycle.json``."""
-    from ..plan.params import count_params  # the planner's counts, so presets and runs agree
+    from ..model.params import count_params  # the planner's counts, so presets and runs agree
 
     t0 = time.perf_counter()
     _check_options(noise_std, seed)
