@@ -53,18 +53,19 @@ def test_user_error_is_one_line_and_exit_2(capsys):
     assert issubclass(MissingInputError, FileNotFoundError) and issubclass(UserError, ValueError)
 
 
-def test_internal_value_error_keeps_its_traceback(monkeypatch, tmp_path):
-    """A ValueError that is not a UserError is a bug: it propagates out of the command (so the
-    interpreter prints its traceback) instead of becoming a one-line message."""
+def test_internal_value_error_keeps_its_traceback(monkeypatch, tmp_path, capsys):
+    """A ValueError that is not a UserError is a bug: the command ends with exit code 1 and its
+    traceback, not with the one-line message and exit code 2 of a user error."""
     import moe_dist.train.trainer as trainer
 
     def broken(cfg, rt=None):
         raise ValueError("an internal invariant broke")
 
     monkeypatch.setattr(trainer, "train", broken)
-    with pytest.raises(ValueError, match="an internal invariant broke") as e:
-        cli.main(["train", "--config", CONFIG, f"run.dir={tmp_path}"])
-    assert not isinstance(e.value, UserError)
+    assert cli.main(["train", "--config", CONFIG, f"run.dir={tmp_path}"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "in broken" in err
+    assert err.rstrip().endswith("ValueError: an internal invariant broke") and "error: an internal" not in err
     # and through the real entry point: a traceback, not the one-line form
     code = ("import sys, moe_dist.train.trainer as t\n"
             "def broken(cfg, rt=None):\n    raise ValueError('an internal invariant broke')\n"

@@ -85,12 +85,13 @@ def test_engines_and_checkpoints_do_not_import_the_trainer():
 # or from packages on a lower line (tests/test_imports.py is where this order is written down)
 LAYERS = (
     ("moe_dist.cli",),
+    ("moe_dist.local_launch",),
     ("moe_dist.upcycle", "moe_dist.bench", "moe_dist.study"),
     ("moe_dist.plan",),
     ("moe_dist.hf",),
     ("moe_dist.train",),
     ("moe_dist.data", "moe_dist.diagnostics", "moe_dist.parallel", "moe_dist.config", "moe_dist.weights",
-     "moe_dist.integrations"),
+     "moe_dist.integrations", "moe_dist.exits"),
     ("moe_dist.model",),
     ("moe_dist.moe",),
     ("moe_dist.dist",),
