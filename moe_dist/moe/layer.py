@@ -86,11 +86,11 @@ class MoELayer(nn.Module):
         _check_choice("model.moe.balance_loss", balance_loss, BALANCE_LOSSES)
         _check_choice("model.moe.router_dtype", router_dtype, ROUTER_DTYPES)
         if shared_d_ff is not None and shared_d_ff < 0:
-            raise ValueError(f"model.moe.shared_d_ff must be >= 0 or null (no shared expert), got {shared_d_ff}")
+            raise ConfigError(f"model.moe.shared_d_ff must be >= 0 or null (no shared expert), got {shared_d_ff}")
         if shared_gate and not shared_d_ff:
-            raise ValueError("model.moe.shared_gate=true needs a shared expert (model.moe.shared_d_ff > 0)")
+            raise ConfigError("model.moe.shared_gate=true needs a shared expert (model.moe.shared_d_ff > 0)")
         if not (isinstance(expert_bias_rate, (int, float)) and math.isfinite(expert_bias_rate) and expert_bias_rate >= 0):
-            raise ValueError(f"model.moe.expert_bias_rate must be a number >= 0, got {expert_bias_rate!r}")
+            raise ConfigError(f"model.moe.expert_bias_rate must be a number >= 0, got {expert_bias_rate!r}")
         self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
         self.capacity_factor = capacity_factor
         self.eval_capacity_factor = capacity_factor if eval_capacity_factor is None else eval_capacity_factor

@@ -51,16 +51,16 @@ class Router(nn.Module):
         """Register the per-expert selection bias (a persistent fp32 buffer, zeros: router state that
         checkpoints save; every rank holds the same values, updated by the MoE layer)."""
         if not self.supports_expert_bias:
-            raise ValueError(f"model.moe.expert_bias=true is not allowed with router {name or type(self).__name__!r} (it "
-                             "does not choose by top-k of its probabilities: Sinkhorn balances by itself, Symphony "
-                             f"chooses through its graph); allowed routers: {_routers_with('supports_expert_bias')}")
+            raise ConfigError(f"model.moe.expert_bias=true is not allowed with router {name or type(self).__name__!r} (it "
+                              "does not choose by top-k of its probabilities: Sinkhorn balances by itself, Symphony "
+                              f"chooses through its graph); allowed routers: {_routers_with('supports_expert_bias')}")
         self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32), persistent=True)
 
     def set_compute_dtype(self, dtype: torch.dtype, name: str = "") -> None:
         if dtype != torch.float32 and not self.supports_fp64:
-            raise ValueError(f"model.moe.router_dtype=fp64 is not allowed with router {name or type(self).__name__!r}; "
-                             "allowed routers: "
-                             f"{_routers_with('supports_fp64')} (the others compute in fp32)")
+            raise ConfigError(f"model.moe.router_dtype=fp64 is not allowed with router {name or type(self).__name__!r}; "
+                              "allowed routers: "
+                              f"{_routers_with('supports_fp64')} (the others compute in fp32)")
         self.compute_dtype = dtype
 
     def selection_bias(self) -> torch.Tensor | None:
