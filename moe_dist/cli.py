@@ -10,13 +10,14 @@ adds ``--nproc N``: start N local processes (:mod:`moe_dist.local_launch`: it fo
 and keeps the job's exit code) running the same command without ``--nproc``; an optional
 ``preflight(args, world_size) -> int`` checks the arguments first (non-zero = do not launch). Without it the command is one rank of whatever
 launched it (torchrun, srun, mpirun) or a single process. Adding a subcommand = one line
-in COMMANDS plus its module.
+in COMMANDS plus its module. Options and ``KEY=VALUE`` overrides may come in any order.
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import importlib
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -58,15 +59,25 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--nproc", type=int, default=None, metavar="N",
                            help="start N local processes (torchrun-style); without it, run as one rank of the "
                                 "current torchrun / srun / mpirun launch, or as a single process")
-        p.set_defaults(_module=module)
+        p.set_defaults(_module=module, command=name)
+    parser.commands = sub.choices  # name -> its parser, for parse_args below
     return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """The command's options and ``KEY=VALUE`` overrides in any order (``train --config C a=1 --nproc 2
+    b=2``): the command's parser reads its arguments intermixed; anything else (no command, ``-h``,
+    an unknown command) goes to the top parser, which prints help or the error."""
+    if argv and argv[0] in parser.commands:
+        return parser.commands[argv[0]].parse_intermixed_args(argv[1:])
+    return parser.parse_args(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
+    args = parse_args(parser, argv)
+    if getattr(args, "command", None) is None:
         parser.print_help()
         return 2
     nproc = getattr(args, "nproc", None)
@@ -78,8 +89,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if code:
             return code
         from .local_launch import launch_local
+        from .train.trainer import THREADS_DEFAULTED
 
-        return launch_local(nproc, _strip_nproc(argv), args.command)
+        defaulted = "OMP_NUM_THREADS" not in os.environ  # then the launcher's value is a default, not the user's
+        if defaulted:
+            os.environ[THREADS_DEFAULTED] = "1"
+        try:
+            return launch_local(nproc, _strip_nproc(argv), args.command)
+        finally:
+            if defaulted:
+                os.environ.pop(THREADS_DEFAULTED, None)
     from .exits import run_process
 
     code = run_process(args.command, lambda: args._module.run(args))

@@ -76,7 +76,7 @@ CASES = [
 # ---- the planner's figure ---------------------------------------------------------------------
 def planned(case: Case, run_dir: str) -> dict:
     """The planner's per-rank memory for this case's layout and workload (its functions, called directly)."""
-    from moe_dist.plan.params import count_params
+    from moe_dist.model.params import count_params
     from moe_dist.plan.planner import evaluate_layout, load_plan_input
 
     inp = load_plan_input(PRESETS[case.preset], case.overrides(run_dir))

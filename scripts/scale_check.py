@@ -82,7 +82,7 @@ def upcycled_logits(upcycled: str, tokens):
     from moe_dist.config import load_config
     from moe_dist.model import build_model
     from moe_dist.model.init import materialize
-    from moe_dist.upcycle.weights import load_model_weights
+    from moe_dist.weights import load_model_weights
 
     cfg = load_config(os.path.join(upcycled, "config.yaml"), [])
     model = materialize(build_model(cfg.model, cfg.model.vocab_size, device="meta"), "cpu")

@@ -9,6 +9,7 @@ from moe_dist.moe import MoELayer
 from moe_dist.parallel import apply_expert_parallel, sync_gradients
 
 D_MODEL, D_FF = 16, 32
+RTOL, ATOL = 1e-5, 1e-6
 
 
 def make_layer(cfg: dict, seed: int = 0) -> MoELayer:
@@ -69,3 +70,21 @@ def distributed_case(rank: int, world: int, cfg: dict, tokens: int, ep: int, une
     res = step(layer, x[start : start + sizes[rank]], w[start : start + sizes[rank]], tokens)
     sync_gradients(layer, groups)
     return collect(layer, res)
+
+
+def close(a, b, what):
+    torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+
+
+def check_against_reference(ref, results, tokens):
+    out = torch.cat([r["out"] for r in results])
+    close(out, ref["out"], "outputs")
+    close(torch.cat([r["x_grad"] for r in results]), ref["x_grad"], "input gradients")
+    for r in results:
+        for name in ("aux", "z", "counts", "dropped", "entropy"):
+            close(r[name].double(), ref[name].double(), name)
+        for name, g in r["router_grads"].items():
+            close(g, ref["router_grads"][name], f"router grad {name}")
+        off = r["expert_offset"]
+        for name, g in r["expert_grads"].items():
+            close(g, ref["expert_grads"][name][off : off + g.shape[0]], f"expert grad {name} (experts {off}..)")

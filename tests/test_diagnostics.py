@@ -8,7 +8,8 @@ import torch.nn as nn
 
 from dist_harness import run_ranks
 
-from moe_dist.diagnostics import RoutingDiagnostics, fluctuation_rates, load_summary, probe_assignments, ranked_experts
+from moe_dist.diagnostics import (RoutingDiagnostics, fluctuation_rates, format_routing_summary, load_summary,
+                                  probe_assignments, ranked_experts, routing_summary)
 from moe_dist.dist import build_parallel_groups
 from moe_dist.moe import MoELayer, collect_stats
 from moe_dist.moe.routing import Routing
@@ -40,6 +41,28 @@ def test_fluctuation_rates_by_hand():
     assert fluctuation_rates(prev, prev) == {"fluct_top1": 0.0, "fluct_topk": 0.0}
     with pytest.raises(ValueError, match="probe set must stay fixed"):
         fluctuation_rates(prev, cur[:4])
+
+
+def test_routing_summary_by_hand():
+    def row(step, counts, dropped, fluct=None):
+        layer = {"expert_counts": counts, "dropped_fraction": dropped, **(fluct or {})}
+        return {"step": step, "moe": {"0": layer, "2": {**layer, "expert_counts": [1, 1, 1, 1]}}}
+
+    rows = [row(1, [9, 0, 0, 0], 0.5), row(2, [4, 4, 0, 0], 0.0, {"fluct_top1": 0.5, "fluct_topk": 0.75}),
+            row(3, [1, 1, 2, 0], 0.1), row(4, [3, 3, 2, 0], 0.3, {"fluct_top1": 0.25, "fluct_topk": 0.5})]
+    got = routing_summary(rows, window=2)  # steps 3-4: counts [4, 4, 4, 0]
+    assert got["0"].pop("steps") == [3, 4]
+    assert got["0"] == pytest.approx({
+        "load_cv": math.sqrt(3) / 3, "max_load_ratio": 4 / 3, "dead_experts": 1, "num_experts": 4,
+        "dropped_fraction": 0.2, "fluct_top1": 0.25, "fluct_topk": 0.5, "fluct_top1_mean": 0.375, "probes": 2})
+    assert got["2"]["load_cv"] == 0 and got["2"]["max_load_ratio"] == 1 and got["2"]["dead_experts"] == 0
+    assert routing_summary(rows)["0"]["steps"] == [4, 4]  # default: the last tenth of the run, at least 1 step
+    got["0"]["steps"] = [3, 4]
+    text = format_routing_summary(got).splitlines()
+    assert text[0].startswith("routing, steps 3-4") and len(text) == 2 + 2
+    assert text[2].split() == ["0", "0.577", "1.33", "1/4", "20.0%", "25.0%", "50.0%", "37.5%"]
+    no_probe = routing_summary([row(1, [1, 0], 0.0)])["0"]
+    assert no_probe["fluct_top1"] is None and "-" in format_routing_summary({"0": no_probe}).splitlines()[2]
 
 
 def test_ranked_experts_orders_by_gate():
@@ -199,7 +222,7 @@ def _train_graph_routers(rank, world, root):
         run_dir = os.path.join(root, name)
         cfg = load_config(os.path.join(repo, "configs", "test.yaml"), overrides + [
             f"run.dir={run_dir}", f"data.cache_dir={root}/cache", f"data.corpus={repo}/tests/data/python-docs",
-            "run.tensorboard=false", "run.progress=false", "train.steps=8", "eval.every=3",
+            "run.tensorboard=false", "run.progress=false", "train.steps=8", "eval.every=3", "eval.probe_every=2",
             f"run.plots={'true' if name == 'symphony' else 'false'}"])
         trainer = Trainer(cfg)
         try:
@@ -227,8 +250,10 @@ def test_trainer_logs_routing_diagnostics_for_graph_routers(tmp_path):
                                                                 / sum(layer["expert_counts"]))
         evals = [r for r in rows if "val_loss" in r]
         assert [r["step"] for r in evals] == [3, 6, 8]
-        assert all("fluct_top1" not in layer for layer in evals[0]["moe"].values())  # nothing to compare yet
-        for r in evals[1:]:
+        # the fluctuation curve: a probe at step 0 (the reference), then every eval.probe_every=2 steps
+        probes = [r for r in rows if any("fluct_top1" in layer for layer in r["moe"].values())]
+        assert [r["step"] for r in probes] == [2, 4, 6, 8], name
+        for r in probes:
             for layer in r["moe"].values():
                 assert 0 <= layer["fluct_top1"] <= 1 and 0 <= layer["fluct_topk"] <= 1
     sym = results[0]["symphony"]

@@ -127,7 +127,7 @@ def test_import_train_at_ep2_and_export_back(tmp_path):
 
 def _our_model_dir(tmp_path, overrides):
     """A seeded model of ours saved as a model directory (config.yaml + model.safetensors)."""
-    from moe_dist.upcycle.weights import save_model_weights
+    from moe_dist.weights import save_model_weights
 
     cfg = load_config(None, ["model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=24",
                              "model.vocab_size=64", "model.n_layers=3", "model.moe.num_experts=4",

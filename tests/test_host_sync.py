@@ -14,6 +14,7 @@ import torch
 from dist_harness import run_ranks
 from host_sync import count_host_syncs
 from moe_cases import make_batch, make_layer, split_sizes
+from moe_dist.bench.attention_inputs import fill_attention_inputs
 from moe_dist.dist import build_parallel_groups
 from moe_dist.moe import ROUTERS
 from moe_dist.moe.routers.token_graph import AttentionRouter
@@ -81,7 +82,7 @@ def _context(layer, x, rank: int, seqs: slice) -> None:
     ctx.padding_mask = mask[seqs]
     ctx.prev_top1 = torch.arange(B * S).remainder(E - 1).view(B, S)[seqs].reshape(-1)
     if isinstance(layer.router, AttentionRouter):
-        layer.router.bench_context(ctx, x.detach(), heads=2, seed=rank)
+        fill_attention_inputs(ctx, x.detach(), heads=2, seed=rank)
 
 
 def measure(rank: int, world: int) -> dict:

@@ -81,6 +81,38 @@ def test_engines_and_checkpoints_do_not_import_the_trainer():
     assert {"moe_dist.train.engines", "moe_dist.train.checkpoint"} <= _reachable(graph, TRAINER)
 
 
+# the packages of moe_dist from the top (commands) down; a module imports only from its own package
+# or from packages on a lower line (tests/test_imports.py is where this order is written down)
+LAYERS = (
+    ("moe_dist.cli",),
+    ("moe_dist.local_launch",),
+    ("moe_dist.upcycle", "moe_dist.bench", "moe_dist.study"),
+    ("moe_dist.plan",),
+    ("moe_dist.hf",),
+    ("moe_dist.train",),
+    ("moe_dist.data", "moe_dist.diagnostics", "moe_dist.parallel", "moe_dist.config", "moe_dist.weights",
+     "moe_dist.integrations", "moe_dist.exits"),
+    ("moe_dist.model",),
+    ("moe_dist.moe",),
+    ("moe_dist.dist",),
+    ("moe_dist.errors", "moe_dist.hardware"),
+)
+
+
+def _package(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def test_imports_point_down_the_layers():
+    level = {pkg: i for i, line in enumerate(LAYERS) for pkg in line}
+    graph = _graph()
+    unplaced = sorted({_package(m) for m in graph if m != "moe_dist"} - set(level))
+    assert not unplaced, f"packages missing from LAYERS: {unplaced}"
+    upward = [f"{m} -> {t}" for m, targets in sorted(graph.items()) if m != "moe_dist" for t in sorted(targets)
+              if _package(t) != _package(m) and level[_package(t)] <= level[_package(m)]]
+    assert not upward, "imports that do not point down the layers:\n" + "\n".join(upward)
+
+
 def test_no_import_cycle_in_train():
     graph = _graph()
     train = {m for m in graph if m.startswith("moe_dist.train")}
@@ -116,3 +148,19 @@ def test_each_train_module_imports_first():
     done = subprocess.run([sys.executable, "-c", _FRESH_IMPORTS, *names], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_test_modules_do_not_import_each_other():
+    """Shared test cases live in helper modules (moe_cases, probe_router, ...), never in a test_*
+    module that another imports (that would run its tests' module code twice and hide the coupling)."""
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    bad = []
+    for name in sorted(os.listdir(tests_dir)):
+        if not name.endswith(".py"):
+            continue
+        tree = ast.parse(open(os.path.join(tests_dir, name), encoding="utf-8").read(), name)
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            bad += [f"{name}: {n}" for n in names if n.split(".")[0].startswith("test_")]
+    assert not bad, f"test modules imported by others (move the shared cases into a helper module): {bad}"

@@ -4,9 +4,7 @@ import pytest
 import torch
 
 from dist_harness import run_ranks
-from moe_cases import distributed_case, reference
-
-RTOL, ATOL = 1e-5, 1e-6
+from moe_cases import check_against_reference, distributed_case, reference
 
 CASES = {
     "topk-dropless": dict(router="topk"),
@@ -18,24 +16,6 @@ CASES = {
     # place, the others group them first
     "topk-grouped-mm": dict(router="topk", expert_kernel="grouped_mm"),
 }
-
-
-def close(a, b, what):
-    torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
-
-
-def check_against_reference(ref, results, tokens):
-    out = torch.cat([r["out"] for r in results])
-    close(out, ref["out"], "outputs")
-    close(torch.cat([r["x_grad"] for r in results]), ref["x_grad"], "input gradients")
-    for r in results:
-        for name in ("aux", "z", "counts", "dropped", "entropy"):
-            close(r[name].double(), ref[name].double(), name)
-        for name, g in r["router_grads"].items():
-            close(g, ref["router_grads"][name], f"router grad {name}")
-        off = r["expert_offset"]
-        for name, g in r["expert_grads"].items():
-            close(g, ref["expert_grads"][name][off : off + g.shape[0]], f"expert grad {name} (experts {off}..)")
 
 
 @pytest.mark.parametrize("world,ep", [(2, 2), (4, 4), (4, 2)])

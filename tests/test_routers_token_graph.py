@@ -7,8 +7,7 @@ import torch
 
 from collective_count import record_collectives
 from dist_harness import run_ranks
-from moe_cases import D_MODEL, collect, make_layer, step
-from test_moe_invariance import check_against_reference
+from moe_cases import D_MODEL, check_against_reference, collect, make_layer, step
 
 from moe_dist.dist import build_parallel_groups
 from moe_dist.moe import MoELayer

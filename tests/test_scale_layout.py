@@ -63,7 +63,7 @@ def _build_and_fill(rank, world, tmp, ep, weights):
 
 @pytest.mark.parametrize("world,ep,source", [(2, 2, "seed"), (4, 2, "seed"), (4, 2, "weights")])
 def test_each_rank_fills_only_its_part_and_the_parts_make_the_whole_model(tmp_path, world, ep, source):
-    from moe_dist.upcycle.weights import save_model_weights
+    from moe_dist.weights import save_model_weights
 
     cfg = cfg_for(tmp_path)
     whole = build_model(cfg.model, VOCAB, seed=cfg.train.seed)

@@ -14,6 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from moe_dist.bench.attention_inputs import fill_attention_inputs
 from moe_dist.moe import ROUTERS, MoELayer
 
 # Allocation ops return uninitialised memory (whatever bytes were there): not computed values.
@@ -64,9 +65,8 @@ def _run(layer: MoELayer, dtype: torch.dtype, form: str = "scores") -> Subnormal
     ctx.step, ctx.seed = 1, 3
     ctx.batch_shape = (B, S)
     ctx.prev_top1 = torch.randint(0, E, (B * S,), generator=g)
-    hook = getattr(layer.router, "bench_context", None)
-    if hook is not None:
-        hook(ctx, x.detach(), heads=8, form=form)
+    if layer.router.needs_attention:
+        fill_attention_inputs(ctx, x.detach(), heads=8, form=form)
     counter = SubnormalCounter()
     with counter, torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
         y = layer(x)

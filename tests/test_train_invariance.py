@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-import test_model  # noqa: F401  (registers the _test_probe router, also in spawned ranks)
+import probe_router  # noqa: F401  (registers the _test_probe router, also in spawned ranks)
 from dist_harness import run_ranks
 from moe_dist.config import load_config
 from moe_dist.train.trainer import Trainer, evaluate_run, train

@@ -18,6 +18,7 @@ from ..dist import ParallelGroups
 from ..moe import MoELayer
 from ..parallel import apply_expert_parallel
 from ..parallel.kernel_choice import agree_expert_kernels
+from .attention_inputs import fill_attention_inputs
 from .workload import Workload, imbalance
 
 FLOOR_KERNELS = ("bmm", "grouped_mm", "loop")
@@ -74,12 +75,8 @@ class MoEDistImpl(Impl):
         ctx = self.layer.context
         ctx.batch_shape = work.batch_shape
         ctx.prev_top1 = work.prev_top1
-        if self.layer.router.needs_attention:
-            hook = getattr(self.layer.router, "bench_context", None)
-            if hook is None:
-                raise ValueError(f"router {router!r} needs attention probabilities, which the benchmark cannot invent: "
-                                 "give the router class a bench_context(ctx, x, heads, kv_heads) method that fills them")
-            hook(ctx, work.x, heads=s.heads, kv_heads=s.kv_heads)
+        if self.layer.router.needs_attention:  # what a model's attention sub-layer would hand over
+            fill_attention_inputs(ctx, work.x, heads=s.heads, kv_heads=s.kv_heads, form=self.layer.router.attention_inputs)
         self.x = work.x.detach().clone().requires_grad_(True)
         self.params = list(self.layer.parameters())
         self.one = torch.ones((), device=work.device)

@@ -11,12 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
+from ..errors import ConfigError
+
 DEFAULT_CORPUS = "/usr/share/doc/python3.11/html/_sources"
 MOE_LAYER_PATTERNS = ("every", "every_other")
-
-
-class ConfigError(ValueError):
-    """A configuration value is unknown, of the wrong type or out of range."""
 
 
 def knob(default: Any, help: str, **bounds: Any) -> Any:
@@ -41,7 +39,8 @@ class RunConfig:
 
     dir: str = knob("runs/default", "run directory (config.yaml, metrics.jsonl, checkpoints/, plots/, tb/)")
     device: Literal["auto", "cpu", "cuda"] = knob("auto", "auto = cuda when available, else cpu")
-    threads: Optional[int] = knob(None, "torch intra-op threads per process (null = cores / local processes)", min=1)
+    threads: Optional[int] = knob(None, "torch intra-op threads per process (null = OMP_NUM_THREADS if set, else "
+                                  "cores / local processes)", min=1)
     progress: Union[Literal["auto"], bool] = knob("auto", "progress bar on rank 0: true, false or auto (= only on a terminal)")
     log_every: int = knob(1, "steps between metrics.jsonl rows", min=1)
     print_every: int = knob(10, "steps between log lines when there is no progress bar", min=1)
@@ -263,6 +262,8 @@ class EvalConfig:
     every: int = knob(0, "steps between validations (0 = only at the end)", min=0)
     max_sequences: int = knob(256, "validation sequences (of train.seq_len) evaluated, at most", min=1)
     batch: int = knob(16, "validation sequences per forward, over all ranks", min=1)
+    probe_every: int = knob(10, "steps between routing-fluctuation probes (one forward of the first validation "
+                            "batch, compared with the previous probe; 0 = at validations only)", min=0)
 
 
 @dataclass

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
+from ..errors import InputError, MissingInputError
+
 TEXT_SUFFIXES = (".txt", ".rst", ".md", ".text")
 JSONL_SUFFIXES = (".jsonl", ".json")
 
@@ -36,14 +38,14 @@ def corpus_files(corpus: str, pattern: Optional[str] = None) -> list[Path]:
     if not root.is_dir():
         hint = (" (the default corpus comes from Debian's python3.11-doc package: run scripts/setup.sh as root "
                 "or `apt-get install python3.11-doc`)") if "python3.11" in str(root) else ""
-        raise FileNotFoundError(f"data.corpus={corpus!r} does not exist{hint}")
+        raise MissingInputError(f"data.corpus={corpus!r} does not exist{hint}")
     if pattern:
         files = [p for p in root.glob(pattern) if p.is_file()]
     else:
         files = [p for p in root.rglob("*") if p.is_file() and p.name.endswith(TEXT_SUFFIXES + JSONL_SUFFIXES)]
     files.sort(key=lambda p: p.relative_to(root).as_posix())
     if not files:
-        raise FileNotFoundError(f"data.corpus={corpus!r} holds no files matching "
+        raise MissingInputError(f"data.corpus={corpus!r} holds no files matching "
                                 f"{pattern or '*' + ', *'.join(TEXT_SUFFIXES + JSONL_SUFFIXES)} (data.pattern)")
     return files
 
@@ -81,11 +83,11 @@ def read_documents(corpus: str, pattern: Optional[str] = None, fmt: str = "auto"
                     try:
                         rec = json.loads(line)
                     except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{i + 1}: not valid JSON: {e.msg} at line {i + 1}, column {e.colno} "
+                        raise InputError(f"{path}:{i + 1}: not valid JSON: {e.msg} at line {i + 1}, column {e.colno} "
                                          f"(character {e.pos + 1} of the line); data.format='jsonl' expects one JSON "
                                          "object per line") from None
                     if not isinstance(rec, dict) or not isinstance(rec.get(jsonl_field), str):
-                        raise ValueError(f"{path}:{i + 1}: no string field {jsonl_field!r} (data.jsonl_field)")
+                        raise InputError(f"{path}:{i + 1}: no string field {jsonl_field!r} (data.jsonl_field)")
                     if rec[jsonl_field]:
                         yield Document(f"{rel}:{i + 1}", rec[jsonl_field])
         else:

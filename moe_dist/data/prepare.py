@@ -23,6 +23,7 @@ from typing import Optional
 from .corpus import corpus_fingerprint, is_validation, read_documents
 from .tokenizer import Tokenizer, train_tokenizer
 from .tokens import FORMAT, TokenFile, open_split, read_manifest, token_dtype, write_manifest, write_tokens
+from ..errors import InputError
 
 
 @dataclass
@@ -70,7 +71,7 @@ def _build(directory: str, data_cfg, spec: dict, log) -> None:
     train_docs = [d.text for d in docs if not is_validation(d.name, data_cfg.val_fraction)]
     val_docs = [d.text for d in docs if is_validation(d.name, data_cfg.val_fraction)]
     if not train_docs or not val_docs:
-        raise ValueError(f"data.val_fraction={data_cfg.val_fraction} put {len(val_docs)} of {len(docs)} documents in the "
+        raise InputError(f"data.val_fraction={data_cfg.val_fraction} put {len(val_docs)} of {len(docs)} documents in the "
                          f"validation split and {len(train_docs)} in training; both need at least one (documents are "
                          "whole text files or JSON-lines records: add files or change data.val_fraction)")
     if data_cfg.tokenizer:
@@ -127,5 +128,5 @@ def load_prepared(directory: str) -> PreparedData:
     manifest = read_manifest(directory)
     tok = Tokenizer.load(os.path.join(directory, manifest["tokenizer"]["file"]))
     if tok.sha256 != manifest["tokenizer"]["sha256"]:
-        raise ValueError(f"{directory}: tokenizer.model does not match the manifest's hash; delete the directory to rebuild")
+        raise InputError(f"{directory}: tokenizer.model does not match the manifest's hash; delete the directory to rebuild")
     return PreparedData(directory, manifest, tok, open_split(directory, manifest, "train"), open_split(directory, manifest, "val"))

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import CheckpointError, ConfigError, InputError
+
 
 def rank_slice(n: int, rank: int, ranks: int) -> slice:
     """Rank ``rank``'s contiguous share of ``n`` items (sizes differ by at most one)."""
@@ -36,13 +38,13 @@ class TrainSampler:
     def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, grad_accum: int, dp_rank: int, dp_size: int,
                  seed: int):
         if global_batch % grad_accum:
-            raise ValueError(f"train.grad_accum={grad_accum} must divide train.global_batch={global_batch}")
+            raise ConfigError(f"train.grad_accum={grad_accum} must divide train.global_batch={global_batch}")
         self.tokens, self.seq_len = tokens, seq_len
         self.global_batch, self.grad_accum = global_batch, grad_accum
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         self.n_windows = num_windows(len(tokens), seq_len)
         if self.n_windows < 1:
-            raise ValueError(f"the training split has {len(tokens)} tokens, fewer than train.seq_len + 1 = {seq_len + 1}")
+            raise InputError(f"the training split has {len(tokens)} tokens, fewer than train.seq_len + 1 = {seq_len + 1}")
         self.consumed = 0
         self._epoch, self._perm = -1, None
 
@@ -77,7 +79,7 @@ class TrainSampler:
     def load_state_dict(self, state: dict) -> None:
         for key in ("seed", "seq_len", "n_windows"):
             if state[key] != getattr(self, key):
-                raise ValueError(f"sampler state was saved with {key}={state[key]}, this run has {getattr(self, key)}")
+                raise CheckpointError(f"sampler state was saved with {key}={state[key]}, this run has {getattr(self, key)}")
         self.consumed = int(state["consumed"])
 
 
@@ -89,7 +91,7 @@ def eval_batches(tokens: np.ndarray, seq_len: int, max_sequences: int, batch: in
     if n >= batch:
         n -= n % batch
     if n < max(1, dp_size):
-        raise ValueError(f"the validation split has {len(tokens)} tokens: {n} windows of train.seq_len + 1 = {seq_len + 1}"
+        raise InputError(f"the validation split has {len(tokens)} tokens: {n} windows of train.seq_len + 1 = {seq_len + 1}"
                          f" tokens, fewer than the {dp_size} data-parallel ranks need; lower train.seq_len or raise "
                          "data.val_fraction")
     out = []

@@ -12,6 +12,8 @@ from typing import Iterable, Iterator
 
 import sentencepiece as spm
 
+from ..errors import ConfigError, InputError, MissingInputError
+
 
 class Tokenizer:
     """A SentencePiece model with an end-of-document id."""
@@ -19,7 +21,7 @@ class Tokenizer:
     def __init__(self, model_proto: bytes):
         self.proto = model_proto
         if model_proto.lstrip()[:1] == b"{":  # a Hugging Face tokenizer.json (Qwen2, Llama-3 checkpoints)
-            from ..hf.tokenizer import JsonTokenizerBackend
+            from .json_tokenizer import JsonTokenizerBackend
 
             self.sp = JsonTokenizerBackend(model_proto)
         else:
@@ -34,9 +36,9 @@ class Tokenizer:
             with open(path, "rb") as f:
                 return cls(f.read())
         except FileNotFoundError:
-            raise FileNotFoundError(f"data.tokenizer={path!r} does not exist") from None
+            raise MissingInputError(f"data.tokenizer={path!r} does not exist") from None
         except RuntimeError as e:
-            raise ValueError(f"data.tokenizer={path!r} is not a sentencepiece model: {e}") from None
+            raise InputError(f"data.tokenizer={path!r} is not a sentencepiece model: {e}") from None
 
     def save(self, path: str) -> None:
         with open(path, "wb") as f:
@@ -78,7 +80,7 @@ def train_tokenizer(texts: list[str], vocab_size: int, model_type: str = "bpe", 
                     threads: int = 2) -> Tokenizer:
     """Train on (a spread-out sample of) ``texts``."""
     if model_type not in ("bpe", "unigram"):
-        raise ValueError(f"data.tokenizer_type={model_type!r} is not allowed; allowed: 'bpe', 'unigram'")
+        raise ConfigError(f"data.tokenizer_type={model_type!r} is not allowed; allowed: 'bpe', 'unigram'")
     buf = io.BytesIO()
     total = sum(len(t) for t in texts)
     try:
@@ -89,5 +91,5 @@ def train_tokenizer(texts: list[str], vocab_size: int, model_type: str = "bpe", 
             character_coverage=0.9999, max_sentence_length=1 << 16, unk_id=0, eos_id=1, bos_id=-1, pad_id=-1,
             hard_vocab_limit=True, num_threads=threads, minloglevel=2)
     except RuntimeError as e:
-        raise ValueError(f"training the tokenizer failed (data.vocab_size={vocab_size} on {total} characters): {e}") from None
+        raise InputError(f"training the tokenizer failed (data.vocab_size={vocab_size} on {total} characters): {e}") from None
     return Tokenizer(buf.getvalue())

@@ -13,6 +13,8 @@ from typing import Iterable
 
 import numpy as np
 
+from ..errors import InputError
+
 MANIFEST = "manifest.json"
 FORMAT = "moe_dist.tokens/1"
 
@@ -56,7 +58,7 @@ def read_manifest(directory: str) -> dict:
     with open(os.path.join(directory, MANIFEST), encoding="utf-8") as f:
         manifest = json.load(f)
     if manifest.get("format") != FORMAT:
-        raise ValueError(f"{directory}: manifest format {manifest.get('format')!r}, expected {FORMAT!r}")
+        raise InputError(f"{directory}: manifest format {manifest.get('format')!r}, expected {FORMAT!r}")
     return manifest
 
 
@@ -66,5 +68,5 @@ def open_split(directory: str, manifest: dict, split: str) -> TokenFile:
     dtype = np.dtype(manifest["dtype"])
     expected = info["tokens"] * dtype.itemsize
     if os.path.getsize(path) != expected:
-        raise ValueError(f"{path}: {os.path.getsize(path)} bytes, the manifest says {expected}; delete {directory} to rebuild")
+        raise InputError(f"{path}: {os.path.getsize(path)} bytes, the manifest says {expected}; delete {directory} to rebuild")
     return TokenFile(path, dtype, info["tokens"])

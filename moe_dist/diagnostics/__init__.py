@@ -7,6 +7,7 @@ Pure functions (``load_summary``, ``fluctuation_rates``) and one object for the 
 from .fluctuation import fluctuation_counts, fluctuation_rates, probe_assignments, ranked_experts
 from .load import load_summary
 from .routing import RoutingDiagnostics
+from .summary import format_routing_summary, routing_summary
 
 __all__ = ["RoutingDiagnostics", "load_summary", "fluctuation_rates", "fluctuation_counts", "probe_assignments",
-           "ranked_experts"]
+           "ranked_experts", "routing_summary", "format_routing_summary"]

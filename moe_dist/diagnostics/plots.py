@@ -7,6 +7,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 
 def _save(fig, path: str) -> str:
@@ -46,21 +47,27 @@ def plot_expert_load(history: dict, path: str) -> str:
 
 
 def plot_fluctuation(history: dict, path: str) -> str:
-    """Share of probe tokens whose top-1 expert (solid) / top-k set (dashed) changed since the
-    previous evaluation, one colour per layer. ``history``: ``{layer: [(step, rates), ...]}``."""
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    colors = plt.cm.viridis(np.linspace(0, 0.9, max(1, len(history))))
-    for color, (layer, rows) in zip(colors, history.items()):
-        xs = [s for s, _ in rows]
-        ax.plot(xs, [r["fluct_top1"] for _, r in rows], "o-", color=color, ms=4, label=f"layer {layer} top-1")
-        ax.plot(xs, [r["fluct_topk"] for _, r in rows], "s--", color=color, ms=3, alpha=0.8,
-                label=f"layer {layer} top-k set")
-    ax.set_xlabel("optimizer step of the evaluation")
-    ax.set_ylabel("share of probe tokens that changed")
-    ax.set_ylim(bottom=0)
-    ax.set_title("Routing fluctuation since the previous evaluation")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    """Routing fluctuation over training: the share of probe tokens whose top-1 expert (left) and
+    whose set of k experts (right) changed since the previous probe, one curve per layer, from
+    step 0. ``history``: ``{layer: [(step, rates), ...]}``."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), dpi=110, sharey=True, layout="constrained")
+    colors = plt.cm.tab10(np.arange(len(history)) % 10)  # distinct colours, one per layer
+    last = max((s for rows in history.values() for s, _ in rows), default=1)
+    top = 0.0
+    for ax, key, what in zip(axes, ("fluct_top1", "fluct_topk"), ("top-1 expert", "set of top-k experts")):
+        for color, (layer, rows) in zip(colors, history.items()):
+            xs, ys = [s for s, _ in rows], [100 * r[key] for _, r in rows]
+            top = max([top, *ys])
+            ax.plot(xs, ys, "-", color=color, lw=1.5, marker="o" if len(xs) <= 40 else None, ms=3, label=f"layer {layer}")
+        ax.set_title(f"tokens whose {what} changed", fontsize=10)
+        ax.set_xlabel("optimizer step")
+        ax.set_xlim(0, last * 1.02)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("% of probe tokens, since the previous probe")
+    axes[0].set_ylim(0, max(1.0, top * 1.08))
+    axes[1].legend(fontsize=8, ncol=1 + len(history) // 6, loc="upper right")
+    fig.suptitle("Routing fluctuation over training (fixed probe set)")
     return _save(fig, path)
 
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .groups import ParallelGroups, build_parallel_groups, set_group_timeout
+from ..errors import ConfigError, UserError
 
 DEFAULT_PORT = 29517
 
@@ -45,7 +46,7 @@ class LaunchInfo:
 
     def __post_init__(self):
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ValueError(f"{self.launcher}: rank {self.rank} is outside a world of size {self.world_size}")
+            raise UserError(f"{self.launcher}: rank {self.rank} is outside a world of size {self.world_size}")
 
 
 def first_host(nodelist: str) -> str:
@@ -61,7 +62,7 @@ def first_host(nodelist: str) -> str:
     entry = nodelist[:end]
     host = re.sub(r"\[([^\]]*)\]", lambda m: m.group(1).split(",")[0].split("-")[0], entry)
     if not host or "[" in host or "]" in host:
-        raise ValueError(f"cannot read the first host of the Slurm node list {nodelist!r}")
+        raise UserError(f"cannot read the first host of the Slurm node list {nodelist!r}")
     return host
 
 
@@ -71,7 +72,7 @@ def _int(env: Mapping[str, str], *names: str) -> Optional[int]:
             try:
                 return int(env[name])
             except ValueError:
-                raise ValueError(f"environment variable {name}={env[name]!r} is not an integer") from None
+                raise UserError(f"environment variable {name}={env[name]!r} is not an integer") from None
     return None
 
 
@@ -101,7 +102,7 @@ def _from_mpi_env(env: Mapping[str, str]) -> Optional[LaunchInfo]:
             continue
         size = _int(env, *size_v)
         if size is None:
-            raise ValueError(f"{name} launch: {rank_v[0]} is set but not the world size ({' / '.join(size_v)})")
+            raise UserError(f"{name} launch: {rank_v[0]} is set but not the world size ({' / '.join(size_v)})")
         local_size = _int(env, *lsize_v)
         return LaunchInfo(rank=rank, world_size=size, local_rank=_int(env, *lrank_v) or 0,
                           local_world_size=local_size or size, master_addr=env.get("MASTER_ADDR", ""),
@@ -149,7 +150,7 @@ def detect_launch(environ: Optional[Mapping[str, str]] = None, use_mpi4py: Optio
     if _int(env, "SLURM_PROCID") is not None and in_step:
         size = _int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
         if size is None:
-            raise ValueError("Slurm launch: SLURM_PROCID is set but not SLURM_STEP_NUM_TASKS / SLURM_NTASKS")
+            raise UserError("Slurm launch: SLURM_PROCID is set but not SLURM_STEP_NUM_TASKS / SLURM_NTASKS")
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
         addr = env.get("MASTER_ADDR") or (first_host(nodelist) if nodelist else "127.0.0.1")
         job = _int(env, "SLURM_JOB_ID", "SLURM_JOBID") or 0
@@ -172,7 +173,7 @@ def detect_launch(environ: Optional[Mapping[str, str]] = None, use_mpi4py: Optio
             if info.world_size == info.local_world_size:  # one node: no need to ask anyone
                 info.master_addr = "127.0.0.1"
             else:
-                raise ValueError(f"{info.launcher} launch over several nodes: set MASTER_ADDR (and MASTER_PORT) to the "
+                raise UserError(f"{info.launcher} launch over several nodes: set MASTER_ADDR (and MASTER_PORT) to the "
                                  "host of rank 0, or set MOE_DIST_MPI4PY=1 to exchange it with mpi4py")
         return info
     return LaunchInfo()
@@ -181,10 +182,10 @@ def detect_launch(environ: Optional[Mapping[str, str]] = None, use_mpi4py: Optio
 def pick_device(kind: str, local_rank: int) -> torch.device:
     """``auto``: this rank's CUDA device when CUDA is present, else the CPU."""
     if kind not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"run.device={kind!r} is not allowed; allowed: 'auto', 'cpu', 'cuda'")
+        raise ConfigError(f"run.device={kind!r} is not allowed; allowed: 'auto', 'cpu', 'cuda'")
     if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise ValueError("run.device='cuda' but torch sees no CUDA device; allowed here: 'cpu' or 'auto'")
+            raise ConfigError("run.device='cuda' but torch sees no CUDA device; allowed here: 'cpu' or 'auto'")
         dev = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(dev)
         return dev
@@ -193,11 +194,11 @@ def pick_device(kind: str, local_rank: int) -> torch.device:
 
 def pick_backend(kind: str, device: torch.device) -> str:
     if kind not in ("auto", "gloo", "nccl"):
-        raise ValueError(f"parallel.backend={kind!r} is not allowed; allowed: 'auto', 'gloo', 'nccl'")
+        raise ConfigError(f"parallel.backend={kind!r} is not allowed; allowed: 'auto', 'gloo', 'nccl'")
     if kind == "auto":
         return "nccl" if device.type == "cuda" else "gloo"
     if kind == "nccl" and device.type != "cuda":
-        raise ValueError("parallel.backend='nccl' needs CUDA devices; allowed on CPU: 'gloo' (or 'auto')")
+        raise ConfigError("parallel.backend='nccl' needs CUDA devices; allowed on CPU: 'gloo' (or 'auto')")
     return kind
 
 
@@ -272,7 +273,7 @@ def init_distributed(ep: int = 1, num_experts: Optional[int] = None, *, backend:
             owns = True
     if launch.world_size > 1:
         if launch.world_size % ep:
-            raise ValueError(f"parallel.ep={ep} must divide the world size {launch.world_size}")
+            raise ConfigError(f"parallel.ep={ep} must divide the world size {launch.world_size}")
         groups = build_parallel_groups(ep, num_experts)
         dp_mesh, mesh = _meshes(groups, dev, launch.world_size)
     else:

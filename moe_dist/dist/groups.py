@@ -13,6 +13,8 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
+from ..errors import ConfigError
+
 # the timeout every group is created with (parallel.timeout_s; set by init_distributed), so that a
 # collective on any group, not only the default one, gives up after it instead of torch's 30 minutes
 _timeout: Optional[datetime.timedelta] = None
@@ -71,14 +73,14 @@ def build_parallel_groups(ep_size: int, num_experts: Optional[int] = None) -> Pa
     """Create the groups on an initialised default process group (collective: all ranks call it)."""
     if not (dist.is_available() and dist.is_initialized()):
         if ep_size != 1:
-            raise ValueError(f"parallel.ep={ep_size} needs torch.distributed to be initialised (world size 1 allows only ep=1)")
+            raise ConfigError(f"parallel.ep={ep_size} needs torch.distributed to be initialised (world size 1 allows only ep=1)")
         return ParallelGroups.single()
     world, rank = dist.get_world_size(), dist.get_rank()
     describe_group(None)  # remember the default group's ranks while it exists
     if ep_size < 1 or world % ep_size:
-        raise ValueError(f"parallel.ep={ep_size} must be >= 1 and divide the world size {world}")
+        raise ConfigError(f"parallel.ep={ep_size} must be >= 1 and divide the world size {world}")
     if num_experts is not None and num_experts % ep_size:
-        raise ValueError(f"parallel.ep={ep_size} must divide model.moe.num_experts={num_experts}")
+        raise ConfigError(f"parallel.ep={ep_size} must divide model.moe.num_experts={num_experts}")
     ep_group = edp_group = None
     for start in range(0, world, ep_size):  # every rank must create every group, in the same order
         g = new_group(range(start, start + ep_size), name="ep")

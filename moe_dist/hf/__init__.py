@@ -4,7 +4,7 @@ safetensors, sharded index, tokenizer files) for upcycling, read Mixtral and OLM
 from .config import DENSE_FAMILIES, FAMILIES, MOE_FAMILIES, HFFormatError, HFModelSpec, hf_model_spec, read_hf_config
 from .dense import DenseCheckpoint
 from .moe_checkpoint import MoECheckpoint
-from .safetensors_io import SafetensorsCheckpoint, ShardedWriter
+from ..weights import SafetensorsCheckpoint, ShardedWriter
 
 __all__ = ["DENSE_FAMILIES", "FAMILIES", "MOE_FAMILIES", "HFFormatError", "HFModelSpec", "hf_model_spec",
            "read_hf_config", "DenseCheckpoint", "MoECheckpoint", "SafetensorsCheckpoint", "ShardedWriter"]

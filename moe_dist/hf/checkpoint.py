@@ -15,8 +15,8 @@ from typing import Optional
 
 import torch
 
+from ..weights import SafetensorsCheckpoint
 from .config import HFFormatError, HFModelSpec, hf_model_spec, read_hf_config
-from .safetensors_io import SafetensorsCheckpoint
 
 
 class HFCheckpoint:

@@ -1,6 +1,7 @@
 """``moe-dist import``: a Hugging Face MoE checkpoint -> our checkpoint, ready to train or evaluate."""
 from __future__ import annotations
 
+from ..errors import UsageError
 from ..train.cmd_common import add_overrides_argument, user_errors
 
 HELP = "read a Mixtral or OLMoE checkpoint (Hugging Face format) into a moe_dist checkpoint"
@@ -26,7 +27,7 @@ def run(args) -> int:
 
         base = read_yaml(args.config) if args.config else None
         if args.max_shard_gib <= 0:
-            raise ValueError(f"--max-shard-gib {args.max_shard_gib}; allowed: > 0")
+            raise UsageError(f"--max-shard-gib {args.max_shard_gib}; allowed: > 0")
         import_hf(args.hf, args.out, args.overrides, base=base, dtype=args.dtype,
                   max_shard_bytes=int(args.max_shard_gib * (1 << 30)))
         print(f"next: moe-dist train --config {args.out}/config.yaml [--nproc N] [KEY=VALUE ...]   or   "

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..config.schema import ROPE_SCALING_KEYS
+from ..errors import HFFormatError
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "phi3")
 MOE_FAMILIES = ("mixtral", "olmoe")  # the keys of hf.architectures.MOE_ARCHITECTURES
@@ -30,10 +31,6 @@ _DEFAULTS = {
     "mixtral": {"rope_theta": 1e6, "rms_norm_eps": 1e-5},
     "olmoe": {"rope_theta": 10000.0, "rms_norm_eps": 1e-5},
 }
-
-
-class HFFormatError(ValueError):
-    """A Hugging Face checkpoint or config that cannot be read into our model."""
 
 
 @dataclass

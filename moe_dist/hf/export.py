@@ -15,6 +15,7 @@ import torch
 
 from ..config import load_config
 from .config import HFFormatError
+from ..errors import MissingInputError, UsageError
 
 FORMATS = ("mixtral", "olmoe")  # keys of hf.architectures.MOE_ARCHITECTURES
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -27,23 +28,23 @@ def _is_step_dir(path: str) -> bool:
 def locate(path: str) -> tuple[str, str, str]:
     """``(config.yaml, kind, weights path)`` with kind ``safetensors`` or ``dcp``."""
     from ..train.checkpoint import latest_checkpoint
-    from ..upcycle.weights import has_model_weights
+    from ..weights import has_model_weights
 
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"--checkpoint {path!r}: no such directory")
+        raise MissingInputError(f"--checkpoint {path!r}: no such directory")
     if _is_step_dir(path):
         run_dir = os.path.dirname(os.path.dirname(os.path.abspath(path)))
         return os.path.join(run_dir, "config.yaml"), "dcp", path
     config = os.path.join(path, "config.yaml")
     if not os.path.exists(config):
-        raise FileNotFoundError(f"--checkpoint {path!r} has no config.yaml: expected a `moe-dist upcycle` or `import` "
+        raise MissingInputError(f"--checkpoint {path!r} has no config.yaml: expected a `moe-dist upcycle` or `import` "
                                 "output, a run directory or a <run>/checkpoints/step_NNNNNN directory")
     step = latest_checkpoint(path)
     if step is not None:
         return config, "dcp", step
     if has_model_weights(path):
         return config, "safetensors", path
-    raise FileNotFoundError(f"--checkpoint {path!r} holds neither model.safetensors nor a complete checkpoint under "
+    raise MissingInputError(f"--checkpoint {path!r} holds neither model.safetensors nor a complete checkpoint under "
                             f"{os.path.join(path, 'checkpoints')}")
 
 
@@ -52,7 +53,7 @@ def load_our_model(path: str, overrides: Iterable[str] = ()):
     from ..model import build_model
     from ..model.init import materialize
     from ..train.checkpoint import load_checkpoint
-    from ..upcycle.weights import load_model_weights
+    from ..weights import load_model_weights
 
     config, kind, weights = locate(path)
     cfg = load_config(config, overrides)
@@ -89,9 +90,9 @@ def tokenizer_source(path: str, cfg) -> Optional[str]:
 def export(checkpoint: str, fmt: str, out_dir: str, dtype: str = "auto", overrides: Iterable[str] = (),
            log: Callable[[str], None] = print) -> dict:
     if fmt not in FORMATS:
-        raise ValueError(f"--format {fmt!r}; allowed: {list(FORMATS)}")
+        raise UsageError(f"--format {fmt!r}; allowed: {list(FORMATS)}")
     if dtype != "auto" and dtype not in EXPORT_DTYPES:
-        raise ValueError(f"--dtype {dtype!r}; allowed: auto, {', '.join(EXPORT_DTYPES)}")
+        raise UsageError(f"--dtype {dtype!r}; allowed: auto, {', '.join(EXPORT_DTYPES)}")
     model, cfg, weights = load_our_model(checkpoint, overrides)
     torch_dtype = EXPORT_DTYPES[dtype] if dtype != "auto" else (torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32)
     from .architectures import MOE_ARCHITECTURES

@@ -4,7 +4,7 @@ The output directory is laid out as ``moe-dist upcycle`` writes it, so everythin
 upcycled model reads it: ``config.yaml`` (our config, ``ckpt.init_from`` pointing at the
 directory, ``data.tokenizer`` at the copied tokenizer), ``model.safetensors`` (or shards + index)
 with experts stored as whole ``[num_experts, ...]`` tensors by global expert, so every rank of any
-world size and expert-parallel size reads just its rows (:func:`moe_dist.upcycle.weights.load_model_weights`),
+world size and expert-parallel size reads just its rows (:func:`moe_dist.weights.load_model_weights`),
 the tokenizer files, and ``import.json`` (written last: its presence means a finished import).
 
 Weights are streamed a block at a time (the experts of one block are the largest piece held).
@@ -23,9 +23,10 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from ..config import Config, ConfigError, apply_overrides, config_from_dict, save_config
+from ..errors import UsageError
+from ..weights import ShardedWriter
 from .config import HFModelSpec, source_dtype
 from .moe_checkpoint import MoECheckpoint
-from .safetensors_io import ShardedWriter
 from .tokenizer import check_tokenizer_fits, copy_tokenizer, tokenizer_file
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -75,11 +76,11 @@ def import_hf(hf_dir: str, out_dir: str, overrides: Iterable[str] = (), *, base:
     """Read ``hf_dir`` (a Hugging Face MoE checkpoint directory) and write our checkpoint to
     ``out_dir``; returns what ``import.json`` records."""
     from ..model import build_model
-    from ..plan.params import count_params  # the planner's counts, so presets and imports agree
+    from ..model.params import count_params  # the planner's counts, so presets and imports agree
 
     t0 = time.perf_counter()
     if dtype != "auto" and dtype not in DTYPES:
-        raise ValueError(f"--dtype: {dtype!r}; allowed: auto, {', '.join(DTYPES)}")
+        raise UsageError(f"--dtype: {dtype!r}; allowed: auto, {', '.join(DTYPES)}")
     ckpt = MoECheckpoint(hf_dir)
     for note in ckpt.spec.notes:
         log(f"note: {note}")
@@ -88,7 +89,7 @@ def import_hf(hf_dir: str, out_dir: str, overrides: Iterable[str] = (), *, base:
     out_dtype = DTYPES[dtype] if dtype != "auto" else {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(
         src, torch.float32)
     if os.path.abspath(out_dir) == os.path.abspath(hf_dir):
-        raise ValueError(f"--out {out_dir!r} is the Hugging Face checkpoint's directory; choose another")
+        raise UsageError(f"--out {out_dir!r} is the Hugging Face checkpoint's directory; choose another")
     n_tok = check_tokenizer_fits(hf_dir, cfg.model.vocab_size)
     os.makedirs(out_dir, exist_ok=True)
     stale = os.path.join(out_dir, "import.json")

@@ -25,9 +25,9 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from ..weights import ShardedWriter
 from .architectures import MoEArchitecture
 from .config import HFFormatError
-from .safetensors_io import ShardedWriter
 
 EXPORTABLE_ROUTERS = ("topk", "noisy_topk")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

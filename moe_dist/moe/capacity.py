@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..dist.collectives import all_gather_tensor, group_size
 from .counting import count_values
+from ..errors import ConfigError
 
 DROP_POLICIES = ("position", "probs")
 CAPACITY_SCOPES = ("global", "local")
@@ -30,7 +31,7 @@ def expert_capacity(capacity_factor: float, tokens, top_k: int, num_experts: int
     the same float64 arithmetic in the same order, so it equals the host value exactly and
     needs no host read."""
     if not capacity_factor > 0:
-        raise ValueError(f"model.moe.capacity_factor must be > 0 (or null for dropless), got {capacity_factor}")
+        raise ConfigError(f"model.moe.capacity_factor must be > 0 (or null for dropless), got {capacity_factor}")
     if torch.is_tensor(tokens):
         slots = torch.ceil(tokens.double() * capacity_factor * top_k / num_experts)
         return slots.clamp_min(int(min_capacity)).long()

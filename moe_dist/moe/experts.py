@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from ..dist.shards import local_rows
+from ..errors import ConfigError
 
 ACTIVATIONS = ("swiglu", "gelu")
 KERNELS = ("auto", "loop", "bmm", "grouped_mm")
@@ -184,9 +185,9 @@ class GroupedExperts(nn.Module):
                  kernel: str = "loop", offset: int = 0, init_std: float = 0.02, out_init_std: Optional[float] = None):
         super().__init__()
         if activation not in ACTIVATIONS:
-            raise ValueError(f"model.moe.activation={activation!r} not allowed; allowed: {list(ACTIVATIONS)}")
+            raise ConfigError(f"model.moe.activation={activation!r} not allowed; allowed: {list(ACTIVATIONS)}")
         if kernel not in KERNELS:
-            raise ValueError(f"model.moe.expert_kernel={kernel!r} not allowed; allowed: {list(KERNELS)}")
+            raise ConfigError(f"model.moe.expert_kernel={kernel!r} not allowed; allowed: {list(KERNELS)}")
         self.num_experts, self.d_model, self.d_ff = num_experts, d_model, d_ff
         self.activation, self.kernel, self.offset = activation, kernel, offset
         self.init_std = init_std

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from ..errors import ConfigError
 from ..dist.collectives import all_gather_tensor, group_rank, group_size, subgroup_rows
 from ..dist.groups import ParallelGroups
 from .capacity import CAPACITY_SCOPES, DROP_POLICIES, expert_capacity, keep_by_position, keep_by_probs
@@ -30,7 +31,7 @@ ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 def _check_choice(key: str, value, allowed) -> None:
     if value not in allowed:
-        raise ValueError(f"{key}={value!r} is not allowed; allowed: {list(allowed)}")
+        raise ConfigError(f"{key}={value!r} is not allowed; allowed: {list(allowed)}")
 
 
 class MoELayer(nn.Module):
@@ -71,25 +72,25 @@ class MoELayer(nn.Module):
                  router_dtype: str = "fp32"):
         super().__init__()
         if num_experts < 1:
-            raise ValueError(f"model.moe.num_experts must be >= 1, got {num_experts}")
+            raise ConfigError(f"model.moe.num_experts must be >= 1, got {num_experts}")
         if not 1 <= top_k <= num_experts:
-            raise ValueError(f"model.moe.top_k={top_k} must be between 1 and model.moe.num_experts={num_experts}")
+            raise ConfigError(f"model.moe.top_k={top_k} must be between 1 and model.moe.num_experts={num_experts}")
         for key, cf in (("model.moe.capacity_factor", capacity_factor), ("model.moe.eval_capacity_factor", eval_capacity_factor)):
             if cf is not None and not (isinstance(cf, (int, float)) and math.isfinite(cf) and cf > 0):
-                raise ValueError(f"{key} must be > 0 or null (dropless), got {cf!r}")
+                raise ConfigError(f"{key} must be > 0 or null (dropless), got {cf!r}")
         if min_capacity < 0:
-            raise ValueError(f"model.moe.min_capacity must be >= 0, got {min_capacity}")
+            raise ConfigError(f"model.moe.min_capacity must be >= 0, got {min_capacity}")
         _check_choice("model.moe.drop_policy", drop_policy, DROP_POLICIES)
         _check_choice("model.moe.capacity_scope", capacity_scope, CAPACITY_SCOPES)
         _check_choice("model.moe.loss_scope", loss_scope, LOSS_SCOPES)
         _check_choice("model.moe.balance_loss", balance_loss, BALANCE_LOSSES)
         _check_choice("model.moe.router_dtype", router_dtype, ROUTER_DTYPES)
         if shared_d_ff is not None and shared_d_ff < 0:
-            raise ValueError(f"model.moe.shared_d_ff must be >= 0 or null (no shared expert), got {shared_d_ff}")
+            raise ConfigError(f"model.moe.shared_d_ff must be >= 0 or null (no shared expert), got {shared_d_ff}")
         if shared_gate and not shared_d_ff:
-            raise ValueError("model.moe.shared_gate=true needs a shared expert (model.moe.shared_d_ff > 0)")
+            raise ConfigError("model.moe.shared_gate=true needs a shared expert (model.moe.shared_d_ff > 0)")
         if not (isinstance(expert_bias_rate, (int, float)) and math.isfinite(expert_bias_rate) and expert_bias_rate >= 0):
-            raise ValueError(f"model.moe.expert_bias_rate must be a number >= 0, got {expert_bias_rate!r}")
+            raise ConfigError(f"model.moe.expert_bias_rate must be a number >= 0, got {expert_bias_rate!r}")
         self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
         self.capacity_factor = capacity_factor
         self.eval_capacity_factor = capacity_factor if eval_capacity_factor is None else eval_capacity_factor
@@ -160,13 +161,9 @@ class MoELayer(nn.Module):
     # ---- parallelism (applied from outside) ---------------------------------------------
     def set_groups(self, groups: ParallelGroups) -> None:
         if self.num_experts % groups.ep_size:
-            raise ValueError(f"parallel.ep={groups.ep_size} must divide model.moe.num_experts={self.num_experts}")
+            raise ConfigError(f"parallel.ep={groups.ep_size} must divide model.moe.num_experts={self.num_experts}")
         self.groups = groups
         self.context.stats_group, self.context.ep_group = groups.dp, groups.ep
-
-    @property
-    def num_local_experts(self) -> int:
-        return self.experts.num_experts
 
     # ---- forward ------------------------------------------------------------------------
     def _capacity_factor(self) -> Optional[float]:

@@ -81,10 +81,11 @@ class RoutingContext:
             return self.ep_group
         if scope == "local":
             return None
-        raise ValueError(f"scope must be one of 'global', 'ep', 'local', got {scope!r}")
+        raise ConfigError(f"scope must be one of 'global', 'ep', 'local', got {scope!r}")
 
 
 def is_recomputing() -> bool:
     """True while autograd's backward pass is running, i.e. when a forward runs again for
     activation checkpointing. Routers with side effects (counters, EMA) skip them then."""
     return torch._C._current_graph_task_id() != -1
+from ..errors import ConfigError

@@ -3,7 +3,7 @@
     from moe_dist.plan import plan, count_params
     p = plan("configs/hf/mixtral-8x7b.json", nodes=2, gpus_per_node=8, gpu_mem_gib=80)
 """
-from .params import count_params
+from ..model.params import count_params
 from .planner import load_plan_input, plan
 from .report import format_plan
 

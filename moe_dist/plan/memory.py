@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .params import BlockShape
+from ..model.params import BlockShape
 
 GIB = float(1 << 30)
 STAGES = (0, 1, 2, 3)

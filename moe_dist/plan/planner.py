@@ -17,10 +17,10 @@ import yaml
 from ..config import ConfigError, apply_overrides, config_from_dict, load_config
 from ..config.granularity import expand_granularity
 from ..hf.config import HFModelSpec, config_path, hf_model_spec, is_hf_config
+from ..model.params import block_shape, count_params
 from .memory import (GIB, STAGES, Units, Workload, activation_bytes, all_to_all_bytes, autocast_copy_bytes,
                      engine_state_bytes, fsdp_gathered_bytes, fsdp_head_grad_bytes, fsdp_reduce_peak_bytes,
                      grad_sync_bytes, optimizer_step_bytes, state_bytes, uses_fsdp)
-from .params import block_shape, count_params
 
 USABLE_FRACTION = 0.9  # leave 10% of each GPU for the framework, allocator fragmentation and buffers
 DEFAULT_HF_SEQ_LEN = 4096

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, TextIO
 
+from ..errors import UserError
 from .spec import RunSpec, Study
 
 MARKER = "sweep_run.json"  # in each run directory: the overrides it was started with
@@ -82,11 +83,11 @@ def _check_marker(study: Study, run: RunSpec) -> None:
     """A run directory started with other settings is never continued silently."""
     marker = _read_json(os.path.join(run.run_dir, MARKER))
     if marker is not None and (marker.get("overrides") != run.overrides or marker.get("base") != study.base):
-        raise ValueError(f"{run.run_dir} was started with other settings (see its {MARKER}); "
-                         "delete that directory or give the study another out: directory")
+        raise UserError(f"{run.run_dir} was started with other settings (see its {MARKER}); "
+                        "delete that directory or give the study another out: directory")
     if marker is None and os.path.isdir(run.run_dir) and os.listdir(run.run_dir):
-        raise ValueError(f"{run.run_dir} exists and was not written by `moe-dist sweep` (no {MARKER}); "
-                         "delete it or give the study another out: directory")
+        raise UserError(f"{run.run_dir} exists and was not written by `moe-dist sweep` (no {MARKER}); "
+                        "delete it or give the study another out: directory")
 
 
 def cli_command(study: Study, *args: str) -> list[str]:

@@ -16,12 +16,14 @@ def add_overrides_argument(parser) -> None:
 
 
 def user_errors(command: str, fn: Callable[[], int]) -> int:
-    """Run ``fn``; bad configuration or input prints one line (rank 0) and exits with 2."""
-    from ..config import ConfigError
+    """Run ``fn``; a :class:`~moe_dist.errors.UserError` (bad configuration, input data, checkpoint or
+    argument) prints one line (rank 0) and returns 2. Any other exception propagates with its
+    traceback: it is a bug or a failure of the environment, not something the user typed."""
+    from ..errors import UserError
 
     try:
         return fn()
-    except (ConfigError, FileNotFoundError, ValueError) as e:
+    except UserError as e:
         if is_rank0():
             print(f"moe-dist {command}: error: {e}", file=sys.stderr, flush=True)
         return 2

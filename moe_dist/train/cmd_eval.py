@@ -5,6 +5,7 @@ import json
 import os
 
 from .cmd_common import add_overrides_argument, user_errors
+from ..errors import MissingInputError, UsageError
 
 HELP = "evaluate a checkpoint on the validation split (perplexity vs a unigram baseline)"
 LAUNCHABLE = True
@@ -35,16 +36,16 @@ def _config_path(args) -> str:
     if args.run_dir:
         path = os.path.join(args.run_dir, "config.yaml")
         if not os.path.exists(path):
-            raise FileNotFoundError(f"--run-dir {args.run_dir!r} has no config.yaml (is it a moe-dist run directory?)")
+            raise MissingInputError(f"--run-dir {args.run_dir!r} has no config.yaml (is it a moe-dist run directory?)")
         return path
     if not args.checkpoint:
-        raise ValueError("eval: give --run-dir DIR (a training run) or --checkpoint DIR (a model directory written by "
+        raise UsageError("eval: give --run-dir DIR (a training run) or --checkpoint DIR (a model directory written by "
                          "`moe-dist upcycle` or `moe-dist convert`)")
     path = os.path.join(args.checkpoint, "config.yaml")
     if not os.path.isdir(args.checkpoint):
-        raise FileNotFoundError(f"--checkpoint {args.checkpoint!r}: no such directory")
+        raise MissingInputError(f"--checkpoint {args.checkpoint!r}: no such directory")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"--checkpoint {args.checkpoint!r} has no config.yaml; a training checkpoint needs "
+        raise MissingInputError(f"--checkpoint {args.checkpoint!r} has no config.yaml; a training checkpoint needs "
                                 "--run-dir (its run's config), a model directory needs the config.yaml that "
                                 "`moe-dist upcycle` / `convert` write next to the weights")
     return path
@@ -59,7 +60,13 @@ def _config(args, *extra: str):
 
 def preflight(args, world_size: int) -> int:
     """Check the run directory and config before starting ``world_size`` processes."""
-    return user_errors("eval", lambda: _config(args).check_world(world_size) or 0)
+    def check() -> int:
+        from .preflight import check_before_launch
+
+        check_before_launch(_config(args), world_size, resume=False)
+        return 0
+
+    return user_errors("eval", check)
 
 
 def _k_values(text: str) -> list[int]:
@@ -68,7 +75,7 @@ def _k_values(text: str) -> list[int]:
     except ValueError:
         ks = []
     if not ks or min(ks) < 1:
-        raise ValueError(f"--k {text!r}: expected positive integers separated by commas, e.g. 1,2,4")
+        raise UsageError(f"--k {text!r}: expected positive integers separated by commas, e.g. 1,2,4")
     return ks
 
 
@@ -92,7 +99,7 @@ def run(args) -> int:
         ks = _k_values(args.k)
         cfg = _config(args)
         if "eval_k" not in _router_option_names(cfg.model.moe.router):
-            raise ValueError(f"--k: router {cfg.model.moe.router!r} has no inference k (routers with one: topk, noisy_topk, hyper, smoe_dropout)")
+            raise UsageError(f"--k: router {cfg.model.moe.router!r} has no inference k (routers with one: topk, noisy_topk, hyper, smoe_dropout)")
         from .trainer import setup_runtime, shutdown
 
         rt = setup_runtime(cfg)

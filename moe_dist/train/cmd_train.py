@@ -29,8 +29,9 @@ def preflight(args, world_size: int) -> int:
 
     def check() -> int:
         from ..config import load_config
+        from .preflight import check_before_launch
 
-        load_config(args.config, args.overrides).check_world(world_size)
+        check_before_launch(load_config(args.config, args.overrides), world_size)
         return 0
 
     return user_errors("train", check)

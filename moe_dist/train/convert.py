@@ -4,7 +4,7 @@ torch.distributed.
     moe-dist convert --checkpoint runs/x/checkpoints/step_000100 --out runs/x/consolidated
 
 The output directory has the layout ``moe-dist upcycle`` writes, so ``ckpt.init_from``,
-``moe-dist export`` and :func:`moe_dist.upcycle.weights.load_model_weights` read it too:
+``moe-dist export`` and :func:`moe_dist.weights.load_model_weights` read it too:
 
 * ``model.safetensors``: every ``model.state_dict()`` tensor of the whole model (experts as
   ``[num_experts, ...]`` tensors in global order, tied weights under both names), so
@@ -29,6 +29,7 @@ import torch
 from ..config import config_from_dict, load_config, save_config
 from ..config.load import config_to_dict
 from .checkpoint import META, CheckpointError, config_sha256, latest_checkpoint, load_checkpoint, read_manifest
+from ..errors import MissingInputError, UsageError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 WEIGHTS = "model.safetensors"
@@ -37,12 +38,12 @@ WEIGHTS = "model.safetensors"
 def resolve_checkpoint(path: str) -> str:
     """A checkpoint directory, or a run directory's latest complete checkpoint."""
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"--checkpoint {path!r}: no such directory")
+        raise MissingInputError(f"--checkpoint {path!r}: no such directory")
     if os.path.exists(os.path.join(path, META)) or not os.path.isdir(os.path.join(path, "checkpoints")):
         return path
     found = latest_checkpoint(path)
     if found is None:
-        raise FileNotFoundError(f"--checkpoint {path!r}: the run directory has no complete checkpoint")
+        raise MissingInputError(f"--checkpoint {path!r}: the run directory has no complete checkpoint")
     return found
 
 
@@ -69,14 +70,14 @@ def consolidate(checkpoint: str, out_dir: str, dtype: str = "auto", force: bool 
     from ..model.init import materialize
 
     if dtype != "auto" and dtype not in DTYPES:
-        raise ValueError(f"--dtype {dtype!r}; allowed: auto, {', '.join(DTYPES)}")
+        raise UsageError(f"--dtype {dtype!r}; allowed: auto, {', '.join(DTYPES)}")
     path = resolve_checkpoint(checkpoint)
     manifest = read_manifest(path)
     with open(os.path.join(path, META), encoding="utf-8") as f:
         meta = json.load(f)
     out_dir = os.path.normpath(out_dir)
     if os.path.exists(out_dir) and os.listdir(out_dir) and not force:
-        raise ValueError(f"--out {out_dir!r} exists and is not empty; choose another directory or pass --force "
+        raise UsageError(f"--out {out_dir!r} exists and is not empty; choose another directory or pass --force "
                               "to replace it")
     cfg = checkpoint_config(path, meta)
     cfg.ckpt.init_from, cfg.resume = None, "none"  # the written weights replace both

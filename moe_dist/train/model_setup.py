@@ -24,7 +24,7 @@ def build_meta_model(cfg: Config, vocab_size: int) -> nn.Module:
 
 def is_weights_directory(path: str) -> bool:
     """A safetensors model directory (``moe-dist upcycle`` / ``convert`` output), not a DCP checkpoint."""
-    from ..upcycle.weights import has_model_weights
+    from ..weights import has_model_weights
 
     return os.path.isdir(path) and has_model_weights(path) and not os.path.exists(os.path.join(path, "meta.json"))
 
@@ -36,7 +36,7 @@ def weights_filler(cfg: Config, weights: Optional[str]) -> Callable[[nn.Module],
 
     def fill(model: nn.Module) -> None:
         if weights:
-            from ..upcycle.weights import load_model_weights
+            from ..weights import load_model_weights
 
             load_model_weights(model, weights)
         else:

@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from ..config import Config, ConfigError, save_config
 from ..config.load import config_to_dict
 from ..data import PreparedData, TrainSampler, load_prepared, prepare_data
-from ..diagnostics import RoutingDiagnostics
+from ..diagnostics import RoutingDiagnostics, format_routing_summary, routing_summary
 from ..dist.bootstrap import Runtime, init_distributed, shutdown
+from ..errors import CheckpointError, MissingInputError
 from ..exits import JobStopped
 from ..hardware import peak_rss_bytes, slow_bf16_note
 from ..model import count_parameters
@@ -33,7 +34,7 @@ from ..moe import collect_aux_loss, moe_layers
 from .checkpoint import TrainingCheckpoints, latest_checkpoint, load_checkpoint
 from .engines import create_engine
 from .evaluate import autocast, evaluate, format_report, unigram_baseline, validation_batches
-from .metrics import MetricsLogger, MoEStepStats
+from .metrics import MetricsLogger, MoEStepStats, read_metrics
 from .model_setup import build_meta_model, is_weights_directory, weights_filler
 from .optim import lr_at, set_lr
 from .parallelize import parallelize
@@ -45,12 +46,28 @@ class TrainingDiverged(JobStopped):
     """Too many consecutive non-finite steps, or non-finite state about to be saved."""
 
 
-def default_threads(rt: Runtime) -> int:
+# set by `moe-dist ... --nproc N` when the user had no OMP_NUM_THREADS: the launcher's value is then
+# the default (cores / local processes), not the user's choice
+THREADS_DEFAULTED = "MOE_DIST_THREADS_DEFAULTED"
+
+
+def _cores() -> int:
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, rt.launch.local_world_size))
+        return os.cpu_count() or 1
+
+
+def thread_choice(run_threads: Optional[int], local_world_size: int, env=os.environ) -> tuple[int, str]:
+    """``(torch threads per process, why)``: ``run.threads`` if set, else the user's
+    ``OMP_NUM_THREADS`` (a positive integer), else the cores this process may use / local processes."""
+    if run_threads:
+        return run_threads, "run.threads"
+    omp = env.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) >= 1 and env.get(THREADS_DEFAULTED) != "1":
+        return int(omp), "OMP_NUM_THREADS"
+    cores, local = _cores(), max(1, local_world_size)
+    return max(1, cores // local), f"{cores} core(s) / {local} local process(es)"
 
 
 def setup_runtime(cfg: Config, rt: Optional[Runtime] = None) -> Runtime:
@@ -58,7 +75,7 @@ def setup_runtime(cfg: Config, rt: Optional[Runtime] = None) -> Runtime:
         rt = init_distributed(cfg.parallel.ep, cfg.model.moe.num_experts, backend=cfg.parallel.backend,
                               device=cfg.run.device, timeout_s=cfg.parallel.timeout_s)
     cfg.check_world(rt.world_size)
-    torch.set_num_threads(cfg.run.threads or default_threads(rt))
+    torch.set_num_threads(thread_choice(cfg.run.threads, rt.launch.local_world_size)[0])
     return rt
 
 
@@ -287,6 +304,10 @@ class Trainer:
         with autocast(self.rt.device, self.cfg.train.dtype):
             return self.diagnostics.evaluate_probe(self.model, probe, self.step, group=self.rt.groups.dp)
 
+    def _probe_due(self, last: bool, validated: bool) -> bool:
+        every = self.cfg.eval.probe_every
+        return bool(every and self.step % every == 0) or last or (not every and validated)
+
     def validate(self) -> dict:
         return evaluate(self.model, self.val_batches, self.rt.device, self.cfg.train.dtype, self.rt.groups.dp)
 
@@ -319,7 +340,8 @@ class Trainer:
                  f"token), {len(self.moe)} MoE layers x {cfg.model.moe.num_experts} experts, top-{cfg.model.moe.top_k}, "
                  f"router {cfg.model.moe.router}")
         self.log(f"parallel: {self.rt.world_size} process(es) [{self.rt.launch.launcher}, {self.rt.backend or 'no backend'}, "
-                 f"{self.rt.device}, {torch.get_num_threads()} thread(s) each], ep={self.rt.groups.ep_size}, "
+                 f"{self.rt.device}, {torch.get_num_threads()} thread(s) each from "
+                 f"{thread_choice(cfg.run.threads, self.rt.launch.local_world_size)[1]}], ep={self.rt.groups.ep_size}, "
                  f"dense={self.engine.dense_layout()}; data: "
                  f"{self.data.train.count:,} train tokens, {cfg.train.global_batch}x{cfg.train.seq_len} tokens per step")
         small = small_corpus_note(self.data.train.count, cfg.train.global_batch, cfg.train.seq_len, steps)
@@ -331,6 +353,8 @@ class Trainer:
         baseline = unigram_baseline(self.data, cfg.train.seq_len, cfg.eval)
         self._bar = self._progress()
         tokens_seen, last_val, row = self.step * cfg.train.global_batch * cfg.train.seq_len, None, {"loss": None}
+        if cfg.eval.probe_every and self.step == 0:
+            self.probe_fluctuation()  # the reference the first probe compares with
         try:
             while self.step < steps:
                 t0 = time.perf_counter()
@@ -345,10 +369,11 @@ class Trainer:
                 last = self.step == steps
                 if (cfg.eval.every and self.step % cfg.eval.every == 0) or last:
                     last_val = self.validate()
-                    fluct = self.probe_fluctuation()
                     row.update(val_loss=last_val["loss"], val_ppl=last_val["ppl"])
                     self.log(f"step {self.step}/{steps}: val loss {last_val['loss']:.4f}, perplexity {last_val['ppl']:.2f}")
-                if (self.step % cfg.run.log_every == 0 or last or "val_loss" in row or self.step == 1
+                if self._probe_due(last, "val_loss" in row):
+                    fluct = self.probe_fluctuation()
+                if (self.step % cfg.run.log_every == 0 or last or "val_loss" in row or fluct or self.step == 1
                         or row.get("skipped")):
                     row["moe"] = self.moe_stats.summary(self.rt.groups.dp, self.rt.device)
                     for layer, figs in self.diagnostics.update(self.step, row["moe"]).items():
@@ -389,6 +414,7 @@ class Trainer:
                 self.diagnostics.write_pngs(os.path.join(self.run_dir, "plots"), include=("fluctuation", "graph"))
             self.log(f"done: {self.step} steps in {wall:.0f}s; run directory {self.run_dir}")
             self.log(format_report(last_val, baseline))
+            self.log(format_routing_summary(routing_summary(read_metrics(os.path.join(self.run_dir, "metrics.jsonl")))))
         return summary
 
     def close(self) -> None:
@@ -446,7 +472,7 @@ def evaluate_run(cfg: Config, checkpoint: Optional[str] = None, rt: Optional[Run
     try:
         path = checkpoint or latest_checkpoint(cfg.run.dir)
         if path is None:
-            raise FileNotFoundError(f"no complete checkpoint under {os.path.join(cfg.run.dir, 'checkpoints')} (run.dir)")
+            raise MissingInputError(f"no complete checkpoint under {os.path.join(cfg.run.dir, 'checkpoints')} (run.dir)")
         data = load_data(cfg, rt, log)
         vocab = resolve_vocab(cfg, data)
         model = build_meta_model(cfg, vocab)
@@ -454,7 +480,7 @@ def evaluate_run(cfg: Config, checkpoint: Optional[str] = None, rt: Optional[Run
         parallelize(model, rt, cfg.parallel, fill=weights_filler(cfg, path if weights else None), dtype=cfg.train.dtype)
         meta = {"step": 0} if weights else load_checkpoint(model, path)
         if meta.get("tokenizer_sha256") not in (None, data.tokenizer.sha256):
-            raise ValueError(f"{path} was trained with another tokenizer (sha256 {meta['tokenizer_sha256'][:12]}...) than "
+            raise CheckpointError(f"{path} was trained with another tokenizer (sha256 {meta['tokenizer_sha256'][:12]}...) than "
                              f"the data settings give now ({data.tokenizer.sha256[:12]}...); check the data.* keys")
         batches = validation_batches(data, cfg.train.seq_len, cfg.eval, rt.groups.dp_rank, rt.groups.dp_size)
         val = evaluate(model, batches, rt.device, cfg.train.dtype, rt.groups.dp)

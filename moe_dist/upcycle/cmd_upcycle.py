@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..train.cmd_common import add_overrides_argument, user_errors
+from ..errors import UsageError
 
 HELP = "turn a dense Llama / Mistral / Qwen2 / Phi-3 checkpoint into an MoE (experts copied from its FFNs)"
 
@@ -29,7 +30,7 @@ def run(args) -> int:
 
         base = read_yaml(args.config) if args.config else None
         if args.max_shard_gib <= 0:
-            raise ValueError(f"--max-shard-gib {args.max_shard_gib}; allowed: > 0")
+            raise UsageError(f"--max-shard-gib {args.max_shard_gib}; allowed: > 0")
         upcycle(args.dense, args.out, args.overrides, base=base, noise_std=args.noise_std, seed=args.seed,
                 dtype=args.dtype, max_shard_bytes=int(args.max_shard_gib * (1 << 30)))
         print(f"next: moe-dist train --config {args.out}/config.yaml [--nproc N] [KEY=VALUE ...]")

@@ -24,12 +24,12 @@ import torch
 
 from ..config import Config, ConfigError, apply_overrides, config_from_dict, save_config
 from ..config.granularity import expand_granularity
+from ..errors import UsageError
 from ..hf.config import HFModelSpec, source_dtype
 from ..hf.dense import DenseCheckpoint
-from ..hf.safetensors_io import ShardedWriter
 from ..hf.tokenizer import check_tokenizer_fits, copy_tokenizer, tokenizer_file
 from ..model import Block, SwiGLU, TransformerLM, build_model
-from .weights import DTYPES
+from ..weights import DTYPES, ShardedWriter
 
 # our model keys that the checkpoint's config.json fixes
 ARCHITECTURE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "rope_theta", "rope_scaling",
@@ -71,9 +71,9 @@ def upcycle_config(spec: HFModelSpec, overrides: Iterable[str] = (), base: Optio
 
 def _check_options(noise_std: float, seed: int) -> None:
     if not (noise_std >= 0 and noise_std == noise_std):
-        raise ValueError(f"--noise-std: {noise_std!r}; allowed: a number >= 0")
+        raise UsageError(f"--noise-std: {noise_std!r}; allowed: a number >= 0")
     if seed < 0:
-        raise ValueError(f"--seed: {seed}; allowed: an integer >= 0")
+        raise UsageError(f"--seed: {seed}; allowed: an integer >= 0")
 
 
 def _block_seed(seed: int, i: int) -> int:
@@ -185,12 +185,12 @@ def upcycle(dense_dir: str, out_dir: str, overrides: Iterable[str] = (), *, base
     """Read ``dense_dir`` (a Hugging Face checkpoint), write the upcycled model to ``out_dir``:
     ``config.yaml`` (our config; train with ``moe-dist train --config out/config.yaml``),
     ``model.safetensors`` (or shards + index), the tokenizer files, ``upcycle.json``."""
-    from ..plan.params import count_params  # the planner's counts, so presets and runs agree
+    from ..model.params import count_params  # the planner's counts, so presets and runs agree
 
     t0 = time.perf_counter()
     _check_options(noise_std, seed)
     if dtype != "auto" and dtype not in DTYPES:
-        raise ValueError(f"--dtype: {dtype!r}; allowed: auto, {', '.join(DTYPES)}")
+        raise UsageError(f"--dtype: {dtype!r}; allowed: auto, {', '.join(DTYPES)}")
     ckpt = DenseCheckpoint(dense_dir)
     for note in ckpt.spec.notes:
         log(f"note: {note}")
@@ -199,7 +199,7 @@ def upcycle(dense_dir: str, out_dir: str, overrides: Iterable[str] = (), *, base
     out_dtype = DTYPES[dtype] if dtype != "auto" else {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(
         src, torch.float32)
     if os.path.abspath(out_dir) == os.path.abspath(dense_dir):
-        raise ValueError(f"--out {out_dir!r} is the dense checkpoint's directory; choose another")
+        raise UsageError(f"--out {out_dir!r} is the dense checkpoint's directory; choose another")
     os.makedirs(out_dir, exist_ok=True)
     n_tok = check_tokenizer_fits(dense_dir, cfg.model.vocab_size)
     copied = copy_tokenizer(dense_dir, out_dir)

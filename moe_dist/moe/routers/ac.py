@@ -25,6 +25,7 @@ from ..routing import Routing, RoutingContext, is_recomputing
 from .base import Router, default_normalize, fp32_linear, select_topk
 from .registry import register_router
 from .token_stats import SCOPES, check_choice, real_token_weights
+from ...errors import ConfigError
 
 DISPERSIONS = ("mad", "var")
 WEIGHT_NORMS = ("feature", "global")
@@ -109,15 +110,15 @@ class AdaptiveClusteringRouter(Router):
         check_choice("eval_mode", eval_mode, EVAL_MODES)
         check_choice("base", base, BASES)
         if not eps > 0:
-            raise ValueError(f"model.moe.router_options.eps must be > 0, got {eps}")
+            raise ConfigError(f"model.moe.router_options.eps must be > 0, got {eps}")
         if clamp is not None and clamp < 0:
-            raise ValueError(f"model.moe.router_options.clamp must be >= 0 or null, got {clamp}")
+            raise ConfigError(f"model.moe.router_options.clamp must be >= 0 or null, got {clamp}")
         if min_count < 1:
-            raise ValueError(f"model.moe.router_options.min_count must be >= 1, got {min_count}")
+            raise ConfigError(f"model.moe.router_options.min_count must be >= 1, got {min_count}")
         if not 0 < momentum <= 1:
-            raise ValueError(f"model.moe.router_options.momentum must be in (0, 1], got {momentum}")
+            raise ConfigError(f"model.moe.router_options.momentum must be in (0, 1], got {momentum}")
         if start_layer < 0:
-            raise ValueError(f"model.moe.router_options.start_layer must be >= 0, got {start_layer}")
+            raise ConfigError(f"model.moe.router_options.start_layer must be >= 0, got {start_layer}")
         self.start_layer, self.dispersion, self.eps, self.clamp = int(start_layer), dispersion, float(eps), clamp
         self.weight_norm, self.min_count, self.scope = weight_norm, int(min_count), scope
         self.eval_mode, self.momentum, self.base = eval_mode, float(momentum), base

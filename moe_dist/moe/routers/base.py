@@ -6,6 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..routing import Routing, RoutingContext
+from ...errors import ConfigError
 
 
 class Router(nn.Module):
@@ -37,9 +38,9 @@ class Router(nn.Module):
     def __init__(self, d_model: int, num_experts: int, top_k: int):
         super().__init__()
         if num_experts < 1:
-            raise ValueError(f"model.moe.num_experts must be >= 1, got {num_experts}")
+            raise ConfigError(f"model.moe.num_experts must be >= 1, got {num_experts}")
         if not 1 <= top_k <= num_experts:
-            raise ValueError(f"model.moe.top_k must be in [1, num_experts={num_experts}], got {top_k}")
+            raise ConfigError(f"model.moe.top_k must be in [1, num_experts={num_experts}], got {top_k}")
         self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
 
     def forward(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:
@@ -50,16 +51,16 @@ class Router(nn.Module):
         """Register the per-expert selection bias (a persistent fp32 buffer, zeros: router state that
         checkpoints save; every rank holds the same values, updated by the MoE layer)."""
         if not self.supports_expert_bias:
-            raise ValueError(f"model.moe.expert_bias=true is not allowed with router {name or type(self).__name__!r} (it "
-                             "does not choose by top-k of its probabilities: Sinkhorn balances by itself, Symphony "
-                             f"chooses through its graph); allowed routers: {_routers_with('supports_expert_bias')}")
+            raise ConfigError(f"model.moe.expert_bias=true is not allowed with router {name or type(self).__name__!r} (it "
+                              "does not choose by top-k of its probabilities: Sinkhorn balances by itself, Symphony "
+                              f"chooses through its graph); allowed routers: {_routers_with('supports_expert_bias')}")
         self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32), persistent=True)
 
     def set_compute_dtype(self, dtype: torch.dtype, name: str = "") -> None:
         if dtype != torch.float32 and not self.supports_fp64:
-            raise ValueError(f"model.moe.router_dtype=fp64 is not allowed with router {name or type(self).__name__!r}; "
-                             "allowed routers: "
-                             f"{_routers_with('supports_fp64')} (the others compute in fp32)")
+            raise ConfigError(f"model.moe.router_dtype=fp64 is not allowed with router {name or type(self).__name__!r}; "
+                              "allowed routers: "
+                              f"{_routers_with('supports_fp64')} (the others compute in fp32)")
         self.compute_dtype = dtype
 
     def selection_bias(self) -> torch.Tensor | None:

@@ -28,6 +28,7 @@ from ...dist.collectives import all_gather_tensor, group_size
 from ..routing import Routing, RoutingContext
 from .base import Router, default_normalize, fp32_linear, select_topk
 from .registry import register_router
+from ...errors import ConfigError
 
 
 def scheduled_k(step: int, k_min: int, k_max: int, total_steps: Optional[int]) -> int:
@@ -67,10 +68,10 @@ class FrozenRouter(Router):
         k_min = top_k if k_min is None else int(k_min)
         k_max = k_min if k_max is None else int(k_max)
         if not 1 <= k_min <= k_max <= num_experts:
-            raise ValueError(f"model.moe.router_options: need 1 <= k_min <= k_max <= num_experts={num_experts}, "
+            raise ConfigError(f"model.moe.router_options: need 1 <= k_min <= k_max <= num_experts={num_experts}, "
                              f"got k_min={k_min}, k_max={k_max}")
         if k_max > k_min and (k_schedule_steps is None or int(k_schedule_steps) < 1):
-            raise ValueError("model.moe.router_options.k_schedule_steps must be the number of training steps (>= 1) "
+            raise ConfigError("model.moe.router_options.k_schedule_steps must be the number of training steps (>= 1) "
                              f"when k_max > k_min, got {k_schedule_steps!r}")
         self.k_min, self.k_max = k_min, k_max
         self.k_schedule_steps = None if k_schedule_steps is None else int(k_schedule_steps)
@@ -82,7 +83,7 @@ class FrozenRouter(Router):
     # ---- k --------------------------------------------------------------------------------
     def set_eval_k(self, k: Optional[int]) -> None:
         if k is not None and not 1 <= int(k) <= self.num_experts:
-            raise ValueError(f"eval_k must be in [1, num_experts={self.num_experts}] or null, got {k}")
+            raise ConfigError(f"eval_k must be in [1, num_experts={self.num_experts}] or null, got {k}")
         self.eval_k = None if k is None else int(k)
 
     def current_k(self, ctx: RoutingContext) -> int:
@@ -183,7 +184,7 @@ class HyperRouter(FrozenRouter):
         super().__init__(d_model, num_experts, top_k, k_min=k_min, k_max=k_max, k_schedule_steps=k_schedule_steps,
                          eval_k=eval_k, normalize=normalize)
         if embed_dim < 1 or hyper_dim < 1:
-            raise ValueError(f"model.moe.router_options.embed_dim and hyper_dim must be >= 1, got {embed_dim}, {hyper_dim}")
+            raise ConfigError(f"model.moe.router_options.embed_dim and hyper_dim must be >= 1, got {embed_dim}, {hyper_dim}")
         self.embedding = nn.Parameter(torch.randn(embed_dim))
         self.register_frozen("hyper_w1", torch.randn(hyper_dim, embed_dim) * init_std)
         self.register_frozen("hyper_w2", torch.randn(num_experts * (d_model + 1), hyper_dim) * init_std)

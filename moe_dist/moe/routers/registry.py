@@ -5,6 +5,7 @@ import inspect
 from typing import Callable
 
 from .base import Router
+from ...errors import ConfigError
 
 ROUTERS: dict[str, Callable[..., Router]] = {}
 ROUTER_DEFAULTS: dict[str, dict] = {}
@@ -34,10 +35,10 @@ def router_options(name: str) -> list[str]:
 
 def build_router(name: str, d_model: int, num_experts: int, top_k: int, **options) -> Router:
     if name not in ROUTERS:
-        raise ValueError(f"model.moe.router={name!r} is not a known router; allowed: {sorted(ROUTERS)}")
+        raise ConfigError(f"model.moe.router={name!r} is not a known router; allowed: {sorted(ROUTERS)}")
     allowed = router_options(name)
     unknown = sorted(set(options) - set(allowed))
     if unknown:
-        raise ValueError(f"model.moe.router_options: unknown key(s) {unknown} for router {name!r}; allowed: {allowed}")
+        raise ConfigError(f"model.moe.router_options: unknown key(s) {unknown} for router {name!r}; allowed: {allowed}")
     kwargs = {**ROUTER_DEFAULTS[name], **options}
     return ROUTERS[name](d_model, num_experts, top_k, **kwargs)

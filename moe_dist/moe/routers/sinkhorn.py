@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ...dist.collectives import all_reduce_sum
+from ...errors import ConfigError
 
 _TINY = 1e-30  # a column that underflowed to 0 moves up by at most -log(_TINY) per iteration
 
@@ -71,11 +72,11 @@ def sinkhorn_dual(scores: torch.Tensor, *, group: Optional[dist.ProcessGroup] = 
     check_every: test for convergence (a host read) every this many iterations.
     """
     if max_iters < 1:
-        raise ValueError(f"sinkhorn max_iters must be >= 1, got {max_iters}")
+        raise ConfigError(f"sinkhorn max_iters must be >= 1, got {max_iters}")
     if not tol > 0:
-        raise ValueError(f"sinkhorn tol must be > 0, got {tol}")
+        raise ConfigError(f"sinkhorn tol must be > 0, got {tol}")
     if check_every < 1:
-        raise ValueError(f"sinkhorn check_every must be >= 1, got {check_every}")
+        raise ConfigError(f"sinkhorn check_every must be >= 1, got {check_every}")
     scores = scores.detach().float()
     num_experts = scores.shape[1]
     if row_weight is not None:

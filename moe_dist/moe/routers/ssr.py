@@ -23,6 +23,7 @@ from .base import Router, default_normalize, fp32_linear, layout_invariant_norma
 from .registry import register_router
 from .sinkhorn import sinkhorn_dual, transport_plan
 from .token_stats import SCOPES, check_choice, real_token_weights, shared_uniform
+from ...errors import ConfigError
 
 COSTS = ("logits", "softmax")  # SSR-L, SSR-S
 GATES = ("plan", "scores")  # SSR (Prop. 4.1) / prior work
@@ -57,16 +58,16 @@ class SelectiveSinkhornRouter(Router):
                  normalize: bool | None = None, init_std: float = 0.02):
         super().__init__(d_model, num_experts, top_k)
         if not 0.0 <= p <= 1.0:
-            raise ValueError(f"model.moe.router_options.p must be in [0, 1], got {p}")
+            raise ConfigError(f"model.moe.router_options.p must be in [0, 1], got {p}")
         if not xi > 0:
-            raise ValueError(f"model.moe.router_options.xi must be > 0, got {xi}")
+            raise ConfigError(f"model.moe.router_options.xi must be > 0, got {xi}")
         if noise_alpha < 0 or not noise_sigma > 0:
-            raise ValueError(f"model.moe.router_options.noise_alpha must be >= 0 and noise_sigma > 0, "
+            raise ConfigError(f"model.moe.router_options.noise_alpha must be >= 0 and noise_sigma > 0, "
                              f"got {noise_alpha}, {noise_sigma}")
         if max_iters < 1 or not tol > 0:
-            raise ValueError(f"model.moe.router_options.max_iters must be >= 1 and tol > 0, got {max_iters}, {tol}")
+            raise ConfigError(f"model.moe.router_options.max_iters must be >= 1 and tol > 0, got {max_iters}, {tol}")
         if not (isinstance(check_every, int) and check_every >= 1):
-            raise ValueError(f"model.moe.router_options.check_every must be an integer >= 1, got {check_every!r}")
+            raise ConfigError(f"model.moe.router_options.check_every must be an integer >= 1, got {check_every!r}")
         check_choice("cost", cost, COSTS)
         check_choice("gates", gates, GATES)
         check_choice("scope", scope, SCOPES)

@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from ...errors import ConfigError
 from ...dist.collectives import all_reduce_sum
 from ..counting import count_values
 from ..routing import Routing, RoutingContext, is_recomputing
@@ -47,7 +48,7 @@ def normalize_counts(counts: torch.Tensor, how: str) -> torch.Tensor:
         r = d.clamp_min(1).rsqrt()
         out = r[:, None] * c * r[None, :]
     else:
-        raise ValueError(f"model.moe.router_options.normalization={how!r} is not allowed; allowed: {list(NORMALIZATIONS)}")
+        raise ConfigError(f"model.moe.router_options.normalization={how!r} is not allowed; allowed: {list(NORMALIZATIONS)}")
     return out.float()
 
 
@@ -85,11 +86,11 @@ class SymphonyRouter(WrappingRouter):
         for key, value, allowed in (("init", init, INITS), ("normalization", normalization, NORMALIZATIONS),
                                     ("count_source", count_source, COUNT_SOURCES), ("scope", scope, SCOPES)):
             if value not in allowed:
-                raise ValueError(f"model.moe.router_options.{key}={value!r} is not allowed; allowed: {list(allowed)}")
+                raise ConfigError(f"model.moe.router_options.{key}={value!r} is not allowed; allowed: {list(allowed)}")
         if not (isinstance(beta, (int, float)) and 0.0 <= beta < 1.0):
-            raise ValueError(f"model.moe.router_options.beta must be in [0, 1), got {beta!r}")
+            raise ConfigError(f"model.moe.router_options.beta must be in [0, 1), got {beta!r}")
         if bias_correction and init != "zero":
-            raise ValueError("model.moe.router_options.bias_correction=true needs init='zero'")
+            raise ConfigError("model.moe.router_options.bias_correction=true needs init='zero'")
         self.beta, self.init, self.normalization = float(beta), init, normalization
         self.count_source, self.scope = count_source, scope
         self.normalize, self.bias_correction = bool(normalize), bool(bias_correction)

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ...errors import ConfigError
 from ..counting import count_values
 from ..routing import Routing, RoutingContext
 from .base import default_normalize, select_topk
@@ -181,7 +182,7 @@ class TokenGraphRouter(WrappingRouter):
     def __init__(self, d_model, num_experts, top_k, base, base_options, normalize, aux_probs, detach_graph, name):
         super().__init__(d_model, num_experts, top_k, base, base_options, name)
         if aux_probs not in AUX_PROBS:
-            raise ValueError(f"model.moe.router_options.aux_probs={aux_probs!r} is not allowed; allowed: {list(AUX_PROBS)}")
+            raise ConfigError(f"model.moe.router_options.aux_probs={aux_probs!r} is not allowed; allowed: {list(AUX_PROBS)}")
         self.normalize = default_normalize(top_k, normalize)
         self.aux_probs = aux_probs
         self.detach_graph = bool(detach_graph)
@@ -213,9 +214,9 @@ class SimilarityRouter(TokenGraphRouter):
                  aux_probs: str = "mixed"):
         super().__init__(d_model, num_experts, top_k, base, base_options, normalize, aux_probs, detach_graph, "similarity")
         if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
-            raise ValueError(f"model.moe.router_options.temperature must be > 0, got {temperature!r}")
+            raise ConfigError(f"model.moe.router_options.temperature must be > 0, got {temperature!r}")
         if similarity not in SIMILARITIES:
-            raise ValueError(f"model.moe.router_options.similarity={similarity!r} is not allowed; allowed: {list(SIMILARITIES)}")
+            raise ConfigError(f"model.moe.router_options.similarity={similarity!r} is not allowed; allowed: {list(SIMILARITIES)}")
         self.temperature, self.similarity = float(temperature), similarity
         self.similarity_weight = nn.Parameter(torch.eye(d_model)) if learn_similarity else None
 
@@ -318,39 +319,10 @@ class AttentionRouter(TokenGraphRouter):
                  normalize: Optional[bool] = None, aux_probs: str = "mixed"):
         super().__init__(d_model, num_experts, top_k, base, base_options, normalize, aux_probs, detach_graph, "attention")
         if not (isinstance(sigma, (int, float)) and math.isfinite(sigma) and sigma > 0):
-            raise ValueError(f"model.moe.router_options.sigma must be > 0, got {sigma!r}")
+            raise ConfigError(f"model.moe.router_options.sigma must be > 0, got {sigma!r}")
         if output_scale is not None and not (isinstance(output_scale, (int, float)) and math.isfinite(output_scale)):
-            raise ValueError(f"model.moe.router_options.output_scale must be a number or null (1/heads), got {output_scale!r}")
+            raise ConfigError(f"model.moe.router_options.output_scale must be a number or null (1/heads), got {output_scale!r}")
         self.sigma, self.likelihood, self.output_scale = float(sigma), bool(likelihood), output_scale
-
-    @torch.no_grad()
-    def bench_context(self, ctx: RoutingContext, x: torch.Tensor, heads: int = 8, kv_heads: Optional[int] = None,
-                      seed: int = 0, form: str = "scores") -> None:
-        """Fill ``ctx`` with synthetic inputs of a ``heads``-head causal attention over ``x``
-        ``[B, S, d]`` (``kv_heads`` key/value heads, GQA; default ``heads``) in the given ``form``
-        (``scores``, as the model hands them, or ``probs``), for layer benchmarks; gradients flow
-        into them as in a model."""
-        B, S, D = x.shape
-        dh = max(1, D // heads)
-        kv_heads = heads if kv_heads is None else kv_heads
-        if kv_heads < 1 or heads % kv_heads:
-            raise ValueError(f"bench_context: kv_heads={kv_heads} must divide heads={heads}")
-        g = torch.Generator(device=x.device).manual_seed(seed)
-        rnd = lambda *shape: torch.randn(shape, generator=g, device=x.device, dtype=torch.float32)  # noqa: E731
-        q, k = rnd(B, heads, S, dh), rnd(B, kv_heads, S, dh)
-        if form == "probs":
-            causal = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
-            scores = q @ k.repeat_interleave(heads // kv_heads, dim=1).transpose(-1, -2) / math.sqrt(dh)
-            ctx.attn_probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1).requires_grad_()
-        elif form == "scores":
-            ctx.extras[ATTN_QUERIES] = q.to(x.dtype).requires_grad_()
-            ctx.extras[ATTN_KEYS] = k.to(x.dtype).requires_grad_()
-        else:
-            raise ValueError(f"bench_context form={form!r}; allowed: ['scores', 'probs']")
-        ctx.extras[ATTN_VALUES] = (rnd(B, kv_heads, S, dh) / math.sqrt(dh)).to(x.dtype).requires_grad_()
-        ctx.extras[ATTN_OUT_WEIGHT] = (rnd(D, heads * dh) / math.sqrt(heads * dh)).to(x.dtype).requires_grad_()
-        ctx.extras[ATTN_OUTPUT] = rnd(B, S, D).to(x.dtype).requires_grad_()
-        ctx.causal = True
 
     def _value_path(self, ctx: RoutingContext):
         if not self.likelihood:

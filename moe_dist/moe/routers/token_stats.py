@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from ...errors import ConfigError
 from ..routing import RoutingContext
 
 SCOPES = ("global", "ep", "local")
@@ -14,7 +15,7 @@ SCOPES = ("global", "ep", "local")
 def check_choice(key: str, value, allowed) -> None:
     """Reject a bad option value with the config key and the allowed values."""
     if value not in allowed:
-        raise ValueError(f"model.moe.router_options.{key}={value!r} is not allowed; allowed: {list(allowed)}")
+        raise ConfigError(f"model.moe.router_options.{key}={value!r} is not allowed; allowed: {list(allowed)}")
 
 
 def real_token_weights(ctx: RoutingContext, num_tokens: int, device) -> Optional[torch.Tensor]:

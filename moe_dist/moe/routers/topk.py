@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ...errors import ConfigError
 from ..routing import Routing, RoutingContext
 from .base import Router, default_normalize, fp32_linear, layout_invariant_normal, select_topk
 from .registry import register_router
@@ -33,7 +34,7 @@ class TopKRouter(Router):
                  noisy: bool = False, init_std: float = 0.02, eval_k: int | None = None):
         super().__init__(d_model, num_experts, top_k)
         if eval_k is not None and not 1 <= int(eval_k) <= num_experts:
-            raise ValueError(f"model.moe.router_options.eval_k must be in [1, num_experts={num_experts}] or null, got {eval_k}")
+            raise ConfigError(f"model.moe.router_options.eval_k must be in [1, num_experts={num_experts}] or null, got {eval_k}")
         self.eval_k = None if eval_k is None else int(eval_k)
         self.normalize = default_normalize(top_k, normalize)
         self.noisy = bool(noisy)

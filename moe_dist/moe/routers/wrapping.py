@@ -13,6 +13,7 @@ import torch
 from ..routing import Routing, RoutingContext
 from .base import Router
 from .registry import ROUTERS, build_router
+from ...errors import ConfigError
 
 
 class WrappingRouter(Router):
@@ -26,10 +27,10 @@ class WrappingRouter(Router):
         super().__init__(d_model, num_experts, top_k)
         allowed = sorted(n for n, cls in ROUTERS.items() if not issubclass(cls, WrappingRouter))
         if base not in allowed:
-            raise ValueError(f"model.moe.router_options.base={base!r} is not allowed for router {name!r}; "
+            raise ConfigError(f"model.moe.router_options.base={base!r} is not allowed for router {name!r}; "
                              f"allowed: {allowed}")
         if base_options is not None and not isinstance(base_options, dict):
-            raise ValueError(f"model.moe.router_options.base_options must be a mapping, got {type(base_options).__name__}")
+            raise ConfigError(f"model.moe.router_options.base_options must be a mapping, got {type(base_options).__name__}")
         self.base = build_router(base, d_model, num_experts, top_k, **(base_options or {}))
         self.base_name = base
 

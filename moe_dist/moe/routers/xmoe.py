@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from ..routing import Routing, RoutingContext
 from .base import Router, default_normalize, fp32_linear, select_topk
 from .registry import register_router
+from ...errors import ConfigError
 
 
 @register_router("xmoe")
@@ -27,9 +28,9 @@ class XMoERouter(Router):
                  normalize: bool | None = None, init_std: float = 0.02):
         super().__init__(d_model, num_experts, top_k)
         if dim < 1:
-            raise ValueError(f"model.moe.router_options.dim must be >= 1, got {dim}")
+            raise ConfigError(f"model.moe.router_options.dim must be >= 1, got {dim}")
         if not 0 < init_temperature:
-            raise ValueError(f"model.moe.router_options.init_temperature must be > 0, got {init_temperature}")
+            raise ConfigError(f"model.moe.router_options.init_temperature must be > 0, got {init_temperature}")
         self.normalize = default_normalize(top_k, normalize)
         self.min_temperature = min_temperature
         self.proj = nn.Parameter(torch.empty(dim, d_model))

@@ -42,22 +42,24 @@ def all_gather(obj, group) -> list:
 
 
 def collectively(fn: Callable, group):
-    """``fn()`` on every rank; if it raises on any rank, a CheckpointError with that message is raised
-    on all, so no rank waits in a later collective."""
+    """``fn()`` on every rank; if it raises on any rank, every rank raises, so no rank waits in a later
+    collective. The failing rank re-raises its own exception; the others raise a CheckpointError
+    with its message when it was one (a refusal the user can act on), else a RuntimeError naming
+    the failing rank (an internal error keeps its traceback where it happened)."""
     result, error = None, None
     try:
         result = fn()
     except Exception as e:  # noqa: BLE001 - reported to every rank
         error = e
-        if not isinstance(e, CheckpointError):
-            error = CheckpointError(f"{type(e).__name__}: {e}")
-            error.__cause__ = e
-    report = None if error is None else (_kind(error), str(error))
-    reports = [r for r in all_gather(report, group) if r]
+    kind = _kind(error) if isinstance(error, CheckpointError) else "internal"
+    report = None if error is None else (kind, f"{type(error).__name__}: {error}" if kind == "internal" else str(error))
+    reports = [(r, rank) for rank, r in enumerate(all_gather(report, group)) if r]
     if error is not None:
         raise error
     if reports:
-        kind, message = reports[0]
+        (kind, message), rank = reports[0]
+        if kind == "internal":
+            raise RuntimeError(f"rank {rank} of the checkpoint group failed: {message}")
         raise _KINDS[kind](message)
     return result
 

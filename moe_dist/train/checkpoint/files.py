@@ -31,6 +31,8 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
+from ...errors import CheckpointError
+
 MARKER = "COMPLETE"
 META = "meta.json"
 PARTIAL = ".partial"
@@ -39,10 +41,6 @@ FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _PARTIAL_DIR = re.compile(r"^step_(\d+)\.partial$")
 _CHUNK = 8 << 20
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be used: incomplete, corrupted, or of another model."""
 
 
 class IncompleteCheckpoint(CheckpointError, FileNotFoundError):

@@ -54,6 +54,32 @@ def model_differences(saved: dict, current: dict) -> tuple[list[str], list[str]]
     return structural, other
 
 
+def resolve_resume(choice: str, run_dir: str) -> tuple[list[str], list[str], Optional[str]]:
+    """``(checkpoints to try, in order, notes, error)`` for ``resume=choice``: auto (every complete
+    checkpoint of ``run_dir``, newest first: a damaged one falls back to the one before), none, a
+    checkpoint directory or a run directory (its latest; an explicit path is the only one tried).
+    Reads only directory listings and manifests, so the command line checks it before launching."""
+    notes: list[str] = []
+    if choice == "none":
+        return [], notes, None
+    if choice == "auto":
+        latest_checkpoint(run_dir, log=notes.append)  # notes on unfinished newer ones
+        paths = [p for _step, p in reversed(scan(run_dir)[0])]
+        if not paths:
+            notes.append(f"resume=auto: no complete checkpoint in {os.path.join(run_dir, 'checkpoints')}; "
+                         "starting from step 0")
+        return paths, notes, None
+    if not os.path.isdir(choice):
+        return [], notes, (f"resume: {choice!r} is not a directory; allowed: auto, none, a checkpoint directory "
+                           "(<run>/checkpoints/step_NNNNNN) or a run directory (its latest checkpoint)")
+    if not os.path.exists(os.path.join(choice, META)) and os.path.isdir(os.path.join(choice, "checkpoints")):
+        path = latest_checkpoint(choice, log=notes.append)
+        if path is None:
+            return [], notes, f"resume: run directory {choice!r} has no complete checkpoint"
+        return [path], notes, None
+    return [choice], notes, None
+
+
 class TrainingCheckpoints:
     """What the trainer saves at a step boundary and how it resumes (``ckpt.*`` and ``resume``).
 
@@ -103,28 +129,8 @@ class TrainingCheckpoints:
 
     # ---- resume ----------------------------------------------------------------------------------------
     def _resolve(self) -> tuple[list[str], list[str], Optional[str]]:
-        """(checkpoints to try, in order, notes, error) for the ``resume`` setting; rank 0 only.
-        ``resume=auto`` lists every complete checkpoint, newest first (a damaged one falls back to
-        the one before); an explicit path is the only one tried."""
-        choice, notes = self.config["resume"], []
-        if choice == "none":
-            return [], notes, None
-        if choice == "auto":
-            latest_checkpoint(self.run_dir, log=notes.append)  # notes on unfinished newer ones
-            paths = [p for _step, p in reversed(scan(self.run_dir)[0])]
-            if not paths:
-                notes.append(f"resume=auto: no complete checkpoint in {os.path.join(self.run_dir, 'checkpoints')}; "
-                             "starting from step 0")
-            return paths, notes, None
-        if not os.path.isdir(choice):
-            return [], notes, (f"resume: {choice!r} is not a directory; allowed: auto, none, a checkpoint directory "
-                                 "(<run>/checkpoints/step_NNNNNN) or a run directory (its latest checkpoint)")
-        if not os.path.exists(os.path.join(choice, META)) and os.path.isdir(os.path.join(choice, "checkpoints")):
-            path = latest_checkpoint(choice, log=notes.append)
-            if path is None:
-                return [], notes, f"resume: run directory {choice!r} has no complete checkpoint"
-            return [path], notes, None
-        return [choice], notes, None
+        """(checkpoints to try, in order, notes, error) for the ``resume`` setting; rank 0 only."""
+        return resolve_resume(self.config["resume"], self.run_dir)
 
     def _check_compatible(self, path: str, meta: dict, manifest: dict) -> None:
         saved_model = (meta.get("config") or {}).get("model")

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import HFFormatError
+from ..errors import HFFormatError
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

@@ -14,10 +14,10 @@ import torch
 import torch.nn as nn
 
 from ..dist.shards import copy_rows_, local_rows
-from ..hf.config import HFFormatError
-from ..hf.safetensors_io import ShardedWriter, SafetensorsCheckpoint
+from ..errors import HFFormatError
 from ..moe.experts import GroupedExperts
 from ..moe.layer import MoELayer
+from .safetensors_io import SafetensorsCheckpoint, ShardedWriter
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

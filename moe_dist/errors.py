@@ -1,0 +1,37 @@
+"""Errors the user can fix: a bad configuration value, missing or malformed input data, a
+checkpoint or model directory that cannot be used, a wrong command-line argument.
+
+The command line (``moe_dist.train.cmd_common.user_errors``) prints a :class:`UserError` as one
+line and exits with 2; every other exception is a bug or an environment failure and keeps its
+traceback. Raise these only where the message tells the user what to change. This module
+imports nothing, so every layer can use it.
+"""
+from __future__ import annotations
+
+
+class UserError(ValueError):
+    """Something the user can fix; the message names the key, file or argument and what is allowed."""
+
+
+class ConfigError(UserError):
+    """A configuration value is unknown, of the wrong type or out of range."""
+
+
+class InputError(UserError):
+    """Input data (corpus, tokenizer, token cache) that cannot be used as given."""
+
+
+class MissingInputError(UserError, FileNotFoundError):
+    """A file or directory the user named does not exist, or holds nothing usable."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint cannot be used: incomplete, corrupted, or of another model."""
+
+
+class HFFormatError(UserError):
+    """A Hugging Face checkpoint or config, or a weights directory, that cannot be read into our model."""
+
+
+class UsageError(UserError):
+    """A command-line argument with a value that is not allowed."""
