@@ -140,7 +140,7 @@ def test_config_refuses_bad_combinations(override, match):
 def test_planner_counts_shared_experts_like_the_model():
     from moe_dist.config import config_from_dict
     from moe_dist.model import build_model, count_parameters
-    from moe_dist.plan.params import count_params
+    from moe_dist.model.params import count_params
 
     cfg = config_from_dict({"model": {"vocab_size": 64, "d_model": 32, "n_layers": 3, "n_heads": 4, "d_ff": 64, "moe": {
         "layers": "every_other", "num_experts": 8, "top_k": 2, "d_ff": 16, "shared_d_ff": 24, "shared_gate": True,
