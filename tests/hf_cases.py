@@ -23,7 +23,7 @@ def hf_classes(family: str):
     import transformers
 
     names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "phi3": "Phi3", "mixtral": "Mixtral",
-             "olmoe": "Olmoe"}[family]
+             "olmoe": "Olmoe", "qwen2_moe": "Qwen2Moe"}[family]
     return getattr(transformers, f"{names}Config"), getattr(transformers, f"{names}ForCausalLM")
 
 
@@ -48,11 +48,13 @@ MOE_TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=24, num_hidden_
 MOE_EXTRAS = {
     "mixtral": dict(num_local_experts=4, rope_theta=50000.0, sliding_window=None),
     "olmoe": dict(num_experts=4, pad_token_id=0, eos_token_id=1),
+    "qwen2_moe": dict(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=40,
+                      norm_topk_prob=False, rope_theta=20000.0),
 }
 
 
 def build_moe(family: str, directory: str, seed: int = 0, max_shard_size=None, **overrides):
-    """A random MoE checkpoint (Mixtral or OLMoE) saved to ``directory``, built by transformers;
+    """A random MoE checkpoint (Mixtral, OLMoE or Qwen2-MoE) saved to ``directory``, built by transformers;
     every weight perturbed and the routers scaled up, so that routing decides the output and no
     mapping error hides behind a default. Returns the transformers model (eval mode)."""
     config_cls, model_cls = hf_classes(family)

@@ -1,4 +1,4 @@
-"""Hugging Face MoE checkpoints in and out: tiny random Mixtral and OLMoE models built by
+"""Hugging Face MoE checkpoints in and out: tiny random Mixtral, OLMoE and Qwen2-MoE models built by
 transformers (no download) are imported with our logits equal to theirs, evaluated and trained
 at 2 ranks with expert parallelism 2, exported back and reloaded by transformers with equal
 logits; bad inputs are refused with a clear message; the OLMoE-1B-7B preset's counts."""
@@ -24,7 +24,9 @@ from moe_dist.model import build_model, count_parameters  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(ROOT, "tests", "data", "python-docs")
 TOL = 1e-5
-FAMILIES = ["mixtral", "olmoe"]
+FAMILIES = ["mixtral", "olmoe", "qwen2_moe"]
+# per family: build_moe options (Qwen2-MoE: a dense block in the middle via mlp_only_layers)
+BUILD = {"mixtral": {}, "olmoe": {}, "qwen2_moe": dict(num_hidden_layers=3, mlp_only_layers=[1])}
 
 
 def _tokens(vocab=96, shape=(3, 11), seed=1):
@@ -38,7 +40,7 @@ def _quiet(_):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_import_gives_transformers_logits(family, tmp_path):
     src, out = str(tmp_path / family), str(tmp_path / "ours")
-    hf = build_moe(family, src, max_shard_size="40KB", vocab_size=320)  # several shards + index
+    hf = build_moe(family, src, max_shard_size="40KB", vocab_size=320, **BUILD[family])  # several shards + index
     assert os.path.exists(os.path.join(src, "model.safetensors.index.json"))
     add_tokenizer_json(src, ["def f(x):\n    return x + 1\n" * 10], vocab_size=300)
     assert cli(["import", "--hf", src, "--out", out, "--max-shard-gib", "0.00003", "train.steps=7"]) == 0
@@ -49,7 +51,12 @@ def test_import_gives_transformers_logits(family, tmp_path):
     assert cfg.ckpt.init_from == os.path.abspath(out) and cfg.train.steps == 7
     assert cfg.data.tokenizer == os.path.join(os.path.abspath(out), "tokenizer.json")
     assert cfg.model.qk_norm == ("projection" if family == "olmoe" else "none")
-    assert cfg.model.moe.router_options == {"normalize": family == "mixtral"}  # OLMoE: norm_topk_prob false
+    assert cfg.model.moe.router_options == {"normalize": family == "mixtral"}  # OLMoE, Qwen: norm_topk_prob false
+    if family == "qwen2_moe":  # fine-grained experts, gated shared expert, q/k/v biases, block 1 dense
+        m = cfg.model
+        assert (m.moe.layers, m.moe.d_ff, m.d_ff, m.moe.shared_d_ff, m.moe.shared_gate, m.qkv_bias) == (
+            [0, 2], 16, 24, 40, True, True)
+        assert any("router_aux_loss_coef" in note for note in info["notes"])
     ours, _, _ = load_our_model(out)
     x = _tokens(vocab=320)
     with torch.no_grad():
@@ -96,7 +103,7 @@ def test_import_train_at_ep2_and_export_back(tmp_path):
         src = os.path.join(root, family)
         os.makedirs(src)
         add_tokenizer_json(src, texts, vocab_size=300)
-        build_moe(family, src, vocab_size=320)
+        build_moe(family, src, vocab_size=320, **BUILD[family])
         import_hf(src, os.path.join(root, f"ours_{family}"), log=_quiet)
     results = run_ranks(_train_and_eval, 2, args=(root,), timeout=600)
     for family in FAMILIES:
@@ -125,14 +132,20 @@ def test_import_train_at_ep2_and_export_back(tmp_path):
         assert not torch.equal(trained, imported_model.moe_layers()[0].experts.w1)  # the steps changed the experts
 
 
-def _our_model_dir(tmp_path, overrides):
-    """A seeded model of ours saved as a model directory (config.yaml + model.safetensors)."""
+def _our_model_dir(tmp_path, overrides, perturb=False):
+    """A seeded model of ours saved as a model directory (config.yaml + model.safetensors);
+    ``perturb``: every tensor (biases included, zero at initialisation) gets noise."""
     from moe_dist.weights import save_model_weights
 
     cfg = load_config(None, ["model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=24",
                              "model.vocab_size=64", "model.n_layers=3", "model.moe.num_experts=4",
                              "model.moe.top_k=2", "model.tie_embeddings=false", "model.init_std=0.3", *overrides])
     model = build_model(cfg.model, cfg.model.vocab_size, seed=4)
+    if perturb:
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(5)
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
     d = str(tmp_path / "model")
     save_model_weights(model, d)
     save_config(cfg, os.path.join(d, "config.yaml"))
@@ -154,6 +167,62 @@ def test_export_olmoe_with_dense_blocks(normalize, tmp_path):
     x = _tokens(vocab=64)
     with torch.no_grad():
         assert rel_err(hf(x).logits, ours(x)) <= TOL
+
+
+QWEN_OURS = ["model.moe.layers=every_other", "model.moe.d_ff=8", "model.moe.shared_d_ff=16", "model.qkv_bias=true"]
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_export_qwen2_moe(gated, tmp_path):
+    """Dense blocks, fine-grained experts, the shared expert (with our gate, or without: written with a
+    zero gate and a doubled down projection), q/k/v biases; reloaded by transformers and imported back."""
+    from transformers import Qwen2MoeForCausalLM
+
+    d, ours = _our_model_dir(tmp_path, QWEN_OURS + [f"model.moe.shared_gate={str(gated).lower()}",
+                                                    f"model.moe.router_options={{normalize: {str(gated).lower()}}}"],
+                             perturb=True)
+    out = str(tmp_path / "qwen")
+    export(d, "qwen2_moe", out, log=_quiet)
+    written = json.load(open(os.path.join(out, "config.json")))
+    assert (written["mlp_only_layers"], written["norm_topk_prob"], written["moe_intermediate_size"],
+            written["intermediate_size"], written["shared_expert_intermediate_size"]) == ([0, 2], gated, 8, 24, 16)
+    hf = Qwen2MoeForCausalLM.from_pretrained(out).eval()
+    x = _tokens(vocab=64)
+    with torch.no_grad():
+        want = ours(x)
+        assert rel_err(hf(x).logits, want) <= TOL
+    import_hf(out, str(tmp_path / "again"), log=_quiet)  # and back: the same function again
+    again, cfg, _ = load_our_model(str(tmp_path / "again"))
+    assert cfg.model.moe.layers == [1] and cfg.model.moe.shared_gate
+    with torch.no_grad():
+        assert rel_err(again(x), want) <= TOL
+
+
+def test_qwen2_moe_refusals(tmp_path):
+    d, _ = _our_model_dir(tmp_path, ["model.qkv_bias=true"])  # no shared expert
+    with pytest.raises(HFFormatError, match=r"model.moe.shared_d_ff=null cannot be exported to Qwen2-MoE, whose MoE "
+                                            r"blocks always have a shared expert; allowed: an integer >= 1"):
+        export(d, "qwen2_moe", str(tmp_path / "q"), log=_quiet)
+    d2, _ = _our_model_dir(tmp_path / "b", ["model.qk_norm=projection", "model.moe.shared_d_ff=16"])
+    with pytest.raises(HFFormatError, match=r"model.moe.shared_d_ff cannot be exported to OLMoE \(no shared experts\)"):
+        export(d2, "olmoe", str(tmp_path / "o"), log=_quiet)
+    d3, _ = _our_model_dir(tmp_path / "c", ["model.moe.shared_d_ff=16", "model.qk_norm=projection"])
+    with pytest.raises(HFFormatError, match=r"model.qk_norm='projection' cannot be exported to Qwen2-MoE"):
+        export(d3, "qwen2_moe", str(tmp_path / "q"), log=_quiet)
+    # import: a layer pattern that leaves no MoE block, a sparse step that is not a positive integer
+    src = str(tmp_path / "src")
+    build_moe("qwen2_moe", src)
+    cfg_path = os.path.join(src, "config.json")
+    original = json.load(open(cfg_path))
+    json.dump({**original, "mlp_only_layers": [0, 1]}, open(cfg_path, "w"))
+    with pytest.raises(HFFormatError, match=r"decoder_sparse_step=1 with mlp_only_layers=\[0, 1\] leaves no MoE block "
+                                            r"among num_hidden_layers=2; allowed: at least one MoE block"):
+        MoECheckpoint(src)
+    json.dump({**original, "decoder_sparse_step": 0}, open(cfg_path, "w"))
+    with pytest.raises(HFFormatError, match=r"decoder_sparse_step=0 is not supported; allowed: an integer >= 1"):
+        MoECheckpoint(src)
+    json.dump({**original, "decoder_sparse_step": 2}, open(cfg_path, "w"))  # block 1 MoE, block 0 dense: read as such
+    assert MoECheckpoint(src).spec.model["moe"]["layers"] == [1]
 
 
 def test_export_refuses_what_the_format_cannot_hold(tmp_path):
@@ -184,9 +253,9 @@ def test_bad_inputs_are_refused_by_name(tmp_path, capsys):
     def with_config(**changes):
         json.dump({**original, **changes}, open(cfg_path, "w"))
 
-    with_config(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"])
-    with pytest.raises(HFFormatError, match=r"model_type='qwen2_moe' \(architectures=\['Qwen2MoeForCausalLM'\]\) is not "
-                                            r"supported; allowed model_type: \[.*'mixtral', 'olmoe'\]"):
+    with_config(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"])
+    with pytest.raises(HFFormatError, match=r"model_type='deepseek_v2' \(architectures=\['DeepseekV2ForCausalLM'\]\) is "
+                                            r"not supported; allowed model_type: \[.*'mixtral', 'olmoe', 'qwen2_moe'\]"):
         MoECheckpoint(src)
     with_config(architectures=["OlmoeForSequenceClassification"])
     with pytest.raises(HFFormatError, match=r"architectures=\['OlmoeForSequenceClassification'\] is not supported; "
@@ -198,7 +267,7 @@ def test_bad_inputs_are_refused_by_name(tmp_path, capsys):
         MoECheckpoint(src)
     with_config(model_type="llama", architectures=["LlamaForCausalLM"])
     with pytest.raises(HFFormatError, match=r"model_type='llama' cannot be read here; `moe-dist import` reads model_type "
-                                            r"in \['mixtral', 'olmoe'\] \(a dense checkpoint is read by `moe-dist upcycle`\)"):
+                                            r"in \['mixtral', 'olmoe', 'qwen2_moe'\] \(a dense checkpoint is read by `moe-dist upcycle`\)"):
         MoECheckpoint(src)
     with_config(intermediate_size=32)  # the weights say 24
     with pytest.raises(HFFormatError, match=r"tensor 'model.layers.0.mlp.experts.0.gate_proj.weight' has shape \[24, 32\] "

@@ -133,9 +133,9 @@ def test_plan_command(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "3.76B total" in text and "recommended: ep=" in text
     bad = tmp_path / "config.json"
-    bad.write_text(json.dumps({"model_type": "qwen2_moe", "hidden_size": 8}))
+    bad.write_text(json.dumps({"model_type": "deepseek_v2", "hidden_size": 8}))
     assert cli(["plan", "--config", str(bad), "--nodes", "1", "--gpus-per-node", "1", "--gpu-mem-gib", "8"]) == 2
-    assert "model_type='qwen2_moe'" in capsys.readouterr().err
+    assert "model_type='deepseek_v2'" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="--nodes"):
         plan(os.path.join(HF, "mixtral-8x7b.json"), 0, 8, 80)
 

@@ -1,11 +1,11 @@
 """Hugging Face MoE architectures, one table entry each: how their config.json describes the
 MoE part, where their tensors sit, and which of their options we reproduce.
 
-Adding an architecture (say Qwen2-MoE) = one more :class:`MoEArchitecture` in
+Adding an architecture = one more :class:`MoEArchitecture` in
 :data:`MOE_ARCHITECTURES`; the reader (:mod:`moe_dist.hf.moe_checkpoint`), ``moe-dist import``
 and ``moe-dist export --format`` take it from here.
 
-Both supported families are "MoE in every block, SwiGLU experts, softmax router, top-k":
+All supported families use SwiGLU experts and a softmax router with top-k:
 
 * Mixtral (``MixtralForCausalLM``): gates renormalised over the top-k; tensors
   ``model.layers.{i}.block_sparse_moe.gate.weight`` and ``...experts.{j}.w1/w3/w2.weight``.
@@ -13,6 +13,13 @@ Both supported families are "MoE in every block, SwiGLU experts, softmax router,
   are unless ``norm_topk_prob``; RMSNorm over the whole q and k projections before RoPE;
   tensors ``model.layers.{i}.mlp.gate.weight``, ``...mlp.experts.{j}.gate_proj/up_proj/down_proj``,
   ``...self_attn.q_norm/k_norm.weight``.
+* Qwen2-MoE (``Qwen2MoeForCausalLM``): OLMoE's router and tensor names, fine-grained experts
+  (``moe_intermediate_size``), a shared expert scaled by ``sigmoid(shared_expert_gate(x))``
+  (``...mlp.shared_expert.gate_proj/up_proj/down_proj``, ``...mlp.shared_expert_gate.weight``),
+  q/k/v biases (``qkv_bias``), and dense blocks (``intermediate_size``, tensors
+  ``...mlp.gate_proj/up_proj/down_proj``) where ``mlp_only_layers`` or ``decoder_sparse_step``
+  say so: block ``i`` is MoE iff ``i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0``,
+  which our ``model.moe.layers`` holds as a list.
 
 Our router ``topk`` with ``normalize`` true / false computes either rule exactly (its top-k over
 the logits picks the same experts as a top-k over the softmax).
@@ -49,6 +56,10 @@ class MoEArchitecture:
     refused: tuple[Refused, ...] = ()
     training_only: tuple[tuple[str, Any], ...] = ()  # (key, neutral value): options that only act in training
     export_extras: Callable[[Any, bool], dict] = lambda cfg, normalize: {}  # its own config.json keys of an export
+    moe_extras: Callable[[dict, str, int], dict] = lambda raw, where, n_layers: {}  # (raw, where, n_layers) -> model.moe keys
+    shared_expert: bool = False  # every MoE block has a gated shared expert (Qwen2-MoE)
+    dense_blocks: bool = False  # the format holds dense blocks (else every block is an MoE block)
+    qkv_bias: bool = False  # the format holds q/k/v biases
 
     # ---- tensor names ---------------------------------------------------------------------
     def router_name(self, prefix: str, i: int) -> str:
@@ -57,6 +68,17 @@ class MoEArchitecture:
     def expert_name(self, prefix: str, i: int, j: int, which: int) -> str:
         """``which``: 0 gate, 1 up, 2 down."""
         return f"{prefix}layers.{i}.{self.moe_module}.experts.{j}.{self.expert_linears[which]}.weight"
+
+    def shared_name(self, prefix: str, i: int, which: int) -> str:
+        """The shared expert's linear ``which`` (0 gate, 1 up, 2 down)."""
+        return f"{prefix}layers.{i}.{self.moe_module}.shared_expert.{self.expert_linears[which]}.weight"
+
+    def shared_gate_name(self, prefix: str, i: int) -> str:
+        return f"{prefix}layers.{i}.{self.moe_module}.shared_expert_gate.weight"
+
+    def dense_name(self, prefix: str, i: int, which: int) -> str:
+        """A dense block's feed-forward linear ``which`` (0 gate, 1 up, 2 down)."""
+        return f"{prefix}layers.{i}.{self.moe_module}.{self.expert_linears[which]}.weight"
 
     # ---- config.json -> our model section -------------------------------------------------
     def moe_section(self, raw: dict, where: str) -> tuple[dict, list[str]]:
@@ -67,12 +89,17 @@ class MoEArchitecture:
                 raise HFFormatError(f"{where}: {r.key}={value!r} is not supported ({r.why}); allowed: {r.allowed!r}")
         notes = [f"{key}={raw[key]!r} acts only in training in transformers and is not reproduced (we train with "
                  f"{neutral!r})" for key, neutral in self.training_only if raw.get(key, neutral) not in (neutral, None)]
+        if raw.get("router_aux_loss_coef") is not None:
+            notes.append(f"router_aux_loss_coef={raw['router_aux_loss_coef']!r} (a training setting) is not carried "
+                         "over: our load-balancing loss weighs model.moe.aux_loss_coef, which the config sets")
         if raw.get(self.experts_key) is None:
             raise HFFormatError(f"{where}: config.json has no {self.experts_key!r} (experts per MoE block)")
         moe = {"layers": "every", "num_experts": int(raw[self.experts_key]),
                "top_k": int(raw.get("num_experts_per_tok", self.defaults["num_experts_per_tok"])),
                "router": "topk", "router_options": {"normalize": bool(self.normalize(raw))}, "d_ff": None,
-               "aux_loss_coef": float(raw.get("router_aux_loss_coef", self.defaults["router_aux_loss_coef"]))}
+               "aux_loss_coef": float(raw.get("router_aux_loss_coef", self.defaults["router_aux_loss_coef"])),
+               "shared_d_ff": None, "shared_gate": False}
+        moe.update(self.moe_extras(raw, where, int(raw.get("num_hidden_layers") or 0)))
         return {"moe": moe, "qk_norm": self.qk_norm}, notes
 
     # ---- our model -> config.json ---------------------------------------------------------
@@ -113,4 +140,46 @@ OLMOE = MoEArchitecture(
     export_extras=lambda cfg, normalize: {"clip_qkv": None, "norm_topk_prob": normalize},
 )
 
-MOE_ARCHITECTURES: dict[str, MoEArchitecture] = {a.family: a for a in (MIXTRAL, OLMOE)}
+
+
+def _qwen2_moe_section(raw: dict, where: str, n_layers: int) -> dict:
+    """Qwen2-MoE's expert and shared-expert sizes and which blocks are MoE blocks (transformers'
+    rule: ``i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0``)."""
+    step = raw.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or step < 1:
+        raise HFFormatError(f"{where}: decoder_sparse_step={step!r} is not supported; allowed: an integer >= 1")
+    dense_only = raw.get("mlp_only_layers") or []
+    if not isinstance(dense_only, list) or not all(isinstance(i, int) for i in dense_only):
+        raise HFFormatError(f"{where}: mlp_only_layers={dense_only!r} is not supported; allowed: a list of block indices")
+    layers = [i for i in range(n_layers) if i not in dense_only and (i + 1) % step == 0]
+    if not layers:
+        raise HFFormatError(f"{where}: decoder_sparse_step={step} with mlp_only_layers={dense_only} leaves no MoE block "
+                            f"among num_hidden_layers={n_layers}; allowed: at least one MoE block (a dense model is read "
+                            "by `moe-dist upcycle`)")
+    shared = raw.get("shared_expert_intermediate_size", 5632)
+    if not isinstance(shared, int) or shared < 1:
+        raise HFFormatError(f"{where}: shared_expert_intermediate_size={shared!r} is not supported; allowed: an integer >= 1")
+    return {"layers": "every" if len(layers) == n_layers else layers,
+            "d_ff": int(raw.get("moe_intermediate_size", 1408)), "shared_d_ff": shared, "shared_gate": True}
+
+
+def _qwen2_moe_export(cfg, normalize: bool) -> dict:
+    m = cfg.model
+    moe_blocks = set(m.moe.layer_indices(m.n_layers))
+    return {"intermediate_size": m.d_ff, "moe_intermediate_size": m.moe.d_ff or m.d_ff,
+            "shared_expert_intermediate_size": m.moe.shared_d_ff, "norm_topk_prob": normalize,
+            "decoder_sparse_step": 1, "mlp_only_layers": [i for i in range(m.n_layers) if i not in moe_blocks],
+            "qkv_bias": bool(m.qkv_bias), "use_sliding_window": False, "sliding_window": None}
+
+
+QWEN2_MOE = MoEArchitecture(
+    family="qwen2_moe", display="Qwen2-MoE", causal_lm="Qwen2MoeForCausalLM", experts_key="num_experts",
+    moe_module="mlp", expert_linears=("gate_proj", "up_proj", "down_proj"), qk_norm="none",
+    normalize=lambda raw: bool(raw.get("norm_topk_prob", False)),
+    defaults={"num_experts_per_tok": 4, "router_aux_loss_coef": 0.001},
+    training_only=(("attention_dropout", 0.0),),
+    moe_extras=_qwen2_moe_section, export_extras=_qwen2_moe_export,
+    shared_expert=True, dense_blocks=True, qkv_bias=True,
+)
+
+MOE_ARCHITECTURES: dict[str, MoEArchitecture] = {a.family: a for a in (MIXTRAL, OLMOE, QWEN2_MOE)}

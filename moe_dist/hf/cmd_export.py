@@ -4,7 +4,7 @@ from __future__ import annotations
 from ..train.cmd_common import add_overrides_argument, user_errors
 from .export import FORMATS
 
-HELP = "export a trained, upcycled or imported MoE model as a Hugging Face checkpoint (Mixtral or OLMoE format)"
+HELP = "export a trained, upcycled or imported MoE model as a Hugging Face checkpoint (Mixtral, OLMoE or Qwen2-MoE format)"
 
 
 def add_arguments(parser) -> None:

@@ -1,7 +1,7 @@
 """Hugging Face ``config.json`` -> the ``model`` section of our config.
 
 Supported families (``model_type``): dense ``llama``, ``mistral``, ``qwen2``, ``phi3`` (the
-ones that can be upcycled) and the MoE ``mixtral`` and ``olmoe`` (``moe-dist import``, planner
+ones that can be upcycled) and the MoE ``mixtral``, ``olmoe`` and ``qwen2_moe`` (``moe-dist import``, planner
 input, export targets; their MoE specifics are in :mod:`moe_dist.hf.architectures`). Anything
 our decoder cannot reproduce exactly is refused with the config key, what it holds and what
 is allowed; features that only matter beyond some sequence length (sliding windows) are
@@ -19,7 +19,7 @@ from ..config.schema import ROPE_SCALING_KEYS
 from ..errors import HFFormatError
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "phi3")
-MOE_FAMILIES = ("mixtral", "olmoe")  # the keys of hf.architectures.MOE_ARCHITECTURES
+MOE_FAMILIES = ("mixtral", "olmoe", "qwen2_moe")  # the keys of hf.architectures.MOE_ARCHITECTURES
 FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
 
 # family defaults of transformers' config classes, for keys a config.json may omit
@@ -30,6 +30,7 @@ _DEFAULTS = {
     "phi3": {"rope_theta": 10000.0, "rms_norm_eps": 1e-5},
     "mixtral": {"rope_theta": 1e6, "rms_norm_eps": 1e-5},
     "olmoe": {"rope_theta": 10000.0, "rms_norm_eps": 1e-5},
+    "qwen2_moe": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6},
 }
 
 
@@ -88,7 +89,8 @@ def _family(raw: dict, where: str) -> str:
     if family is None:
         archs = raw.get("architectures") or []
         guess = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                 "Phi3ForCausalLM": "phi3", "MixtralForCausalLM": "mixtral", "OlmoeForCausalLM": "olmoe"}
+                 "Phi3ForCausalLM": "phi3", "MixtralForCausalLM": "mixtral", "OlmoeForCausalLM": "olmoe",
+                 "Qwen2MoeForCausalLM": "qwen2_moe"}
         family = next((guess[a] for a in archs if a in guess), None)
     if family not in FAMILIES:
         raise HFFormatError(f"{where}: model_type={raw.get('model_type')!r} (architectures={raw.get('architectures')}) "
@@ -168,7 +170,8 @@ def hf_model_spec(raw: dict, where: str = "config.json") -> HFModelSpec:
         if raw.get(key):
             raise HFFormatError(f"{where}: {key}=true is not supported; allowed: false")
     window = raw.get("sliding_window")
-    uses_window = window is not None and (family != "qwen2" or raw.get("use_sliding_window", False))
+    uses_window = window is not None and (family not in ("qwen2", "qwen2_moe")
+                                                     or raw.get("use_sliding_window", False))
     if uses_window:
         notes.append(f"sliding_window={window} is not modelled: attention is fully causal, which is the same as the "
                      f"checkpoint's for sequences of at most {window} tokens")
@@ -178,7 +181,7 @@ def hf_model_spec(raw: dict, where: str = "config.json") -> HFModelSpec:
         "d_ff": d_ff, "rope_theta": rope_theta, "rope_scaling": rope_scaling,
         "norm_eps": float(raw.get("rms_norm_eps", _DEFAULTS[family]["rms_norm_eps"])),
         "tie_embeddings": bool(raw.get("tie_word_embeddings", False)),
-        "qkv_bias": family == "qwen2",
+        "qkv_bias": family == "qwen2" or (family == "qwen2_moe" and bool(raw.get("qkv_bias", True))),
     }
     if family in MOE_FAMILIES:
         from .architectures import MOE_ARCHITECTURES  # the table imports this module's error type

@@ -17,7 +17,7 @@ from ..config import load_config
 from .config import HFFormatError
 from ..errors import MissingInputError, UsageError
 
-FORMATS = ("mixtral", "olmoe")  # keys of hf.architectures.MOE_ARCHITECTURES
+FORMATS = ("mixtral", "olmoe", "qwen2_moe")  # keys of hf.architectures.MOE_ARCHITECTURES
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

@@ -1,4 +1,4 @@
-"""``moe-dist import``: a Hugging Face MoE checkpoint (Mixtral, OLMoE) -> our checkpoint.
+"""``moe-dist import``: a Hugging Face MoE checkpoint (Mixtral, OLMoE, Qwen2-MoE) -> our checkpoint.
 
 The output directory is laid out as ``moe-dist upcycle`` writes it, so everything that reads an
 upcycled model reads it: ``config.yaml`` (our config, ``ckpt.init_from`` pointing at the
@@ -36,10 +36,11 @@ FIXED_MODEL_KEYS = {"vocab_size": "vocab_size", "d_model": "hidden_size", "n_lay
                     "d_ff": "intermediate_size", "rope_theta": "rope_theta", "rope_scaling": "rope_scaling",
                     "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings",
                     "qkv_bias": "attention_bias", "qk_norm": "model_type (q/k norms)"}
-FIXED_MOE_KEYS = {"layers": "model_type (MoE in every block)", "num_experts": "the number of experts",
+FIXED_MOE_KEYS = {"layers": "model_type, decoder_sparse_step, mlp_only_layers (which blocks are MoE)", "num_experts": "the number of experts",
                   "top_k": "num_experts_per_tok", "d_ff": "intermediate_size (experts)",
                   "router": "model_type (softmax top-k router)", "router_options": "the gate normalisation",
-                  "activation": "hidden_act (SwiGLU experts)"}
+                  "activation": "hidden_act (SwiGLU experts)",
+                  "shared_d_ff": "shared_expert_intermediate_size", "shared_gate": "model_type (shared_expert_gate)"}
 
 
 def _same(a, b) -> bool:
@@ -131,7 +132,7 @@ def import_hf(hf_dir: str, out_dir: str, overrides: Iterable[str] = (), *, base:
     with open(os.path.join(out_dir, "import.json"), "w", encoding="utf-8") as f:
         json.dump(info, f, indent=2)
     gates = "renormalised" if info["normalize_gates"] else "the softmax probabilities"
-    log(f"imported {ckpt.arch.causal_lm} ({hf_dir}) -> {out_dir}: {cfg.model.n_layers} MoE blocks x "
+    log(f"imported {ckpt.arch.causal_lm} ({hf_dir}) -> {out_dir}: {len(cfg.model.moe.layer_indices(cfg.model.n_layers))} MoE blocks x "
         f"{info['num_experts']} experts (top-{info['top_k']}, gates {gates}), "
         f"{counts['total']:,} parameters ({counts['active']:,} active), {info['dtype']}, {info['seconds']:.1f}s")
     return info

@@ -7,6 +7,8 @@ expert into our grouped layout, ``ffn.experts.w1`` / ``w3`` ``[E, d, ff]`` (gate
 ``ffn.experts.w2`` ``[E, ff, d]`` (down), i.e. each expert's ``nn.Linear`` weight transposed.
 Checkpoints store one tensor per expert and projection (``...experts.{j}.w1.weight``), which
 is also what transformers writes; every tensor's shape is checked against config.json.
+Qwen2-MoE adds the shared expert (``ffn.shared_expert.w1/w3/w2.weight``, ``nn.Linear`` layout, and
+``ffn.shared_expert_gate.weight`` ``[1, d]``) and dense blocks (``ffn.w1/w3/w2.weight``).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from .config import MOE_FAMILIES, HFFormatError
 
 
 class MoECheckpoint(HFCheckpoint):
-    """``MoECheckpoint(dir)``: config + lazily read weights of a Mixtral / OLMoE checkpoint."""
+    """``MoECheckpoint(dir)``: config + lazily read weights of a Mixtral / OLMoE / Qwen2-MoE checkpoint."""
 
     def __init__(self, directory: str):
         super().__init__(directory, MOE_FAMILIES, "`moe-dist import`", "a dense checkpoint is read by `moe-dist upcycle`")
@@ -45,12 +47,30 @@ class MoECheckpoint(HFCheckpoint):
             stacked.append(torch.stack(rows).transpose(1, 2).contiguous())
         return stacked[0], stacked[1], stacked[2]
 
+    def _linears(self, name, ff: int) -> dict[str, torch.Tensor]:
+        """A SwiGLU MLP's (gate, up, down) ``nn.Linear`` weights as ``w1`` / ``w3`` / ``w2``; ``name(which)``
+        gives the checkpoint name of each."""
+        d = self.spec.model["d_model"]
+        shapes = ((ff, d), (ff, d), (d, ff))
+        return {f"{ours}.weight": self.tensor(name(which), shapes[which]) for which, ours in enumerate(("w1", "w3", "w2"))}
+
     def block(self, i: int) -> dict[str, torch.Tensor]:
         """Block ``i`` under our names relative to the block."""
+        m = self.spec.model
         out = self.attention(i)
+        layers = m["moe"]["layers"]
+        if layers != "every" and i not in layers:  # a dense block (Qwen2-MoE's mlp_only_layers / sparse step)
+            dense = self._linears(lambda which: self.arch.dense_name(self.prefix, i, which), m["d_ff"])
+            out.update({f"ffn.{k}": v for k, v in dense.items()})
+            return out
         w1, w3, w2 = self.experts(i)
         out.update({"ffn.router.weight": self.router(i), "ffn.experts.w1": w1, "ffn.experts.w3": w3,
                     "ffn.experts.w2": w2})
+        if m["moe"].get("shared_d_ff"):
+            shared = self._linears(lambda which: self.arch.shared_name(self.prefix, i, which), m["moe"]["shared_d_ff"])
+            out.update({f"ffn.shared_expert.{k}": v for k, v in shared.items()})
+            out["ffn.shared_expert_gate.weight"] = self.tensor(self.arch.shared_gate_name(self.prefix, i),
+                                                               (1, m["d_model"]))
         return out
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:

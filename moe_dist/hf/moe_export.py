@@ -1,5 +1,5 @@
 """Write our MoE model as a Hugging Face MoE checkpoint (config.json + safetensors) of one of
-the families in :mod:`moe_dist.hf.architectures` (Mixtral, OLMoE), which ``transformers``
+the families in :mod:`moe_dist.hf.architectures` (Mixtral, OLMoE, Qwen2-MoE), which ``transformers``
 loads with ``AutoModelForCausalLM.from_pretrained``.
 
 Both families route with ``softmax(x W_gate^T)`` and keep the top-k; Mixtral always
@@ -8,7 +8,11 @@ router's ``normalize``). Every block is an MoE block and experts are SwiGLU
 ``w2(silu(w1 x) * w3 x)``; OLMoE's attention always has q/k RMSNorm over the projections and
 Mixtral's never. So a model exports exactly when its router is that router (``topk`` /
 ``noisy_topk``, whose noise is off in evaluation), its q/k norm is the family's and it has no
-q/k/v biases; anything else is refused with the reason. Dense blocks of a partly-MoE model
+q/k/v biases; anything else is refused with the reason. Qwen2-MoE (``norm_topk_prob`` as OLMoE)
+holds q/k/v biases, dense blocks (``mlp_only_layers``) of their own size, and needs a shared
+expert in every MoE block, scaled by ``sigmoid(shared_expert_gate(x))``: a shared expert without
+our gate is written with a zero gate (sigmoid 0 = 1/2) and its down projection doubled, the same
+function. In Mixtral and OLMoE, dense blocks of a partly-MoE model
 (``every_other``, lists) are written as MoE blocks whose experts are all the dense FFN with a
 zero router: all experts then get probability 1/E, so the top-k gates sum to one when
 renormalised, and to k/E otherwise, which the copies' down projections undo (scaled by E/k):
@@ -43,10 +47,13 @@ def check_exportable(model, cfg, arch: MoEArchitecture) -> list[str]:
     if m.moe.activation != "swiglu":
         raise HFFormatError(f"model.moe.activation={m.moe.activation!r} cannot be exported to {name} (SwiGLU experts); "
                             "allowed: 'swiglu'")
-    if m.qkv_bias:
+    if m.qkv_bias and not arch.qkv_bias:
         raise HFFormatError(f"model.qkv_bias=true cannot be exported to {name} (no attention biases); allowed: false")
-    if m.moe.shared_d_ff:
+    if m.moe.shared_d_ff and not arch.shared_expert:
         raise HFFormatError(f"model.moe.shared_d_ff cannot be exported to {name} (no shared experts); allowed: null")
+    if arch.shared_expert and not m.moe.shared_d_ff:
+        raise HFFormatError(f"model.moe.shared_d_ff=null cannot be exported to {name}, whose MoE blocks always have a "
+                            "shared expert; allowed: an integer >= 1 (a model without one: --format mixtral or olmoe)")
     if m.moe.expert_bias:
         raise HFFormatError(f"model.moe.expert_bias=true cannot be exported to {name} (its router has no selection "
                             "bias); allowed: false")
@@ -65,7 +72,7 @@ def check_exportable(model, cfg, arch: MoEArchitecture) -> list[str]:
         notes.append(f"{name} is dropless: the exported model never drops tokens, whereas this config's capacity "
                      "factor may drop some in evaluation")
     dense = [b.idx for b in model.blocks if not b.is_moe]
-    if dense:
+    if dense and not arch.dense_blocks:
         notes.append(f"dense blocks {dense} are written as {m.moe.num_experts} identical experts with a zero router "
                      f"(same function, {name} has MoE in every block)")
     return notes
@@ -95,6 +102,15 @@ def _dense_as_experts(ffn, E: int, k: int, d_ff: int, normalized: bool):
     return [(w1, w3, w2)] * E
 
 
+def _put_shared(put, arch: MoEArchitecture, prefix: str, i: int, layer) -> None:
+    """Block ``i``'s shared expert and its gate; without our gate a zero gate (sigmoid 0 = 1/2)
+    and a doubled down projection compute the same."""
+    se, gate = layer.shared_expert, layer.shared_expert_gate
+    for which, w in enumerate((se.w1.weight, se.w3.weight, se.w2.weight if gate is not None else 2 * se.w2.weight)):
+        put(arch.shared_name(prefix, i, which), w)
+    put(arch.shared_gate_name(prefix, i), gate.weight if gate is not None else torch.zeros(1, se.w1.weight.shape[1]))
+
+
 @torch.no_grad()
 def export_moe(model, cfg, out_dir: str, arch: MoEArchitecture, dtype: torch.dtype = torch.float32,
                tokenizer_dir: Optional[str] = None, max_position_embeddings: int = 32768,
@@ -120,13 +136,21 @@ def export_moe(model, cfg, out_dir: str, arch: MoEArchitecture, dtype: torch.dty
         put(p + "post_attention_layernorm.weight", block.ffn_norm.weight)
         for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
             put(p + f"self_attn.{theirs}.weight", getattr(block.attn, ours).weight)
+            if getattr(block.attn, ours).bias is not None:  # q/k/v biases (checked: the format holds them)
+                put(p + f"self_attn.{theirs}.bias", getattr(block.attn, ours).bias)
         if block.attn.q_norm is not None:
             put(p + "self_attn.q_norm.weight", block.attn.q_norm.weight)
             put(p + "self_attn.k_norm.weight", block.attn.k_norm.weight)
+        if not block.is_moe and arch.dense_blocks:  # written as a dense block (Qwen2-MoE's mlp_only_layers)
+            for which, ours in enumerate(("w1", "w3", "w2")):
+                put(arch.dense_name(prefix, i, which), getattr(block.ffn, ours).weight)
+            continue
         if block.is_moe:
             ex = block.ffn.experts
             put(arch.router_name(prefix, i), block.ffn.router.weight)
             experts = [(ex.w1[j].t(), ex.w3[j].t(), ex.w2[j].t()) for j in range(E)]
+            if arch.shared_expert:
+                _put_shared(put, arch, prefix, i, block.ffn)
         else:
             put(arch.router_name(prefix, i), torch.zeros(E, m.d_model))
             experts = _dense_as_experts(block.ffn, E, k, d_ff, normalized)
