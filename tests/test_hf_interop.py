@@ -139,7 +139,7 @@ def test_bad_inputs_give_clear_errors(tmp_path):
         json.dump({**original, **changes}, open(cfg_path, "w"))
 
     with_config(model_type="gpt2", architectures=["GPT2LMHeadModel"])
-    with pytest.raises(HFFormatError, match=r"model_type='gpt2'.*not supported; allowed model_type: \['llama', 'mistral', 'qwen2', 'phi3', 'mixtral', 'olmoe'\]"):
+    with pytest.raises(HFFormatError, match=r"model_type='gpt2'.*not supported; allowed model_type: \['llama', 'mistral', 'qwen2', 'phi3', 'mixtral', 'olmoe', 'qwen2_moe'\]"):
         DenseCheckpoint(d)
     with_config(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 500000.0})
     with pytest.raises(HFFormatError, match=r"rope_parameters.rope_type='yarn' is not supported; allowed: \['default', 'linear', 'llama3', 'longrope'\]"):

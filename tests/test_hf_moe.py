@@ -311,3 +311,19 @@ def test_olmoe_preset_counts():
 
     spec = hf_model_spec(read_hf_config(os.path.join(ROOT, "configs", "hf", "olmoe-1b-7b.json")))
     assert import_config(spec, base=read_yaml(os.path.join(ROOT, "configs", "olmoe-1b-7b.yaml"))).model.qk_norm == "projection"
+
+
+def test_qwen2_moe_plan_counts(tmp_path):
+    """The planner reads a Qwen2-MoE config.json (Qwen1.5-MoE-A2.7B's sizes): 14.3B total, 2.7B active."""
+    from moe_dist.plan import plan
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({
+        "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_size": 2048,
+        "intermediate_size": 5632, "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632, "vocab_size": 151936, "tie_word_embeddings": False,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "norm_topk_prob": False, "use_sliding_window": False, "sliding_window": 32768, "hidden_act": "silu"}))
+    counts = plan(str(path), 1, 8, 80)
+    assert abs(counts["total_params"] / 14.3e9 - 1) <= 0.01 and abs(counts["active_params"] / 2.7e9 - 1) <= 0.01

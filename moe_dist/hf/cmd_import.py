@@ -4,7 +4,7 @@ from __future__ import annotations
 from ..errors import UsageError
 from ..train.cmd_common import add_overrides_argument, user_errors
 
-HELP = "read a Mixtral or OLMoE checkpoint (Hugging Face format) into a moe_dist checkpoint"
+HELP = "read a Mixtral, OLMoE or Qwen2-MoE checkpoint (Hugging Face format) into a moe_dist checkpoint"
 
 
 def add_arguments(parser) -> None:
