@@ -212,8 +212,13 @@ routers: {topk: {}}
     assert proc.returncode == 1 and "FAILED topk-s0" in err, out[-2000:] + err[-2000:]
     assert not (run_dir / "summary.json").exists()
     # 2. the next sweep resumes it from step 50; stopping that sweep (SIGTERM) checkpoints the run where it is
+    log_file = run_dir / "sweep.log"
     proc = sweep()
-    assert _wait_for(lambda: len(rows()) >= 50 + 3 and rows()[-1]["step"] > 52, proc)
+    # the first run's rows past step 50 are still in metrics.jsonl until the resumed trainer rewrites
+    # it: wait for the resume line of this sweep's run, then for rows it wrote itself
+    assert _wait_for(lambda: log_file.exists() and "step_000050 at step 50 (" in log_file.read_text(), proc)
+    resumed = time.time()
+    assert _wait_for(lambda: metrics.stat().st_mtime > resumed and rows()[-1]["step"] > 52, proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, out[-2000:] + err[-2000:]
