@@ -24,12 +24,11 @@ import torch
 
 from ..config import Config, ConfigError, apply_overrides, config_from_dict, save_config
 from ..errors import UsageError
-from ..weights import ShardedWriter
+from ..weights import ShardedWriter, output_dtype
 from .config import HFModelSpec, source_dtype
 from .moe_checkpoint import MoECheckpoint
 from .tokenizer import check_tokenizer_fits, copy_tokenizer, tokenizer_file
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # our model keys the checkpoint fixes, with the config.json key that holds each
 FIXED_MODEL_KEYS = {"vocab_size": "vocab_size", "d_model": "hidden_size", "n_layers": "num_hidden_layers",
                     "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
@@ -80,15 +79,11 @@ def import_hf(hf_dir: str, out_dir: str, overrides: Iterable[str] = (), *, base:
     from ..model.params import count_params  # the planner's counts, so presets and imports agree
 
     t0 = time.perf_counter()
-    if dtype != "auto" and dtype not in DTYPES:
-        raise UsageError(f"--dtype: {dtype!r}; allowed: auto, {', '.join(DTYPES)}")
     ckpt = MoECheckpoint(hf_dir)
     for note in ckpt.spec.notes:
         log(f"note: {note}")
     cfg = import_config(ckpt.spec, overrides, base)
-    src = source_dtype(ckpt.spec.raw)
-    out_dtype = DTYPES[dtype] if dtype != "auto" else {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(
-        src, torch.float32)
+    out_dtype = output_dtype(dtype, source_dtype(ckpt.spec.raw))
     if os.path.abspath(out_dir) == os.path.abspath(hf_dir):
         raise UsageError(f"--out {out_dir!r} is the Hugging Face checkpoint's directory; choose another")
     n_tok = check_tokenizer_fits(hf_dir, cfg.model.vocab_size)

@@ -29,7 +29,7 @@ from ..hf.config import HFModelSpec, source_dtype
 from ..hf.dense import DenseCheckpoint
 from ..hf.tokenizer import check_tokenizer_fits, copy_tokenizer, tokenizer_file
 from ..model import Block, SwiGLU, TransformerLM, build_model
-from ..weights import DTYPES, ShardedWriter
+from ..weights import ShardedWriter, output_dtype
 
 # our model keys that the checkpoint's config.json fixes
 ARCHITECTURE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "rope_theta", "rope_scaling",
@@ -189,15 +189,11 @@ def upcycle(dense_dir: str, out_dir: str, overrides: Iterable[str] = (), *, base
 
     t0 = time.perf_counter()
     _check_options(noise_std, seed)
-    if dtype != "auto" and dtype not in DTYPES:
-        raise UsageError(f"--dtype: {dtype!r}; allowed: auto, {', '.join(DTYPES)}")
     ckpt = DenseCheckpoint(dense_dir)
     for note in ckpt.spec.notes:
         log(f"note: {note}")
     cfg = upcycle_config(ckpt.spec, overrides, base)
-    src = source_dtype(ckpt.spec.raw)
-    out_dtype = DTYPES[dtype] if dtype != "auto" else {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(
-        src, torch.float32)
+    out_dtype = output_dtype(dtype, source_dtype(ckpt.spec.raw))
     if os.path.abspath(out_dir) == os.path.abspath(dense_dir):
         raise UsageError(f"--out {out_dir!r} is the dense checkpoint's directory; choose another")
     os.makedirs(out_dir, exist_ok=True)

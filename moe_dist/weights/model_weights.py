@@ -14,12 +14,24 @@ import torch
 import torch.nn as nn
 
 from ..dist.shards import copy_rows_, local_rows
-from ..errors import HFFormatError
+from ..errors import HFFormatError, UsageError
 from ..moe.experts import GroupedExperts
 from ..moe.layer import MoELayer
 from .safetensors_io import SafetensorsCheckpoint, ShardedWriter
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+STORED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}  # a checkpoint's dtype name -> ours (else fp32)
+
+
+def output_dtype(choice: str, stored: Optional[str]) -> torch.dtype:
+    """The dtype to write converted weights in: ``choice`` (``auto`` or a :data:`DTYPES` key);
+    ``auto`` keeps the source checkpoint's 16-bit dtype ``stored`` (a config.json name such as
+    ``bfloat16``), else fp32."""
+    if choice == "auto":
+        return STORED_DTYPES.get(stored, torch.float32)
+    if choice not in DTYPES:
+        raise UsageError(f"--dtype: {choice!r}; allowed: auto, {', '.join(DTYPES)}")
+    return DTYPES[choice]
 
 
 def _expert_tensors(model: nn.Module) -> dict[str, GroupedExperts]:
