@@ -27,7 +27,7 @@ from ..errors import UsageError
 from ..weights import ShardedWriter, output_dtype
 from .config import HFModelSpec, source_dtype
 from .moe_checkpoint import MoECheckpoint
-from .tokenizer import check_tokenizer_fits, copy_tokenizer, tokenizer_file
+from .tokenizer import adopt_tokenizer, check_tokenizer_fits
 
 # our model keys the checkpoint fixes, with the config.json key that holds each
 FIXED_MODEL_KEYS = {"vocab_size": "vocab_size", "d_model": "hidden_size", "n_layers": "num_hidden_layers",
@@ -91,13 +91,7 @@ def import_hf(hf_dir: str, out_dir: str, overrides: Iterable[str] = (), *, base:
     stale = os.path.join(out_dir, "import.json")
     if os.path.exists(stale):  # an earlier import into this directory: no longer complete
         os.remove(stale)
-    copied = copy_tokenizer(hf_dir, out_dir)
-    tok = tokenizer_file(out_dir)
-    if tok is not None and cfg.data.tokenizer is None:
-        cfg.data.tokenizer = os.path.abspath(tok)
-    elif tok is None and cfg.data.tokenizer is None:
-        log(f"warning: {hf_dir} has no tokenizer.model or tokenizer.json; set data.tokenizer to the checkpoint's "
-            "tokenizer before training (otherwise a new tokenizer is trained whose ids mean nothing to the embedding)")
+    copied = adopt_tokenizer(hf_dir, out_dir, cfg.data, log)
     cfg.ckpt.init_from = os.path.abspath(out_dir)  # `moe-dist train` starts from these weights
 
     # the model built on the meta device (no memory): every streamed tensor must be one of its

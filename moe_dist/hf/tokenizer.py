@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Optional
+from typing import Callable, Optional
 
 from .config import HFFormatError
 
@@ -27,6 +27,21 @@ def copy_tokenizer(src: str, dst: str) -> list[str]:
             if os.path.abspath(path) != os.path.abspath(os.path.join(dst, name)):
                 shutil.copyfile(path, os.path.join(dst, name))
             copied.append(name)
+    return copied
+
+
+def adopt_tokenizer(src: str, dst: str, data_cfg, log: Callable[[str], None]) -> list[str]:
+    """Copy ``src``'s tokenizer files next to converted weights in ``dst`` and point
+    ``data_cfg.tokenizer`` at the copy unless the config names one; warn when ``src`` has none
+    (training would then build a new tokenizer whose ids mean nothing to the embedding).
+    Returns the copied file names."""
+    copied = copy_tokenizer(src, dst)
+    tok = tokenizer_file(dst)
+    if tok is not None and data_cfg.tokenizer is None:
+        data_cfg.tokenizer = os.path.abspath(tok)
+    elif tok is None and data_cfg.tokenizer is None:
+        log(f"warning: {src} has no tokenizer.model or tokenizer.json; set data.tokenizer to the checkpoint's "
+            "tokenizer before training (otherwise a new tokenizer is trained whose ids mean nothing to the embedding)")
     return copied
 
 

@@ -27,7 +27,7 @@ from ..config.granularity import expand_granularity
 from ..errors import UsageError
 from ..hf.config import HFModelSpec, source_dtype
 from ..hf.dense import DenseCheckpoint
-from ..hf.tokenizer import check_tokenizer_fits, copy_tokenizer, tokenizer_file
+from ..hf.tokenizer import adopt_tokenizer, check_tokenizer_fits
 from ..model import Block, SwiGLU, TransformerLM, build_model
 from ..weights import ShardedWriter, output_dtype
 
@@ -198,13 +198,7 @@ def upcycle(dense_dir: str, out_dir: str, overrides: Iterable[str] = (), *, base
         raise UsageError(f"--out {out_dir!r} is the dense checkpoint's directory; choose another")
     os.makedirs(out_dir, exist_ok=True)
     n_tok = check_tokenizer_fits(dense_dir, cfg.model.vocab_size)
-    copied = copy_tokenizer(dense_dir, out_dir)
-    tok = tokenizer_file(out_dir)
-    if tok is not None and cfg.data.tokenizer is None:
-        cfg.data.tokenizer = os.path.abspath(tok)
-    elif tok is None and cfg.data.tokenizer is None:
-        log(f"warning: {dense_dir} has no tokenizer.model or tokenizer.json; set data.tokenizer to the checkpoint's "
-            "tokenizer before training (otherwise a new tokenizer is trained whose ids mean nothing to the embedding)")
+    copied = adopt_tokenizer(dense_dir, out_dir, cfg.data, log)
     cfg.ckpt.init_from = os.path.abspath(out_dir)  # `moe-dist train` starts from these weights
     preserved = preserves_function(cfg)
     if preserved is False:
