@@ -1,4 +1,4 @@
-"""Pieces shared by the train and eval commands."""
+"""Pieces shared by the commands."""
 from __future__ import annotations
 
 import os
@@ -13,6 +13,25 @@ def is_rank0() -> bool:
 def add_overrides_argument(parser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="config overrides, e.g. train.steps=200 model.moe.top_k=1 (values are YAML)")
+
+
+def add_weights_writer_arguments(parser, preset_example: str) -> None:
+    """``--config``, ``--dtype`` and ``--max-shard-gib``: the options of the commands that write a
+    Hugging Face checkpoint as our safetensors (``upcycle``, ``import``); see :func:`max_shard_bytes`."""
+    parser.add_argument("--config", "-c", metavar="PATH",
+                        help=f"a preset YAML (e.g. {preset_example}) applied before the overrides")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                        help="dtype of the written weights (auto = the checkpoint's)")
+    parser.add_argument("--max-shard-gib", type=float, default=4.0, metavar="G", help="split the weights into files of about G GiB")
+
+
+def max_shard_bytes(args) -> int:
+    """``--max-shard-gib`` in bytes (a user error unless > 0)."""
+    from ..errors import UsageError
+
+    if args.max_shard_gib <= 0:
+        raise UsageError(f"--max-shard-gib {args.max_shard_gib}; allowed: > 0")
+    return int(args.max_shard_gib * (1 << 30))
 
 
 def user_errors(command: str, fn: Callable[[], int]) -> int:

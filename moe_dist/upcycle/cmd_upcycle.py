@@ -1,8 +1,7 @@
 """``moe-dist upcycle``: a dense Hugging Face checkpoint -> an MoE checkpoint ready to train."""
 from __future__ import annotations
 
-from ..train.cmd_common import add_overrides_argument, user_errors
-from ..errors import UsageError
+from ..train.cmd_common import add_overrides_argument, add_weights_writer_arguments, max_shard_bytes, user_errors
 
 HELP = "turn a dense Llama / Mistral / Qwen2 / Phi-3 checkpoint into an MoE (experts copied from its FFNs)"
 
@@ -12,14 +11,10 @@ def add_arguments(parser) -> None:
                         help="Hugging Face checkpoint directory: config.json, model.safetensors or shards + index, tokenizer")
     parser.add_argument("--out", required=True, metavar="DIR",
                         help="output: config.yaml, model.safetensors (+ index), tokenizer files, upcycle.json")
-    parser.add_argument("--config", "-c", metavar="PATH",
-                        help="a preset YAML (e.g. configs/phi3-mini-upcycle-4x2.yaml) applied before the overrides")
     parser.add_argument("--noise-std", type=float, default=0.0, metavar="F",
                         help="add N(0, F^2) noise to each expert copy (0 = exact copies: function preserved)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the router initialisation and the noise")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                        help="dtype of the written weights (auto = the checkpoint's)")
-    parser.add_argument("--max-shard-gib", type=float, default=4.0, metavar="G", help="split the weights into files of about G GiB")
+    add_weights_writer_arguments(parser, "configs/phi3-mini-upcycle-4x2.yaml")
     add_overrides_argument(parser)
 
 
@@ -29,10 +24,8 @@ def run(args) -> int:
         from .core import upcycle
 
         base = read_yaml(args.config) if args.config else None
-        if args.max_shard_gib <= 0:
-            raise UsageError(f"--max-shard-gib {args.max_shard_gib}; allowed: > 0")
         upcycle(args.dense, args.out, args.overrides, base=base, noise_std=args.noise_std, seed=args.seed,
-                dtype=args.dtype, max_shard_bytes=int(args.max_shard_gib * (1 << 30)))
+                dtype=args.dtype, max_shard_bytes=max_shard_bytes(args))
         print(f"next: moe-dist train --config {args.out}/config.yaml [--nproc N] [KEY=VALUE ...]")
         return 0
 
