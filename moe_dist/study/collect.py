@@ -23,7 +23,8 @@ LOAD_KEYS = ("load_cv", "max_load_ratio", "dead_experts")
 LOAD_TAIL = 0.25  # load balance: the last quarter of the logged steps
 
 
-def _json(path: str):
+def read_json(path: str):
+    """The JSON document at ``path``, or None when it is missing or not (yet) complete JSON."""
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
@@ -79,7 +80,7 @@ def fluctuation(rows: list[dict]) -> list[dict]:
 def collect_run(run: RunSpec, steps: int) -> dict:
     """The record of one run (``status``: done, incomplete or missing)."""
     d = run.run_dir
-    summary = _json(os.path.join(d, "summary.json"))
+    summary = read_json(os.path.join(d, "summary.json"))
     rows = read_rows(os.path.join(d, "metrics.jsonl"))
     record = {"name": run.name, "router": run.router, "variant": run.variant, "seed": run.seed, "run_dir": d,
               "steps": steps}
@@ -91,8 +92,8 @@ def collect_run(run: RunSpec, steps: int) -> dict:
     tok_s = statistics.median(r["tokens_per_s"] for r in timed) if timed else None
     step_tokens = rows[-1]["tokens"] // rows[-1]["step"] if rows and rows[-1].get("tokens") else None
     step_s = step_tokens / tok_s if tok_s and step_tokens else None
-    eval_k = _json(os.path.join(d, "eval_k.json")) or []
-    run_info = _json(os.path.join(d, "run.json")) or {}
+    eval_k = read_json(os.path.join(d, "eval_k.json")) or []
+    run_info = read_json(os.path.join(d, "run.json")) or {}
     record.update(
         status="done", val_ppl=summary["val_ppl"], val_loss=summary["val_loss"], unigram_ppl=summary["unigram_ppl"],
         train_loss=summary.get("train_loss"), parameters=summary.get("parameters"),

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, TextIO
 
 from ..errors import UserError
+from .collect import read_json
 from .spec import RunSpec, Study
 
 MARKER = "sweep_run.json"  # in each run directory: the overrides it was started with
@@ -52,21 +53,13 @@ class Plan:
     finished: list[RunSpec] = field(default_factory=list)
 
 
-def _read_json(path: str):
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
 def train_finished(run_dir: str, steps: int) -> bool:
-    summary = _read_json(os.path.join(run_dir, "summary.json"))
+    summary = read_json(os.path.join(run_dir, "summary.json"))
     return bool(summary) and summary.get("steps", 0) >= steps
 
 
 def eval_k_finished(run_dir: str, ks: list[int]) -> bool:
-    rows = _read_json(os.path.join(run_dir, "eval_k.json"))
+    rows = read_json(os.path.join(run_dir, "eval_k.json"))
     return isinstance(rows, list) and sorted(r.get("k") for r in rows) == sorted(ks)
 
 
@@ -81,7 +74,7 @@ def inference_ks(study: Study, cfg) -> list[int]:
 
 def _check_marker(study: Study, run: RunSpec) -> None:
     """A run directory started with other settings is never continued silently."""
-    marker = _read_json(os.path.join(run.run_dir, MARKER))
+    marker = read_json(os.path.join(run.run_dir, MARKER))
     if marker is not None and (marker.get("overrides") != run.overrides or marker.get("base") != study.base):
         raise UserError(f"{run.run_dir} was started with other settings (see its {MARKER}); "
                         "delete that directory or give the study another out: directory")
