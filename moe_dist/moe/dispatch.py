@@ -1,9 +1,11 @@
-"""Sort-based token dispatch and combine, with expert parallelism over an all-to-all.
+"""Sort-based token dispatch and combine.
 
 No one-hot ``[tokens, experts, capacity]`` masks and no capacity padding: kept
-token-expert pairs are sorted by expert, only those rows cross the wire
-(``all_to_all_single`` with uneven splits after a count exchange), computed per local
-expert segment as they arrive, sent back and summed into their tokens weighted by the gates.
+token-expert pairs are sorted by expert and gathered once. With expert parallelism they are
+sorted into *send order* (the rows for every other rank in rank order, this rank's own last)
+and an :class:`~moe_dist.moe.exchange.Exchange` says where they travel; the experts exchange
+and compute them (:mod:`moe_dist.moe.exchange`) and hand back outputs in the same order, which
+the combine sums into their tokens weighted by the gates.
 """
 from __future__ import annotations
 
@@ -14,18 +16,17 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from ..dist.collectives import all_to_all_rows, group_size
+from ..dist.collectives import group_rank, group_size
 from .counting import count_values
+from .exchange import Exchange
 
 
 @dataclass
 class DispatchPlan:
     token_idx: torch.Tensor  # [N] source token of each sorted kept pair
     gates: torch.Tensor  # [N] gate of each sorted kept pair (gradient)
-    send_splits: list  # rows sent to each ep rank
-    recv_splits: list  # rows received from each ep rank
-    local_counts: list  # rows per local expert
-    segments: Optional[list] = None  # (local expert, rows) of the received rows in order (ep > 1)
+    local_counts: list  # rows per local expert (received from every rank, this one included)
+    exchange: Optional[Exchange] = None  # where the rows travel (expert parallelism), else None
     read_along: Optional[list] = None  # host values of the caller's ``read_along`` tensor
 
 
@@ -72,13 +73,22 @@ def read_counts(parts: Sequence[torch.Tensor]) -> list[list[int]]:
     return out
 
 
+def send_order_key(expert: torch.Tensor, num_experts: int, ep: int, rank: int) -> torch.Tensor:
+    """Sort key of each pair's expert (``num_experts`` for a dropped pair, which keeps it) for the
+    send order: the experts of the other ranks in rank order, then this rank's own."""
+    local = num_experts // ep
+    lo, hi = rank * local, (rank + 1) * local
+    own = (expert >= lo) & (expert < hi)
+    key = torch.where(own, expert + (num_experts - hi), torch.where(expert >= hi, expert - local, expert))
+    return torch.where(expert == num_experts, expert, key)
+
+
 def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor, keep: Optional[torch.Tensor],
              num_experts: int, ep_group: Optional[dist.ProcessGroup],
              peer_counts: Optional[torch.Tensor] = None,
              read_along: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, DispatchPlan]:
-    """Route rows of ``x`` ``[T, d]`` to their experts. Returns the rows this rank's experts
-    compute: grouped by local expert, or with expert parallelism in arrival order
-    (``plan.segments``).
+    """Gather the kept rows of ``x`` ``[T, d]`` for their experts: grouped by expert, or with
+    expert parallelism in send order (``plan.exchange`` says where they travel).
 
     ``peer_counts``: ``[ep, E]`` kept pairs per expert of every expert-parallel peer (in
     ``ep_group`` rank order) when the caller knows them already; else they are exchanged.
@@ -91,52 +101,40 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor, kee
     top_k = expert_ids.shape[1]
     flat_e = expert_ids.reshape(-1)
     flat_g = gates.reshape(-1)
-    # dropped pairs get the key E and sort after every expert; kept pairs come out grouped by
-    # expert, in token order within an expert (stable sort of the token-major flattening)
-    key = flat_e if keep is None else torch.where(keep.reshape(-1), flat_e, num_experts)
-    order = torch.argsort(key, stable=True)
-    counts = count_values(key, num_experts + 1)[:num_experts]  # kept pairs per expert
-    extra = [] if read_along is None else [read_along]
     ep = group_size(ep_group)
+    # dropped pairs get the key E and sort after every expert; kept pairs come out grouped by
+    # expert (in send order with expert parallelism), in token order within an expert
+    kept = flat_e if keep is None else torch.where(keep.reshape(-1), flat_e, num_experts)
+    counts = count_values(kept, num_experts + 1)[:num_experts]  # kept pairs per expert
+    extra = [] if read_along is None else [read_along]
     if ep == 1:
+        order = torch.argsort(kept, stable=True)
         lc, *along = read_counts([counts] + extra)
         order = order[:sum(lc)]
         token_idx = torch.div(order, top_k, rounding_mode="floor")
-        routed = x.index_select(0, token_idx)
-        plan = DispatchPlan(token_idx, flat_g.index_select(0, order), [routed.shape[0]], [routed.shape[0]], lc,
-                            read_along=along[0] if along else None)
-        return routed, plan
+        plan = DispatchPlan(token_idx, flat_g.index_select(0, order), lc, read_along=along[0] if along else None)
+        return x.index_select(0, token_idx), plan
+    me = group_rank(ep_group)
+    order = torch.argsort(send_order_key(kept, num_experts, ep, me), stable=True)
     local = num_experts // ep
     send_counts = counts.view(ep, local)
     if peer_counts is None:
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=ep_group)  # count exchange first
     else:  # [source peer, my local expert]
-        me = dist.get_rank(ep_group)
         recv_counts = peer_counts.to(device=counts.device, dtype=counts.dtype).view(ep, ep, local)[:, me].contiguous()
     sent, received_counts, *along = read_counts([send_counts, recv_counts] + extra)
-    send_splits = [sum(sent[r * local:(r + 1) * local]) for r in range(ep)]
-    rc = [received_counts[r * local:(r + 1) * local] for r in range(ep)]
-    recv_splits = [sum(row) for row in rc]
-    order = order[:sum(send_splits)]
+    send = [sum(sent[r * local:(r + 1) * local]) for r in range(ep)]
+    recv = [received_counts[r * local:(r + 1) * local] for r in range(ep)]
+    order = order[:sum(send)]
     token_idx = torch.div(order, top_k, rounding_mode="floor")
-    routed = x.index_select(0, token_idx)
-    received = all_to_all_rows(routed, recv_splits, send_splits, ep_group)  # [src rank][local expert] order
-    # left in arrival order: the experts run each (source, expert) segment where it is (no
-    # regrouping copy of every row, and of its gradient, for the loop kernel)
-    segments = [(e, rc[src][e]) for src in range(ep) for e in range(local)]
-    plan = DispatchPlan(token_idx, flat_g.index_select(0, order), send_splits, recv_splits,
-                        [sum(rc[src][e] for src in range(ep)) for e in range(local)], segments,
-                        read_along=along[0] if along else None)
-    return received, plan
+    plan = DispatchPlan(token_idx, flat_g.index_select(0, order), [sum(row[e] for row in recv) for e in range(local)],
+                        Exchange(ep_group, me, send, recv), read_along=along[0] if along else None)
+    return x.index_select(0, token_idx), plan
 
 
-def combine(y: torch.Tensor, plan: DispatchPlan, num_tokens: int, ep_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
-    """Send expert outputs back and sum them into their tokens weighted by the gates.
-
-    The gate multiply happens in the experts' dtype (no fp32 ``[k, T, d]`` temporaries).
-    Dropped pairs contribute nothing.
-    """
-    if plan.segments is not None:
-        y = all_to_all_rows(y, plan.send_splits, plan.recv_splits, ep_group)
+def combine(y: torch.Tensor, plan: DispatchPlan, num_tokens: int) -> torch.Tensor:
+    """Sum the expert outputs ``y`` (in the dispatch's row order) into their tokens, weighted by
+    the gates. The gate multiply happens in the experts' dtype (no fp32 ``[k, T, d]``
+    temporaries). Dropped pairs contribute nothing."""
     return _WeightedScatter.apply(y, plan.gates.to(y.dtype), plan.token_idx, num_tokens)

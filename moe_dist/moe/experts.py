@@ -1,7 +1,9 @@
 """Grouped feed-forward experts: one weight tensor per projection, ``[local_experts, ...]``.
 
-Rows arrive grouped by local expert (``counts[i]`` rows for expert i, in order). Three
-kernels compute the same thing; which is fastest depends on dtype and size on a given
+Rows arrive grouped by local expert (``counts[i]`` rows for expert i, in order) or, with
+expert parallelism, in send order with the exchange that takes them to their experts
+(:mod:`moe_dist.moe.exchange`). Three kernels compute the same thing (``loop``:
+:mod:`moe_dist.moe.loop_kernel`); which is fastest depends on dtype and size on a given
 machine, so ``kernel="auto"`` times them once per shape bucket and caches the winner.
 """
 from __future__ import annotations
@@ -13,10 +15,11 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from ..dist.shards import local_rows
 from ..errors import ConfigError
+from .exchange import Exchange, PipelinedLoop, exchange_rows, return_rows
+from .loop_kernel import LoopFFN
 
 ACTIVATIONS = ("swiglu", "gelu")
 KERNELS = ("auto", "loop", "bmm", "grouped_mm")
@@ -38,18 +41,6 @@ def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-CHUNK_ROWS = 4096  # rows per block: big enough for efficient matmuls, small enough to stay in cache
-
-
-def _keeps_graph() -> bool:
-    """Whether the running backward keeps the graph (``retain_graph=True``); True if unknown."""
-    probe = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    try:
-        return True if probe is None else bool(probe())
-    except RuntimeError:
-        return True
-
-
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel(), device=perm.device)
@@ -69,109 +60,6 @@ class PermuteRows(torch.autograd.Function):
     def backward(ctx, grad):
         (inverse,) = ctx.saved_tensors
         return grad.index_select(0, inverse), None, None
-
-
-def _blocks(start: int, end: int):
-    for s in range(start, end, CHUNK_ROWS):
-        yield s, min(s + CHUNK_ROWS, end)
-
-
-class _LoopFFN(torch.autograd.Function):
-    """The experts as a loop over experts, with a hand-written backward.
-
-    Autograd through ``w[i]`` slices would materialise every expert's weight gradient as a
-    full ``[E, ...]`` zero tensor plus one add per expert, and every input-gradient slice as
-    a full ``[rows, d]`` one (O(E^2) memory traffic). Here the matmuls write straight into
-    slices of whole-batch buffers, and the activation (and its backward) runs block by block
-    of ``CHUNK_ROWS`` rows right after the matmul that produced its input, while that is
-    still in cache, so the time per row does not grow with the batch. Weight gradients are
-    one matmul per expert over all its rows (no accumulation across blocks).
-    ``w3 is None`` means a GELU MLP, else SwiGLU.
-    """
-
-    @staticmethod
-    def forward(ctx, x, segments, w1, w3, w2):
-        x = x.contiguous()
-        spans, start = [], 0
-        for e, c in segments:  # (expert, rows) in row order; an expert may own several segments
-            if c:
-                spans.append((e, start, start + c))
-            start += c
-        y = x.new_empty((x.shape[0], w2.shape[2]))
-        saved = []  # per expert (h1, h3, a): separate allocations, E times smaller than whole-batch
-        for e, s0, t0 in spans:  # buffers, which allocators recycle without fresh page faults
-            h1 = x.new_empty((t0 - s0, w1.shape[2]))
-            h3 = torch.empty_like(h1) if w3 is not None else None
-            a = torch.empty_like(h1)
-            for s, t in _blocks(s0, t0):
-                r0, r1 = s - s0, t - s0
-                torch.mm(x[s:t], w1[e], out=h1[r0:r1])
-                if w3 is not None:
-                    torch.mm(x[s:t], w3[e], out=h3[r0:r1])
-                    torch.mul(F.silu(h1[r0:r1]), h3[r0:r1], out=a[r0:r1])
-                else:
-                    torch.ops.aten.gelu.out(h1[r0:r1], out=a[r0:r1])
-                torch.mm(a[r0:r1], w2[e], out=y[s:t])
-            saved.append((h1, h3, a))
-        ctx.save_for_backward(x, w1, w3, w2)
-        ctx.spans, ctx.acts = spans, saved
-        return y
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, gy):
-        x, w1, w3, w2 = ctx.saved_tensors
-        spans, acts = ctx.spans, ctx.acts
-        reuse = not _keeps_graph()  # the activations are not needed again: overwrite them with their gradients
-        need_x, _, need_w1, need_w3, need_w2 = ctx.needs_input_grad
-        need_w3 = need_w3 and w3 is not None
-        gy = gy.contiguous()
-        busy = {e for e, _, _ in spans}
-
-        def weight_grad(w):  # experts without rows get zeros; the others are overwritten
-            g = torch.empty_like(w)
-            for e in range(w.shape[0]):
-                if e not in busy:
-                    g[e].zero_()
-            return g
-
-        gw1 = weight_grad(w1) if need_w1 else None
-        gw3 = weight_grad(w3) if need_w3 else None
-        gw2 = weight_grad(w2) if need_w2 else None
-        gx = torch.zeros_like(x) if need_x and not spans else (torch.empty_like(x) if need_x else None)
-        written = set()  # experts whose weight gradient holds a first segment's (later ones add)
-
-        def weight_mm(g, e, a, b):
-            if e in written:
-                g[e].addmm_(a, b)
-            else:
-                torch.mm(a, b, out=g[e])
-
-        for (e, s0, t0), (h1, h3, a) in zip(spans, acts):
-            gh1 = h1 if reuse else torch.empty_like(h1)
-            gh3 = h3 if reuse or h3 is None else torch.empty_like(h3)
-            for s, t in _blocks(s0, t0):
-                r0, r1 = s - s0, t - s0
-                ga = gy[s:t] @ w2[e].t()
-                if w3 is not None:
-                    sh = F.silu(h1[r0:r1])
-                    ga3 = ga * h3[r0:r1]
-                    torch.ops.aten.silu_backward.grad_input(ga3, h1[r0:r1], grad_input=gh1[r0:r1])
-                    torch.mul(sh, ga, out=gh3[r0:r1])
-                else:
-                    torch.ops.aten.gelu_backward.grad_input(ga, h1[r0:r1], grad_input=gh1[r0:r1])
-                if need_x:
-                    torch.mm(gh1[r0:r1], w1[e].t(), out=gx[s:t])
-                    if w3 is not None:
-                        gx[s:t].addmm_(gh3[r0:r1], w3[e].t())
-            if need_w2:
-                weight_mm(gw2, e, a.t(), gy[s0:t0])
-            if need_w1:
-                weight_mm(gw1, e, x[s0:t0].t(), gh1)
-            if need_w3:
-                weight_mm(gw3, e, x[s0:t0].t(), gh3)
-            written.add(e)
-        return gx, None, gw1, gw3, gw2
 
 
 class GroupedExperts(nn.Module):
@@ -265,15 +153,21 @@ class GroupedExperts(nn.Module):
     def _act(self, h1: torch.Tensor, h3: Optional[torch.Tensor]) -> torch.Tensor:
         return F.silu(h1) * h3 if self.activation == "swiglu" else F.gelu(h1)
 
-    def _loop(self, x: torch.Tensor, counts: Sequence[int], segments: Optional[Sequence[tuple[int, int]]] = None) -> torch.Tensor:
+    def _loop(self, x: torch.Tensor, counts: Sequence[int], segments: Optional[Sequence[tuple[int, int]]] = None,
+              exchange: Optional[Exchange] = None) -> torch.Tensor:
+        """The loop kernel on rows grouped by expert, laid out as ``segments``, or in send order over
+        ``exchange`` (the pipelined exchange)."""
         weights = (self.w1, self.w3, self.w2)
-        segments = list(enumerate(counts)) if segments is None else segments
+        if exchange is not None:
+            fn, layout = PipelinedLoop, exchange
+        else:
+            fn, layout = LoopFFN, list(enumerate(counts)) if segments is None else segments
         if torch.is_autocast_enabled(x.device.type):  # cast once here, run the kernel without autocast
             dtype = torch.get_autocast_dtype(x.device.type)
             x, weights = x.to(dtype), tuple(None if w is None else w.to(dtype) for w in weights)
             with torch.autocast(x.device.type, enabled=False):
-                return _LoopFFN.apply(x, segments, *weights)
-        return _LoopFFN.apply(x, segments, *weights)
+                return fn.apply(x, layout, *weights)
+        return fn.apply(x, layout, *weights)
 
     def _bmm(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         cap = max(counts) if counts else 0
@@ -310,21 +204,38 @@ class GroupedExperts(nn.Module):
             return self._grouped(x, counts)
         raise ValueError(f"unknown expert kernel {name!r}; allowed: {list(KERNELS)}")
 
-    def forward(self, x: torch.Tensor, counts: Sequence[int],
-                segments: Optional[Sequence[tuple[int, int]]] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: Sequence[int], exchange: Optional[Exchange] = None) -> torch.Tensor:
         """Rows ``x`` grouped by local expert (``counts[e]`` rows each, in expert order), or, with
-        ``segments`` (``(local expert, rows)`` in row order, an expert possibly in several, as
-        rows arrive from expert-parallel peers), in any order: the loop kernel runs the segments
-        where they are; the others group the rows first and ungroup the result."""
+        expert parallelism, this rank's routed rows in send order and the ``exchange`` that takes
+        them to their experts' ranks: the outputs come back in send order. The loop kernel
+        overlaps the transfers with the rows that stay here; the other kernels exchange the rows,
+        group them by expert, compute, ungroup and return them."""
         counts = [int(c) for c in counts]
+        if not torch.is_autocast_enabled(x.device.type):
+            x = x.to(self.w1.dtype)  # e.g. bf16 activations into fp32 experts without autocast
+        if exchange is not None:
+            if x.shape[0] != sum(exchange.send):
+                raise ValueError(f"the exchange sends {sum(exchange.send)} rows but {x.shape[0]} were given")
+            if torch.is_grad_enabled() and not x.requires_grad:
+                x = x.detach().requires_grad_()  # every rank takes part in the backward exchange
+            if self.kernel == "loop":
+                self.last_kernel = "loop"
+                return self._loop(x, counts, exchange=exchange)
+            rows, segments = exchange_rows(x, exchange)
+            return return_rows(self._compute(rows, counts, segments), exchange)
+        return self._compute(x, counts)
+
+    def _compute(self, x: torch.Tensor, counts: list[int],
+                 segments: Optional[Sequence[tuple[int, int]]] = None) -> torch.Tensor:
+        """The experts on rows grouped by expert, or laid out as ``segments`` (``(local expert,
+        rows)`` in row order, an expert possibly in several): the loop kernel runs the segments
+        where they are; the others group the rows first and ungroup the result."""
         if sum(counts) != x.shape[0]:
             raise ValueError(f"expert counts sum to {sum(counts)} but {x.shape[0]} rows were given")
         if segments is not None:
             segments = [(int(e), int(c)) for e, c in segments]
             if [e for e, c in segments if c] == sorted(e for e, c in segments if c):  # already grouped
                 segments = None
-        if not torch.is_autocast_enabled(x.device.type):
-            x = x.to(self.w1.dtype)  # e.g. bf16 activations into fp32 experts without autocast
         if x.shape[0] == 0:
             # no rows here, but stay on the autograd graph: the backward all-to-all is collective, and every
             # expert weight gets a (zero) gradient, as in a layout where these experts share a rank with busy ones

@@ -256,8 +256,8 @@ class MoELayer(nn.Module):
         bad, global_tokens = plan.read_along
         if bad:  # the same global count on every rank: all raise here, none waits in a collective
             raise nonfinite_logits_error(f"layer {ctx.layer_idx} router", bad, global_tokens * E)
-        y = self.experts(routed, plan.local_counts, plan.segments)
-        out = combine(y, plan, n_tok, self.groups.ep)
+        y = self.experts(routed, plan.local_counts, plan.exchange)
+        out = combine(y, plan, n_tok)
         if self.shared_expert is not None:
             shared = self.shared_expert(x2)
             if self.shared_expert_gate is not None:

@@ -1,0 +1,161 @@
+"""Expert parallelism: routed rows travel to the ranks of their experts and their outputs back.
+
+The dispatch lays this rank's routed rows out in *send order*: the rows for every other
+expert-parallel rank first (in rank order), then the rows for this rank's own experts. Only
+the first part crosses the wire, so an :class:`Exchange` can start the transfer and compute
+the rows that stay here while the others travel.
+
+With the ``loop`` kernel the exchange is a pipeline (:class:`PipelinedLoop`), forward and
+backward alike:
+
+    forward:   send rows out ........ | return outputs .......
+               own rows, first half   | remote rows | own rows, second half
+    backward:  send gradients out ... | return row gradients ..
+               own rows, first half   | remote rows | own rows, second half
+
+Every span of rows (one expert's rows from one source) is computed by the same kernel calls
+as without the overlap (:mod:`moe_dist.moe.loop_kernel`), so the outputs and row gradients
+are bit-identical; only the order in which an expert's weight gradient sums its spans changes.
+The other kernels exchange first, then compute (:func:`exchange_rows`, :func:`return_rows`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+from ..dist.collectives import all_to_all_rows
+from .loop_kernel import CHUNK_ROWS, WeightGrads, keeps_graph, span_backward, span_forward, spans_of
+
+
+@dataclass
+class Exchange:
+    """Where the rows of one forward travel over ``group`` (this rank is ``rank`` in it).
+
+    send: rows this rank sends to each rank (its own experts' rows: ``send[rank]``, kept here).
+    recv: ``recv[src][e]`` rows that rank ``src`` sends for this rank's local expert ``e``.
+    """
+
+    group: Optional[dist.ProcessGroup]
+    rank: int
+    send: list[int]
+    recv: list[list[int]]
+
+    @property
+    def sent_away(self) -> int:
+        """Rows that leave this rank (the leading rows of the send order)."""
+        return sum(self.send) - self.send[self.rank]
+
+    def send_splits(self) -> list[int]:
+        """Rows to each rank over the wire (none to this rank)."""
+        return [0 if r == self.rank else n for r, n in enumerate(self.send)]
+
+    def recv_splits(self) -> list[int]:
+        """Rows from each rank over the wire (none from this rank)."""
+        return [0 if r == self.rank else sum(c) for r, c in enumerate(self.recv)]
+
+    def remote_segments(self) -> list[tuple[int, int]]:
+        """``(local expert, rows)`` of the received rows, in arrival order (by source, then expert)."""
+        return [(e, c) for src, row in enumerate(self.recv) if src != self.rank for e, c in enumerate(row)]
+
+    def own_segments(self) -> list[tuple[int, int]]:
+        """``(local expert, rows)`` of the rows that stay on this rank (the tail of the send order)."""
+        return list(enumerate(self.recv[self.rank]))
+
+
+def _start(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], group):
+    """An all-to-all that runs while the caller computes; ``.wait()`` the returned work."""
+    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
+
+
+def _halves(spans: list, offset: int) -> tuple[list, list]:
+    """The spans (shifted by ``offset`` rows) in two parts of about equal rows. The cut is at a
+    span's end or at a block boundary inside a span (a multiple of ``CHUNK_ROWS`` from its start),
+    where the kernel runs separate matmuls anyway: the outputs do not change."""
+    total = sum(t - s for _, s, t in spans)
+    cuts = [s + j for _, s, t in spans for j in range(CHUNK_ROWS, t - s, CHUNK_ROWS)] + [t for _, _, t in spans]
+    cut = min(cuts, key=lambda c: (abs(2 * c - total), c), default=0)
+    first = [(e, s + offset, min(t, cut) + offset) for e, s, t in spans if s < cut]
+    second = [(e, max(s, cut) + offset, t + offset) for e, s, t in spans if t > cut]
+    return first, second
+
+
+class PipelinedLoop(torch.autograd.Function):
+    """The loop kernel over an :class:`Exchange`: rows in send order in, their expert outputs
+    in send order out, the transfers overlapped with the rows that stay on this rank."""
+
+    @staticmethod
+    def forward(ctx, x, ex: Exchange, w1, w3, w2):
+        x = x.contiguous()
+        away = ex.sent_away
+        send, recv_splits = ex.send_splits(), ex.recv_splits()
+        received = x.new_empty((sum(recv_splits), x.shape[1]))
+        work = _start(received, x[:away], recv_splits, send, ex.group)
+        own_first, own_second = _halves(spans_of(ex.own_segments()), away)
+        remote = spans_of(ex.remote_segments())
+        y = x.new_empty((x.shape[0], w2.shape[2]))
+        y_remote = x.new_empty((received.shape[0], w2.shape[2]))
+        acts = {}
+        for e, s, t in own_first:
+            acts[("own", s)] = span_forward(x[s:t], e, w1, w3, w2, y[s:t])
+        work.wait()
+        for e, s, t in remote:
+            acts[("remote", s)] = span_forward(received[s:t], e, w1, w3, w2, y_remote[s:t])
+        work = _start(y[:away], y_remote, send, recv_splits, ex.group)
+        for e, s, t in own_second:
+            acts[("own", s)] = span_forward(x[s:t], e, w1, w3, w2, y[s:t])
+        work.wait()
+        ctx.ex, ctx.acts, ctx.spans, ctx.received = ex, acts, (own_first, remote, own_second), received
+        ctx.save_for_backward(x, w1, w3, w2)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, gy):
+        x, w1, w3, w2 = ctx.saved_tensors
+        ex, acts, received = ctx.ex, ctx.acts, ctx.received
+        own_first, remote, own_second = ctx.spans
+        need_x, _, need_w1, need_w3, need_w2 = ctx.needs_input_grad
+        reuse = not keeps_graph()
+        gy = gy.contiguous()
+        away = ex.sent_away
+        send, recv_splits = ex.send_splits(), ex.recv_splits()
+        grads = WeightGrads(w1, w3, w2, (need_w1, need_w3, need_w2))
+        # every rank returns the row gradients of the rows it received, whether or not it needs its own
+        gx = torch.empty_like(x) if need_x or away else x.new_empty((0, x.shape[1]))
+        g_remote = gy.new_empty((received.shape[0], gy.shape[1]))
+        gx_remote = torch.empty_like(received)
+
+        def own(spans):
+            for e, s, t in spans:
+                span_backward(gy[s:t], x[s:t], acts[("own", s)], e, w1, w3, w2, gx[s:t] if need_x else None,
+                              grads, reuse)
+
+        work = _start(g_remote, gy[:away], recv_splits, send, ex.group)
+        own(own_first)
+        work.wait()
+        for e, s, t in remote:
+            span_backward(g_remote[s:t], received[s:t], acts[("remote", s)], e, w1, w3, w2, gx_remote[s:t], grads,
+                          reuse)
+        work = _start(gx[:away], gx_remote, send, recv_splits, ex.group)
+        own(own_second)
+        work.wait()
+        g1, g3, g2 = grads.finish()
+        return (gx if need_x else None), None, g1, g3, g2
+
+
+def exchange_rows(x: torch.Tensor, ex: Exchange) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """Rows in send order -> the rows this rank's experts compute: the received rows (arrival
+    order), then this rank's own, with their ``(local expert, rows)`` segments (differentiable)."""
+    received = all_to_all_rows(x[:ex.sent_away], ex.recv_splits(), ex.send_splits(), ex.group)
+    return torch.cat([received, x[ex.sent_away:]]), ex.remote_segments() + ex.own_segments()
+
+
+def return_rows(y: torch.Tensor, ex: Exchange) -> torch.Tensor:
+    """The inverse of :func:`exchange_rows`: outputs in its layout -> outputs in send order."""
+    arrived = sum(ex.recv_splits())
+    back = all_to_all_rows(y[:arrived], ex.send_splits(), ex.recv_splits(), ex.group)
+    return torch.cat([back, y[arrived:]])
