@@ -257,28 +257,41 @@ def lowest_entropy_head(attn_probs: torch.Tensor, padding_mask: Optional[torch.T
     return mean.argmin(-1)
 
 
+# Score elements per block of the entropy scan: the scan runs several elementwise passes over each
+# [H, rows, keys] block, so a block that stays in the core's cache (1 MiB of fp32 here) beats one big
+# batched block (1.7x at 8 heads, S = 512 on an AVX-512 EPYC).
+ENTROPY_BLOCK_ELEMENTS = 1 << 18
+
+
 @torch.no_grad()
 def lowest_entropy_head_from_scores(queries: torch.Tensor, keys: torch.Tensor, padding_mask: Optional[torch.Tensor],
-                                    causal: bool, block: int = BLOCK) -> torch.Tensor:
+                                    causal: bool, block: Optional[int] = None) -> torch.Tensor:
     """:func:`lowest_entropy_head` for attention that was never materialised: the rows of
     ``softmax(q k^T / sqrt(d_head))`` (same masks as the model's attention) are formed one
-    query block at a time and reduced to their entropy ``logsumexp(s) - sum_j p_j s_j``.
+    sequence and one query block at a time (``block`` rows; default: as many as fit
+    :data:`ENTROPY_BLOCK_ELEMENTS`) and reduced to their entropy ``logsumexp(s) - sum_j p_j s_j``.
     queries ``[B, H, S, dh]``, keys ``[B, H_kv, S, dh]`` (GQA: ``H_kv`` divides ``H``)."""
     B, H, S, dh = queries.shape
     groups = H // keys.shape[1]
-    q = queries.float()
-    k = keys.float() if groups == 1 else keys.float().repeat_interleave(groups, dim=1)
-    km = None if padding_mask is None else padding_mask.to(device=q.device, dtype=torch.bool)
-    ent = q.new_zeros(B, H, S)
-    for i0, i1, e in _blocks(S, causal, block):
-        s = torch.matmul(q[:, :, i0:i1], k[:, :, :e].transpose(-1, -2)).mul_(1.0 / math.sqrt(dh))
-        _mask_block_(s, i0, causal, km, float("-inf"))
-        # shifted by the row max and floored (masked keys: weight e^-50, nothing at fp32 precision):
-        # entropy = log Z - sum_j p_j s_j / Z with p = exp(s), Z = sum_j p_j
-        s.sub_(s.amax(-1, keepdim=True)).clamp_min_(EXP_FLOOR)
-        p = s.exp()
-        z = p.sum(-1)
-        ent[:, :, i0:i1] = z.log() - (p.mul_(s)).sum(-1) / z
+    if block is None:
+        block = max(16, min(BLOCK, ENTROPY_BLOCK_ELEMENTS // (H * S)))
+    km = None if padding_mask is None else padding_mask.to(device=queries.device, dtype=torch.bool)
+    ent = queries.new_zeros(B, H, S, dtype=torch.float32)
+    for b in range(B):
+        q = queries[b:b + 1].float()
+        k = keys[b:b + 1].float()
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+        mask = None if km is None else km[b:b + 1]
+        for i0, i1, e in _blocks(S, causal, block):
+            s = torch.matmul(q[:, :, i0:i1], k[:, :, :e].transpose(-1, -2)).mul_(1.0 / math.sqrt(dh))
+            _mask_block_(s, i0, causal, mask, float("-inf"))
+            # shifted by the row max and floored (masked keys: weight e^-50, nothing at fp32 precision):
+            # entropy = log Z - sum_j p_j s_j / Z with p = exp(s), Z = sum_j p_j
+            s.sub_(s.amax(-1, keepdim=True)).clamp_min_(EXP_FLOOR)
+            p = s.exp()
+            z = p.sum(-1)
+            ent[b:b + 1, :, i0:i1] = z.log() - (p.mul_(s)).sum(-1) / z
     if km is None:
         mean = ent.mean(-1)
     else:
