@@ -86,7 +86,8 @@ def test_bad_run_config_names_run_and_key_once(tmp_path):
 # ---- the report's arithmetic ----------------------------------------------------------------------
 def _record(router, seed, ppl, time_s, cv=0.1, eval_k=None):
     return {"name": f"{router}-s{seed}", "router": router, "variant": "default", "seed": seed, "status": "done",
-            "val_ppl": ppl, "tokens_per_s": 1000 / time_s, "train_time_s": time_s, "parameters": {"active": 10, "total": 20},
+            "val_ppl": ppl, "tokens_per_s": 1000 / time_s, "train_time_s": time_s, "cpu_step_s": time_s / 500,
+            "parameters": {"active": 10, "total": 20},
             "load": {"load_cv": cv, "max_load_ratio": 1.5, "dead_experts": 0.0},
             "fluctuation": [{"step": 2, "top1": 0.5, "topk": 0.6}, {"step": 4, "top1": 0.1, "topk": 0.2}],
             "eval_k": eval_k or {}}
@@ -108,6 +109,7 @@ def test_aggregate_pairs_by_seed(tmp_path):
     vs_topk = by[("hyper", "topk")]
     assert vs_topk["val_ppl"]["diff"]["mean"] == pytest.approx((-2 - 1 + 1) / 3)  # paired, not difference of means' std
     assert vs_topk["val_ppl"]["lower"] == 2 and vs_topk["train_time_s"]["ratio"]["mean"] == pytest.approx(1.1)
+    assert vs_topk["cpu_step_s"]["ratio"]["mean"] == pytest.approx(1.1)
     declared = by[("hyper", "smoe_dropout")]
     assert declared["declared"] and declared["eval_k"]["1"]["diff"]["mean"] == pytest.approx((-46 - 44 - 43) / 3)
     assert ("topk", "topk") not in by
@@ -158,7 +160,7 @@ def test_sweep_smoke_report_figures_and_skip(tmp_path):
     for x in runs.values():
         assert x["steps"] == 2 and x["val_ppl"] > 1 and set(x["eval_k"]) == {"1", "2", "4"}
         assert x["eval_k"]["2"] == pytest.approx(x["val_ppl"])  # trained at k=2: the same evaluation
-        assert x["fluctuation"] and x["load"]["load_cv"] is not None
+        assert x["fluctuation"] and x["load"]["load_cv"] is not None and x["cpu_step_s"] > 0
     summary = out / "runs" / "topk-s0" / "summary.json"
     stamp = summary.stat().st_mtime_ns
     again = _sweep(path)

@@ -62,7 +62,7 @@ def test_run_directory_has_everything(run):
     rows = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1] + list(range(2, 61, 2))
     for r in rows:
-        for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "aux_loss"):
+        for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "cpu_s", "aux_loss"):
             assert isinstance(r[key], (int, float)) and math.isfinite(r[key]), key
         assert set(r["moe"]) == {"0", "1"}
         for layer in r["moe"].values():

@@ -92,12 +92,14 @@ def collect_run(run: RunSpec, steps: int) -> dict:
     tok_s = statistics.median(r["tokens_per_s"] for r in timed) if timed else None
     step_tokens = rows[-1]["tokens"] // rows[-1]["step"] if rows and rows[-1].get("tokens") else None
     step_s = step_tokens / tok_s if tok_s and step_tokens else None
+    cpu = [r["cpu_s"] for r in timed if r.get("cpu_s") is not None]
     eval_k = read_json(os.path.join(d, "eval_k.json")) or []
     run_info = read_json(os.path.join(d, "run.json")) or {}
     record.update(
         status="done", val_ppl=summary["val_ppl"], val_loss=summary["val_loss"], unigram_ppl=summary["unigram_ppl"],
         train_loss=summary.get("train_loss"), parameters=summary.get("parameters"),
         tokens_per_s=tok_s, step_s=step_s, train_time_s=step_s * steps if step_s else None,
+        cpu_step_s=statistics.median(cpu) if cpu else None,
         wall_s=summary.get("train_seconds"), threads=run_info.get("threads_per_process"),
         world_size=run_info.get("world_size"),
         val_curve=[{"step": r["step"], "ppl": r["val_ppl"]} for r in rows if "val_ppl" in r],

@@ -118,16 +118,19 @@ def write_figures(study: Study, records: list[dict], agg: dict, directory: str) 
     out.append(_save(fig, os.path.join(directory, "load_balance.png")))
 
     cmp = {c["router"] + "/" + c["variant"]: c for c in agg["comparisons"] if c["against"] == study.reference}
-    stats_t = [cmp.get(f"{r['router']}/{r['variant']}", {}).get("tokens_per_s", {}).get("ratio") for r in rows]
-    stats_s = [cmp.get(f"{r['router']}/{r['variant']}", {}).get("train_time_s", {}).get("ratio") for r in rows]
-    one = {"n": 1, "mean": 1.0, "std": None}
-    stats_t = [s if s else (one if r["router"] == study.reference else {"mean": None, "std": None})
-               for s, r in zip(stats_t, rows)]
-    stats_s = [s if s else (one if r["router"] == study.reference else {"mean": None, "std": None})
-               for s, r in zip(stats_s, rows)]
-    fig, axes = plt.subplots(1, 2, figsize=(2 * width * 0.7, 4))
-    _bars(axes[0], labels, stats_t, f"Tokens/s relative to {study.reference}", "ratio", ref=1.0)
-    _bars(axes[1], labels, stats_s, f"Training time relative to {study.reference}", "ratio", ref=1.0)
+    one, none = {"n": 1, "mean": 1.0, "std": None}, {"mean": None, "std": None}
+
+    def ratios(key):
+        got = [cmp.get(f"{r['router']}/{r['variant']}", {}).get(key, {}).get("ratio") for r in rows]
+        return [s if s else (one if r["router"] == study.reference else none) for s, r in zip(got, rows)]
+
+    panels = [("tokens_per_s", f"Tokens/s relative to {study.reference}"),
+              ("train_time_s", f"Training time relative to {study.reference}")]
+    if any(r["cpu_step_s"]["mean"] for r in rows):
+        panels.append(("cpu_step_s", f"CPU time per step relative to {study.reference}"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(len(panels) * width * 0.7, 4))
+    for ax, (key, title) in zip(axes, panels):
+        _bars(ax, labels, ratios(key), title, "ratio", ref=1.0)
     out.append(_save(fig, os.path.join(directory, "throughput.png")))
 
     with_k = [(label, r) for label, r in zip(labels, rows) if r["eval_k"]]

@@ -42,6 +42,7 @@ FIGURES = {  # name: how to read it from a run record
     "val_ppl": lambda r: r["val_ppl"],
     "tokens_per_s": lambda r: r.get("tokens_per_s"),
     "train_time_s": lambda r: r.get("train_time_s"),
+    "cpu_step_s": lambda r: r.get("cpu_step_s"),
     "load_cv": lambda r: r["load"].get("load_cv"),
     "max_load_ratio": lambda r: r["load"].get("max_load_ratio"),
     "dead_experts": lambda r: r["load"].get("dead_experts"),
@@ -138,13 +139,16 @@ def render_markdown(study: Study, records: list[dict], agg: dict, figures: list[
         active = ", ".join(f"{a / 1e6:.2f}M" for a in row["active_params"]) or "-"
         rows.append([_label(row, one_variant), f"{len(row['seeds_done'])}/{row['seeds_planned']}", active,
                      fmt(row["val_ppl"]), fmt(row["tokens_per_s"], 0), fmt(row["train_time_s"], 1),
+                     fmt(row["cpu_step_s"], 3),
                      fmt(row["load_cv"], 3), fmt(row["max_load_ratio"], 3), fmt(row["dead_experts"], 2),
                      fmt(row["fluct_top1_last"], 1, pct=True), fmt(row["fluct_top1_mean"], 1, pct=True)])
-    lines += _table(["router", "seeds", "active params", "val ppl", "tokens/s", "train time (s)", "load CV",
+    lines += _table(["router", "seeds", "active params", "val ppl", "tokens/s", "train time (s)", "CPU s/step", "load CV",
                      "max-load ratio", "dead experts", "fluctuation (last)", "fluctuation (mean)"], rows)
     lines += ["", "- val ppl: validation perplexity after the last step (routers with a k schedule: at the k "
               "training ends with).",
               "- tokens/s: median over the steps after the first; train time: steps x median step time.",
+              "- CPU s/step: median CPU time of a step (the first process, all its threads): other jobs on the "
+              "machine move it far less than the wall-clock figures; compare with it when the machine was shared.",
               "- load CV, max-load ratio (max / mean tokens per expert), dead experts (experts without a token in "
               "a step's batch): per step, averaged over the MoE layers and the last quarter of the steps.",
               "- fluctuation: share of the fixed probe tokens whose top-1 expert changed since the previous "
@@ -162,10 +166,11 @@ def render_markdown(study: Study, records: list[dict], agg: dict, figures: list[
         extra = "; ".join(f"k={k}: {fmt(v['diff'])}" for k, v in c["eval_k"].items())
         rows.append([name, c["against"] + (" (declared)" if c["declared"] else ""), str(c["val_ppl"]["seeds"]),
                      fmt(c["val_ppl"]["diff"]), f"{c['val_ppl']['lower']}/{c['val_ppl']['seeds']}",
-                     fmt(c["train_time_s"]["ratio"], 3), fmt(c["tokens_per_s"]["ratio"], 3),
+                     fmt(c["train_time_s"]["ratio"], 3), fmt(c["cpu_step_s"]["ratio"], 3), fmt(c["tokens_per_s"]["ratio"], 3),
                      fmt(c["load_cv"]["diff"], 3), fmt(c["max_load_ratio"]["diff"], 3),
                      fmt(c["fluct_top1_mean"]["diff"], 1, pct=True), extra or "-"])
-    lines += _table(["router", "against", "seeds", "Δ val ppl", "lower ppl (seeds)", "time ratio", "tokens/s ratio",
+    lines += _table(["router", "against", "seeds", "Δ val ppl", "lower ppl (seeds)", "time ratio", "CPU time ratio",
+                     "tokens/s ratio",
                      "Δ load CV", "Δ max-load", "Δ fluctuation (mean)", "Δ ppl at inference k"], rows)
     lines += ["", "Δ = router − against, per seed, then mean ± std over seeds; ratios likewise. Timings are "
               "comparable only between runs that had the same cores to themselves (see the study's "

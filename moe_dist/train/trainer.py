@@ -357,13 +357,14 @@ class Trainer:
             self.probe_fluctuation()  # the reference the first probe compares with
         try:
             while self.step < steps:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 row, fluct = self.train_step(), {}
-                dt = time.perf_counter() - t0
+                dt, cpu = time.perf_counter() - t0, time.process_time() - c0
                 step_tokens = cfg.train.global_batch * cfg.train.seq_len
                 tokens_seen += step_tokens
                 diverged = self.check_finite(row)
-                row = {"step": self.step, **row, "tokens_per_s": step_tokens / dt, "tokens": tokens_seen,
+                row = {"step": self.step, **row, "tokens_per_s": step_tokens / dt, "cpu_s": round(cpu, 4),
+                       "tokens": tokens_seen,
                        "epoch": round(self.sampler.epoch, 4), "elapsed_s": round(time.perf_counter() - t_start, 2),
                        "skipped_steps": self.skipped_steps}
                 last = self.step == steps
