@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..errors import ConfigError
+from ..checks import check_choice
 
 
 QK_NORMS = ("none", "projection")  # model.qk_norm: where Attention normalises queries and keys
@@ -87,8 +87,7 @@ class Attention(nn.Module):
                  qkv_bias: bool = False, qk_norm: str = "none", norm_eps: float = 1e-5):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, d_model // n_heads
-        if qk_norm not in QK_NORMS:
-            raise ConfigError(f"model.qk_norm={qk_norm!r}; allowed: {list(QK_NORMS)}")
+        check_choice("model.qk_norm", qk_norm, QK_NORMS)
         self.q_norm = RMSNorm(n_heads * self.head_dim, norm_eps) if qk_norm == "projection" else None
         self.k_norm = RMSNorm(n_kv_heads * self.head_dim, norm_eps) if qk_norm == "projection" else None
         self.wq = _init_linear(nn.Linear(d_model, n_heads * self.head_dim, bias=qkv_bias), init_std)

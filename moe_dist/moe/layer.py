@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from ..checks import check_choice
 from ..errors import ConfigError
 from ..dist.collectives import all_gather_tensor, group_rank, group_size, subgroup_rows
 from ..dist.groups import ParallelGroups
@@ -20,18 +21,13 @@ from .dispatch import combine, dispatch
 from .experts import GroupedExperts
 from .losses import (BALANCE_LOSSES, LOSS_SCOPES, load_balance_share, load_balance_value, sequence_balance_sum,
                      z_loss_share)
-from .routers import build_router
+from .routers import build_router, check_router_features
 from .routers.base import count_nonfinite, nonfinite_logits_error
 from .routing import Routing, RoutingContext, is_recomputing
 from .shared import SharedExpert, init_linear
 from .stats import MoEStats
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
-
-
-def _check_choice(key: str, value, allowed) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not allowed; allowed: {list(allowed)}")
 
 
 class MoELayer(nn.Module):
@@ -71,20 +67,16 @@ class MoELayer(nn.Module):
                  shared_gate: bool = False, expert_bias: bool = False, expert_bias_rate: float = 1e-3,
                  router_dtype: str = "fp32"):
         super().__init__()
-        if num_experts < 1:
-            raise ConfigError(f"model.moe.num_experts must be >= 1, got {num_experts}")
-        if not 1 <= top_k <= num_experts:
-            raise ConfigError(f"model.moe.top_k={top_k} must be between 1 and model.moe.num_experts={num_experts}")
         for key, cf in (("model.moe.capacity_factor", capacity_factor), ("model.moe.eval_capacity_factor", eval_capacity_factor)):
             if cf is not None and not (isinstance(cf, (int, float)) and math.isfinite(cf) and cf > 0):
                 raise ConfigError(f"{key} must be > 0 or null (dropless), got {cf!r}")
         if min_capacity < 0:
             raise ConfigError(f"model.moe.min_capacity must be >= 0, got {min_capacity}")
-        _check_choice("model.moe.drop_policy", drop_policy, DROP_POLICIES)
-        _check_choice("model.moe.capacity_scope", capacity_scope, CAPACITY_SCOPES)
-        _check_choice("model.moe.loss_scope", loss_scope, LOSS_SCOPES)
-        _check_choice("model.moe.balance_loss", balance_loss, BALANCE_LOSSES)
-        _check_choice("model.moe.router_dtype", router_dtype, ROUTER_DTYPES)
+        check_choice("model.moe.drop_policy", drop_policy, DROP_POLICIES)
+        check_choice("model.moe.capacity_scope", capacity_scope, CAPACITY_SCOPES)
+        check_choice("model.moe.loss_scope", loss_scope, LOSS_SCOPES)
+        check_choice("model.moe.balance_loss", balance_loss, BALANCE_LOSSES)
+        check_choice("model.moe.router_dtype", router_dtype, ROUTER_DTYPES)
         if shared_d_ff is not None and shared_d_ff < 0:
             raise ConfigError(f"model.moe.shared_d_ff must be >= 0 or null (no shared expert), got {shared_d_ff}")
         if shared_gate and not shared_d_ff:
@@ -123,9 +115,10 @@ class MoELayer(nn.Module):
     def _build_router(self) -> nn.Module:
         name, d_model, num_experts, top_k, options, expert_bias, router_dtype = self._router_spec
         router = build_router(name, d_model, num_experts, top_k, **options)
+        check_router_features(name, expert_bias, router_dtype)
         if expert_bias:
-            router.enable_expert_bias(name)
-        router.set_compute_dtype(ROUTER_DTYPES[router_dtype], name)
+            router.enable_expert_bias()
+        router.set_compute_dtype(ROUTER_DTYPES[router_dtype])
         return router
 
     @property

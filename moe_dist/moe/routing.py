@@ -13,6 +13,12 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ..checks import check_choice
+
+# the ranks a router's token-coupling statistics are reduced over (router option ``scope``):
+# those holding distinct tokens, the expert-parallel group, or this rank alone
+SCOPES = ("global", "ep", "local")
+
 
 @dataclass
 class Routing:
@@ -74,18 +80,12 @@ class RoutingContext:
     extras: dict[str, Any] = field(default_factory=dict)
 
     def group_for(self, scope: str) -> Optional[dist.ProcessGroup]:
-        """The process group a statistic with this scope is reduced over."""
-        if scope == "global":
-            return self.stats_group
-        if scope == "ep":
-            return self.ep_group
-        if scope == "local":
-            return None
-        raise ConfigError(f"scope must be one of 'global', 'ep', 'local', got {scope!r}")
+        """The process group a statistic with this scope (one of :data:`SCOPES`) is reduced over."""
+        check_choice("model.moe.router_options.scope", scope, SCOPES)
+        return {"global": self.stats_group, "ep": self.ep_group, "local": None}[scope]
 
 
 def is_recomputing() -> bool:
     """True while autograd's backward pass is running, i.e. when a forward runs again for
     activation checkpointing. Routers with side effects (counters, EMA) skip them then."""
     return torch._C._current_graph_task_id() != -1
-from ..errors import ConfigError

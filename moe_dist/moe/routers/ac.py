@@ -21,10 +21,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...dist.collectives import all_reduce_sum
-from ..routing import Routing, RoutingContext, is_recomputing
+from ..routing import SCOPES, Routing, RoutingContext, is_recomputing
 from .base import Router, default_normalize, fp32_linear, select_topk
 from .registry import register_router
-from .token_stats import SCOPES, check_choice, real_token_weights
+from .token_stats import real_token_weights
+from ...checks import check_choice
 from ...errors import ConfigError
 
 DISPERSIONS = ("mad", "var")
@@ -104,11 +105,11 @@ class AdaptiveClusteringRouter(Router):
                  scope: str = "global", eval_mode: str = "batch", momentum: float = 0.1, base: str = "embedding",
                  normalize: Optional[bool] = None, init_std: float = 0.02):
         super().__init__(d_model, num_experts, top_k)
-        check_choice("dispersion", dispersion, DISPERSIONS)
-        check_choice("weight_norm", weight_norm, WEIGHT_NORMS)
-        check_choice("scope", scope, SCOPES)
-        check_choice("eval_mode", eval_mode, EVAL_MODES)
-        check_choice("base", base, BASES)
+        check_choice("model.moe.router_options.dispersion", dispersion, DISPERSIONS)
+        check_choice("model.moe.router_options.weight_norm", weight_norm, WEIGHT_NORMS)
+        check_choice("model.moe.router_options.scope", scope, SCOPES)
+        check_choice("model.moe.router_options.eval_mode", eval_mode, EVAL_MODES)
+        check_choice("model.moe.router_options.base", base, BASES)
         if not eps > 0:
             raise ConfigError(f"model.moe.router_options.eps must be > 0, got {eps}")
         if clamp is not None and clamp < 0:

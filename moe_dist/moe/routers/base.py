@@ -9,6 +9,15 @@ from ..routing import Routing, RoutingContext
 from ...errors import ConfigError
 
 
+def check_top_k(num_experts: int, top_k: int) -> None:
+    """``model.moe.num_experts`` >= 1 and ``1 <= model.moe.top_k <= num_experts`` (every router
+    checks it when built; the config before launch)."""
+    if num_experts < 1:
+        raise ConfigError(f"model.moe.num_experts must be >= 1, got {num_experts}")
+    if not 1 <= top_k <= num_experts:
+        raise ConfigError(f"model.moe.top_k={top_k} must be between 1 and model.moe.num_experts={num_experts}")
+
+
 class Router(nn.Module):
     """Maps router inputs ``[T, d]`` to a :class:`Routing`. Subclasses implement ``route``.
 
@@ -37,30 +46,20 @@ class Router(nn.Module):
 
     def __init__(self, d_model: int, num_experts: int, top_k: int):
         super().__init__()
-        if num_experts < 1:
-            raise ConfigError(f"model.moe.num_experts must be >= 1, got {num_experts}")
-        if not 1 <= top_k <= num_experts:
-            raise ConfigError(f"model.moe.top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        check_top_k(num_experts, top_k)
         self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
 
     def forward(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:
         return self.route(x, ctx)
 
-    # ---- options the MoE layer sets after construction -------------------------------------
-    def enable_expert_bias(self, name: str = "") -> None:
+    # ---- options the MoE layer sets after construction (registry.check_router_features says which
+    # routers support them) --------------------------------------------------------------------
+    def enable_expert_bias(self) -> None:
         """Register the per-expert selection bias (a persistent fp32 buffer, zeros: router state that
         checkpoints save; every rank holds the same values, updated by the MoE layer)."""
-        if not self.supports_expert_bias:
-            raise ConfigError(f"model.moe.expert_bias=true is not allowed with router {name or type(self).__name__!r} (it "
-                              "does not choose by top-k of its probabilities: Sinkhorn balances by itself, Symphony "
-                              f"chooses through its graph); allowed routers: {_routers_with('supports_expert_bias')}")
         self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32), persistent=True)
 
-    def set_compute_dtype(self, dtype: torch.dtype, name: str = "") -> None:
-        if dtype != torch.float32 and not self.supports_fp64:
-            raise ConfigError(f"model.moe.router_dtype=fp64 is not allowed with router {name or type(self).__name__!r}; "
-                              "allowed routers: "
-                              f"{_routers_with('supports_fp64')} (the others compute in fp32)")
+    def set_compute_dtype(self, dtype: torch.dtype) -> None:
         self.compute_dtype = dtype
 
     def selection_bias(self) -> torch.Tensor | None:
@@ -86,12 +85,6 @@ class Router(nn.Module):
         """Called by the trainer once per optimizer step, after ``optimizer.step()``, on every
         rank (collectives allowed over ``ctx.stats_group``). Routers with per-step state
         (Symphony's graph, schedules) update it here."""
-
-
-def _routers_with(flag: str) -> list[str]:
-    from .registry import ROUTERS
-
-    return sorted(n for n, c in ROUTERS.items() if getattr(c, flag, False))
 
 
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ...checks import check_choice
 from ...errors import ConfigError
 from ..counting import count_values
 from ..routing import Routing, RoutingContext
@@ -179,10 +180,9 @@ class TokenGraphRouter(WrappingRouter):
     local_extras = {"topk_changed": "mean"}  # share of tokens whose top-k set the mixing changed
     supports_expert_bias = True
 
-    def __init__(self, d_model, num_experts, top_k, base, base_options, normalize, aux_probs, detach_graph, name):
-        super().__init__(d_model, num_experts, top_k, base, base_options, name)
-        if aux_probs not in AUX_PROBS:
-            raise ConfigError(f"model.moe.router_options.aux_probs={aux_probs!r} is not allowed; allowed: {list(AUX_PROBS)}")
+    def __init__(self, d_model, num_experts, top_k, base, base_options, normalize, aux_probs, detach_graph):
+        super().__init__(d_model, num_experts, top_k, base, base_options)
+        check_choice("model.moe.router_options.aux_probs", aux_probs, AUX_PROBS)
         self.normalize = default_normalize(top_k, normalize)
         self.aux_probs = aux_probs
         self.detach_graph = bool(detach_graph)
@@ -212,11 +212,10 @@ class SimilarityRouter(TokenGraphRouter):
                  base_options: Optional[dict] = None, temperature: float = 1.0, similarity: str = "dot",
                  learn_similarity: bool = False, detach_graph: bool = False, normalize: Optional[bool] = None,
                  aux_probs: str = "mixed"):
-        super().__init__(d_model, num_experts, top_k, base, base_options, normalize, aux_probs, detach_graph, "similarity")
+        super().__init__(d_model, num_experts, top_k, base, base_options, normalize, aux_probs, detach_graph)
         if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
             raise ConfigError(f"model.moe.router_options.temperature must be > 0, got {temperature!r}")
-        if similarity not in SIMILARITIES:
-            raise ConfigError(f"model.moe.router_options.similarity={similarity!r} is not allowed; allowed: {list(SIMILARITIES)}")
+        check_choice("model.moe.router_options.similarity", similarity, SIMILARITIES)
         self.temperature, self.similarity = float(temperature), similarity
         self.similarity_weight = nn.Parameter(torch.eye(d_model)) if learn_similarity else None
 
@@ -317,7 +316,7 @@ class AttentionRouter(TokenGraphRouter):
                  base_options: Optional[dict] = None, sigma: float = 1.0, likelihood: bool = True,
                  output_scale: Optional[float] = None, detach_graph: bool = False,
                  normalize: Optional[bool] = None, aux_probs: str = "mixed"):
-        super().__init__(d_model, num_experts, top_k, base, base_options, normalize, aux_probs, detach_graph, "attention")
+        super().__init__(d_model, num_experts, top_k, base, base_options, normalize, aux_probs, detach_graph)
         if not (isinstance(sigma, (int, float)) and math.isfinite(sigma) and sigma > 0):
             raise ConfigError(f"model.moe.router_options.sigma must be > 0, got {sigma!r}")
         if output_scale is not None and not (isinstance(output_scale, (int, float)) and math.isfinite(output_scale)):

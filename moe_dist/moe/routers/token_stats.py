@@ -1,21 +1,12 @@
 """Steps shared by routers whose statistics couple tokens across ranks (SSR, AC): the
-reduction scope option, the real-token weights, and coins every rank draws alike."""
+real-token weights and coins every rank draws alike."""
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 
-from ...errors import ConfigError
 from ..routing import RoutingContext
-
-SCOPES = ("global", "ep", "local")
-
-
-def check_choice(key: str, value, allowed) -> None:
-    """Reject a bad option value with the config key and the allowed values."""
-    if value not in allowed:
-        raise ConfigError(f"model.moe.router_options.{key}={value!r} is not allowed; allowed: {list(allowed)}")
 
 
 def real_token_weights(ctx: RoutingContext, num_tokens: int, device) -> Optional[torch.Tensor]:
