@@ -1,11 +1,13 @@
 """Shared pieces of every router: the base class and the steps routers have in common."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..routing import Routing, RoutingContext
+from ..routing import NO_INPUTS, Routing, RouterInputs, RoutingContext
 from ...errors import ConfigError
 
 
@@ -19,19 +21,20 @@ def check_top_k(num_experts: int, top_k: int) -> None:
 
 
 class Router(nn.Module):
-    """Maps router inputs ``[T, d]`` to a :class:`Routing`. Subclasses implement ``route``.
+    """Maps router inputs ``[T, d]`` to a :class:`Routing`. Subclasses implement
+    ``route(x, ctx, inputs)``: ``ctx`` is the layer's :class:`RoutingContext`, ``inputs`` the
+    :class:`RouterInputs` the model handed the layer's forward.
 
-    Class attributes tell the layer what context to supply:
-    ``needs_token_layout``: fill ``ctx.token_offset`` / ``ctx.global_tokens`` (layout-invariant noise).
-    ``needs_attention``: the model must hand this layer the attention sub-layer before it, in the
-    form ``attention_inputs`` names: ``probs`` (``ctx.attn_probs`` ``[B, H, S, S]``, computed
-    explicitly) or ``scores`` (``ctx.extras`` ``attn_queries`` / ``attn_keys``; the attention keeps
-    its fused kernel). Either way the values are in ``ctx.extras["attn_values"]``.
+    Class attributes tell the layer and the model what to supply:
+    ``needs_token_layout``: the layer fills ``ctx.token_offset`` / ``ctx.global_tokens`` (layout-invariant noise).
+    ``attention_needs``: None, or what the model hands over of the attention sub-layer before the
+    layer, in ``inputs.attention`` (one of :data:`~moe_dist.moe.routing.ATTENTION_NEEDS`): ``scores``
+    (queries, keys, values, output and output projection; the attention keeps its fused kernel) or
+    ``probs`` (the same and the ``[B, H, S, S]`` probabilities, computed explicitly).
     """
 
     needs_token_layout = False
-    needs_attention = False
-    attention_inputs = "probs"
+    attention_needs: Optional[str] = None
     # Routing.extras that describe this rank's tokens only, and how the metrics combine them over
     # the ranks holding distinct tokens: "mean" (weighted by router rows) or "sum"
     local_extras: dict[str, str] = {}
@@ -49,8 +52,8 @@ class Router(nn.Module):
         check_top_k(num_experts, top_k)
         self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
 
-    def forward(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:
-        return self.route(x, ctx)
+    def forward(self, x: torch.Tensor, ctx: RoutingContext, inputs: Optional[RouterInputs] = None) -> Routing:
+        return self.route(x, ctx, NO_INPUTS if inputs is None else inputs)
 
     # ---- options the MoE layer sets after construction (registry.check_router_features says which
     # routers support them) --------------------------------------------------------------------
@@ -74,7 +77,7 @@ class Router(nn.Module):
             self._buffers["expert_bias"] = after.float() if bias.is_meta else bias.to(after.device)
         return self
 
-    def route(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:  # pragma: no cover - abstract
+    def route(self, x: torch.Tensor, ctx: RoutingContext, inputs: RouterInputs) -> Routing:  # pragma: no cover - abstract
         raise NotImplementedError(f"{type(self).__name__} must implement route()")
 
     def extra_metrics(self) -> dict:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..routing import SCOPES, Routing, RoutingContext, is_recomputing
+from ..routing import SCOPES, Routing, RouterInputs, RoutingContext, is_recomputing
 from .base import Router, default_normalize, fp32_linear, layout_invariant_normal, select_topk
 from .registry import register_router
 from .sinkhorn import sinkhorn_dual, transport_plan
@@ -95,7 +95,7 @@ class SelectiveSinkhornRouter(Router):
             return False
         return shared_uniform(ctx.seed, ctx.step, ctx.micro_step, ctx.layer_idx, _COIN_SALT) < self.p
 
-    def route(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:
+    def route(self, x: torch.Tensor, ctx: RoutingContext, inputs: RouterInputs) -> Routing:
         logits = fp32_linear(x, self.weight)
         probs = torch.softmax(logits, dim=-1)
         extras = {"sinkhorn_calls": torch.zeros(()), "sinkhorn_calls_total": self.sinkhorn_calls_total.detach().clone()}
@@ -113,7 +113,7 @@ class SelectiveSinkhornRouter(Router):
 
         scores = cost.detach() / self.xi
         result = sinkhorn_dual(scores, group=ctx.group_for(self.scope), max_iters=self.max_iters, tol=self.tol,
-                               row_weight=real_token_weights(ctx, x.shape[0], x.device), check_every=self.check_every)
+                               row_weight=real_token_weights(inputs, ctx, x.shape[0], x.device), check_every=self.check_every)
         self.last_dual = result.dual
         z = scores + result.dual  # log plan + a per-token constant
         if self.gate_source == "plan":  # Prop. 4.1: plan renormalised over the chosen k; no gradient

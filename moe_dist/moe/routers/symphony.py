@@ -25,7 +25,7 @@ from ...checks import check_choice
 from ...errors import ConfigError
 from ...dist.collectives import all_reduce_sum
 from ..counting import count_values
-from ..routing import SCOPES, Routing, RoutingContext, is_recomputing
+from ..routing import SCOPES, Routing, RouterInputs, RoutingContext, is_recomputing
 from .registry import register_router
 from .wrapping import WrappingRouter, topk_set_changed
 
@@ -122,8 +122,8 @@ class SymphonyRouter(WrappingRouter):
             A = torch.where(t > 0, A / correction, A)
         return A
 
-    def route(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:
-        base = self.base_routing(x, ctx)
+    def route(self, x: torch.Tensor, ctx: RoutingContext, inputs: RouterInputs) -> Routing:
+        base = self.base_routing(x, ctx, inputs)
         probs = base.probs  # softmax of the base logits, fp32
         with torch.autocast(device_type=x.device.type, enabled=False):
             g = probs @ self.expert_graph().t()  # g[i, j] = sum_k A[j, k] p[i, k]
@@ -132,19 +132,19 @@ class SymphonyRouter(WrappingRouter):
         if self.normalize:
             gates = gates / gates.sum(-1, keepdim=True).clamp_min(torch.finfo(gates.dtype).tiny)
         if self.training and not is_recomputing():
-            self._count(base.expert_ids if self.count_source == "base" else expert_ids, ctx)
+            self._count(base.expert_ids if self.count_source == "base" else expert_ids, inputs.padding_mask)
         with torch.no_grad():
             extras = {**base.extras, "topk_changed": topk_set_changed(expert_ids, base.expert_ids).float().mean(),
                       "gate_sum": gates.sum(-1).mean()}
         return Routing(expert_ids=expert_ids, gates=gates, probs=probs, logits=base.logits, extras=extras)
 
     @torch.no_grad()
-    def _count(self, ids: torch.Tensor, ctx: RoutingContext) -> None:
+    def _count(self, ids: torch.Tensor, padding_mask: Optional[torch.Tensor]) -> None:
         E = self.num_experts
         pairs = ids[:, :, None] * E + ids[:, None, :]  # [T, k, k]
         weights = None
-        if ctx.padding_mask is not None:  # padding tokens count zero (a weight, not a data-dependent selection)
-            real = ctx.padding_mask.reshape(-1).to(ids.device, torch.long)
+        if padding_mask is not None:  # padding tokens count zero (a weight, not a data-dependent selection)
+            real = padding_mask.reshape(-1).to(ids.device, torch.long)
             weights = real[:, None, None].expand(pairs.shape)
         counts = count_values(pairs, E * E, weights).view(E, E)
         self._counts = counts if self._counts is None else self._counts + counts

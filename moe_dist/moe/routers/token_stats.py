@@ -6,13 +6,13 @@ from typing import Optional
 
 import torch
 
-from ..routing import RoutingContext
+from ..routing import RouterInputs, RoutingContext
 
 
-def real_token_weights(ctx: RoutingContext, num_tokens: int, device) -> Optional[torch.Tensor]:
-    """``[T]`` fp32 weights, 1 for real tokens and 0 for padding, from ``ctx.padding_mask``
+def real_token_weights(inputs: RouterInputs, ctx: RoutingContext, num_tokens: int, device) -> Optional[torch.Tensor]:
+    """``[T]`` fp32 weights, 1 for real tokens and 0 for padding, from ``inputs.padding_mask``
     (``[B, S]``, True = real), or None when there is no mask (every token is real)."""
-    mask = ctx.padding_mask
+    mask = inputs.padding_mask
     if mask is None:
         return None
     if mask.numel() != num_tokens:

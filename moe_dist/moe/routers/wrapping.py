@@ -10,14 +10,14 @@ from typing import Optional
 
 import torch
 
-from ..routing import Routing, RoutingContext
+from ..routing import Routing, RouterInputs, RoutingContext
 from .base import Router
 from .registry import ROUTERS, build_router
 from ...checks import check_choice
 
 
 class WrappingRouter(Router):
-    """Builds ``self.base`` from the registry; forwards the base's context needs and hooks.
+    """Builds ``self.base`` from the registry; forwards the base's token-layout need and hooks.
 
     base: registry name of the router that supplies the probabilities (not a wrapping one).
     base_options: that router's options (its ``top_k`` is this router's; a mapping, which the
@@ -35,8 +35,8 @@ class WrappingRouter(Router):
     def needs_token_layout(self) -> bool:  # e.g. noisy_topk draws layout-invariant noise
         return self.base.needs_token_layout
 
-    def base_routing(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:
-        return self.base(x, ctx)
+    def base_routing(self, x: torch.Tensor, ctx: RoutingContext, inputs: RouterInputs) -> Routing:
+        return self.base(x, ctx, inputs)
 
     def after_optimizer_step(self, ctx: RoutingContext) -> None:
         self.base.after_optimizer_step(ctx)
