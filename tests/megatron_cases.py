@@ -6,10 +6,13 @@ Two MoE layers in a row (layer 2 reads layer 1's output, and the AC router clust
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
 import megatron_shim
+from moe_dist.moe import RouterInputs
 
 H, FFN, E, K = 16, 32, 4, 2
 B, S = 4, 6  # batch split over ranks along B (whole sequences per rank)
@@ -177,15 +180,12 @@ def run_reference(layers, x, w, pad: torch.Tensor | None = None) -> dict:
     """The same computation with moe_dist's own MoELayers on one process (tokens fed in
     [B, S] order, as moe_dist's model does; its padding mask is True for real tokens)."""
     xb, wb = x.transpose(0, 1).contiguous().requires_grad_(), w.transpose(0, 1)
-    for layer in layers:
-        layer.context.batch_shape = (B, S)
-        layer.context.padding_mask = None if pad is None else ~pad
+    inputs = RouterInputs(batch_shape=(B, S), padding_mask=None if pad is None else ~pad)
 
     def forward(inp):
-        layers[0].context.prev_top1 = None
-        y1 = layers[0](inp)
-        layers[1].context.prev_top1 = layers[0].last_routing.expert_ids[:, 0].detach()
-        return y1, layers[1](inp + y1)
+        y1 = layers[0](inp, inputs)
+        prev_top1 = layers[0].last_routing.expert_ids[:, 0].detach()
+        return y1, layers[1](inp + y1, replace(inputs, prev_top1=prev_top1))
 
     y1, y2 = forward(xb)
     loss = (y2 * wb).sum() / (S * B) + layers[0].aux_loss + layers[1].aux_loss

@@ -2,10 +2,12 @@
 split over ranks, both returning outputs, losses, gradients and statistics."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from moe_dist.dist import build_parallel_groups
-from moe_dist.moe import MoELayer
+from moe_dist.moe import MoELayer, RouterInputs
 from moe_dist.parallel import apply_expert_parallel, sync_gradients
 
 D_MODEL, D_FF = 16, 32
@@ -32,10 +34,12 @@ def split_sizes(total: int, parts: int, uneven: bool) -> list[int]:
     return sizes
 
 
-def step(layer: MoELayer, x: torch.Tensor, w: torch.Tensor, global_tokens: int) -> dict:
-    """One forward/backward with loss = sum(out * w) / T_global + aux share."""
+def step(layer: MoELayer, x: torch.Tensor, w: torch.Tensor, global_tokens: int,
+         inputs: Optional[RouterInputs] = None) -> dict:
+    """One forward/backward with loss = sum(out * w) / T_global + aux share (``inputs``: what the
+    router reads from a model, handed to the layer's forward)."""
     x = x.clone().requires_grad_(True)
-    out = layer(x)
+    out = layer(x, inputs)
     loss = (out * w).sum() / global_tokens + layer.aux_loss
     loss.backward()
     return {"out": out.detach(), "x_grad": x.grad}

@@ -1,7 +1,7 @@
-"""1-process-vs-R-ranks cases for routers that read the routing context (step, coins,
-previous layer's top-1) and keep state (duals, cluster weights, running statistics, k).
+"""1-process-vs-R-ranks cases for routers that read the routing context (step, coins) or the
+previous layer's top-1 and keep state (duals, cluster weights, running statistics, k).
 
-A case is a layer config plus a list of calls; each call sets the context, runs one
+A case is a layer config plus a list of calls; each call sets the context and the inputs, runs one
 forward/backward on its own batch (rank r takes its slice) and records outputs, input
 gradients, summed router/expert gradients, statistics, extras and the router's state.
 """
@@ -13,6 +13,7 @@ import torch.distributed as dist
 from moe_cases import D_MODEL, collect, make_batch, make_layer, split_sizes, step
 from moe_dist.dist import build_parallel_groups
 from moe_dist.dist.groups import ParallelGroups
+from moe_dist.moe import RouterInputs
 from moe_dist.moe.routers.hyper import set_inference_k
 from moe_dist.parallel import apply_expert_parallel, sync_gradients
 
@@ -53,10 +54,10 @@ def run_calls(layer, groups, calls: list, tokens: int, rank: int, world: int, un
         ctx = layer.context
         ctx.step, ctx.micro_step = call.get("step", 0), call.get("micro_step", 0)
         ctx.seed, ctx.layer_idx = call.get("seed", 7), call.get("layer_idx", 0)
-        ctx.prev_top1 = call_labels(i, tokens, layer.num_experts)[sl] if call.get("labels") else None
+        inputs = RouterInputs(prev_top1=call_labels(i, tokens, layer.num_experts)[sl] if call.get("labels") else None)
         for p in layer.parameters():
             p.grad = None
-        res = step(layer, x[sl], w[sl], tokens)
+        res = step(layer, x[sl], w[sl], tokens, inputs)
         sync_gradients(layer, groups)
         res = collect(layer, res)
         res["extras"] = {k: v.detach().clone() for k, v in layer.stats.extras.items() if torch.is_tensor(v)}

@@ -89,7 +89,7 @@ def _moe_dist(*args):
 
 @pytest.mark.parametrize("override, message", [
     ("resume=bogus", "resume: 'bogus' is not a directory; allowed: auto, none, a checkpoint directory"),
-    ("model.moe.router_options.p=3", "model.moe.router_options.p must be in [0, 1], got 3"),
+    ("model.moe.router_options.p=3", "model.moe.router_options.p must be in [0, 1], got 3.0"),
     ("data.corpus=/nonexistent/corpus", "data.corpus='/nonexistent/corpus' does not exist"),
 ])
 def test_bad_values_are_refused_before_launch(tmp_path, override, message):
@@ -100,6 +100,17 @@ def test_bad_values_are_refused_before_launch(tmp_path, override, message):
     assert res.stderr.startswith("moe-dist train: error: " + message) and res.stderr.count("\n") == 1, res.stderr
     assert res.stdout == "" and not run_dir.exists()  # no rank started: torchrun never ran
     assert seconds < 30  # about 2 s on an idle 2-core machine; torchrun alone takes longer
+
+
+def test_router_option_of_a_wrong_type_is_one_line(tmp_path):
+    """A router option that cannot be what its router declares (a number here) ends as one line
+    naming the key and what is allowed, not as a TypeError inside the router."""
+    run_dir = tmp_path / "run"
+    res, _ = _moe_dist("train", "--config", "configs/tiny.yaml", "model.moe.router=ssr", "model.moe.router_options.p=abc",
+                       f"run.dir={run_dir}")
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert res.stderr == "moe-dist train: error: model.moe.router_options.p: got 'abc' (str); allowed: a number\n"
+    assert res.stdout == "" and not run_dir.exists()
 
 
 def test_thread_choice():

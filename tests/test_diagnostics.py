@@ -12,7 +12,7 @@ from moe_dist.diagnostics import (RoutingDiagnostics, fluctuation_rates, format_
                                   probe_assignments, ranked_experts, routing_summary)
 from moe_dist.dist import build_parallel_groups
 from moe_dist.moe import MoELayer, collect_stats
-from moe_dist.moe.routing import Routing
+from moe_dist.moe.routing import AttentionInputs, Routing, RouterInputs
 from moe_dist.parallel import apply_expert_parallel
 
 D, E, VOCAB = 16, 4, 40
@@ -85,8 +85,7 @@ class TinyLM(nn.Module):
         B, S = tokens.shape
         x = self.embed(tokens)
         for m in self.moe:
-            m.context.batch_shape, m.context.padding_mask = (B, S), padding_mask
-            x = x + m(x)
+            x = x + m(x, RouterInputs(batch_shape=(B, S), padding_mask=padding_mask))
         return x
 
 
@@ -270,9 +269,9 @@ def _graph_case(B, S, seed, D=16, H=2, dh=4):
     """Router inputs [B, S, D] and what the model hands an attention-aware router."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(B, S, D, generator=g)
-    attn = {"attn_queries": torch.randn(B, H, S, dh, generator=g), "attn_keys": torch.randn(B, H, S, dh, generator=g),
-            "attn_values": torch.randn(B, H, S, dh, generator=g), "attn_output": torch.randn(B, S, D, generator=g),
-            "attn_out_weight": torch.randn(D, H * dh, generator=g) / 3}
+    attn = {"queries": torch.randn(B, H, S, dh, generator=g), "keys": torch.randn(B, H, S, dh, generator=g),
+            "values": torch.randn(B, H, S, dh, generator=g), "output": torch.randn(B, S, D, generator=g),
+            "out_weight": torch.randn(D, H * dh, generator=g) / 3}
     return x, attn
 
 
@@ -298,10 +297,9 @@ def _extras_run(rank, world, ep):
             x, attn = _graph_case(B, S, seed=10 + micro)
             b0 = sum(per_rank[:rank]) if world > 1 else 0
             nb = per_rank[rank] if world > 1 else B
-            layer.context.batch_shape = (nb, S)
-            layer.context.extras.update({k: v[b0:b0 + nb] if v.dim() > 2 else v for k, v in attn.items()})
+            mine = AttentionInputs(**{k: v[b0:b0 + nb] if v.dim() > 2 else v for k, v in attn.items()})
             with torch.no_grad():
-                layer(x[b0:b0 + nb].reshape(-1, 16))
+                layer(x[b0:b0 + nb].reshape(-1, 16), RouterInputs(batch_shape=(nb, S), attention=mine))
             stats.add()
         out[name] = stats.summary(groups.dp if world > 1 else None)
     return out

@@ -14,9 +14,9 @@ import torch
 from dist_harness import run_ranks
 from host_sync import count_host_syncs
 from moe_cases import make_batch, make_layer, split_sizes
-from moe_dist.bench.attention_inputs import fill_attention_inputs
+from moe_dist.bench.attention_inputs import synthetic_attention_inputs
 from moe_dist.dist import build_parallel_groups
-from moe_dist.moe import ROUTERS
+from moe_dist.moe import ROUTERS, RouterInputs
 from moe_dist.moe.routers.token_graph import AttentionRouter
 from moe_dist.parallel import apply_expert_parallel
 
@@ -71,18 +71,17 @@ def _layer(name: str):
     return make_layer({"num_experts": E, "router": name, "router_options": ROUTER_OPTIONS.get(name, {})})
 
 
-def _context(layer, x, rank: int, seqs: slice) -> None:
-    """Everything a router may read: sequence structure, padding, the previous layer's top-1,
-    the attention inputs; the global step 3 (k schedule half way)."""
+def _context(layer, x, rank: int, seqs: slice) -> RouterInputs:
+    """Everything a router may read: the global step 3 (k schedule half way) in the layer's
+    context; sequence structure, padding, the previous layer's top-1, the attention inputs in
+    what the layer's forward gets."""
     ctx = layer.context
     ctx.step, ctx.micro_step, ctx.seed = 3, 0, 11
-    ctx.batch_shape = (x.shape[0], x.shape[1])
     mask = torch.ones(B, S, dtype=torch.bool)
     mask[:, -1] = False  # the last token of every sequence is padding
-    ctx.padding_mask = mask[seqs]
-    ctx.prev_top1 = torch.arange(B * S).remainder(E - 1).view(B, S)[seqs].reshape(-1)
-    if isinstance(layer.router, AttentionRouter):
-        fill_attention_inputs(ctx, x.detach(), heads=2, seed=rank)
+    attention = synthetic_attention_inputs(x.detach(), heads=2, seed=rank) if isinstance(layer.router, AttentionRouter) else None
+    return RouterInputs(batch_shape=(x.shape[0], x.shape[1]), padding_mask=mask[seqs],
+                        prev_top1=torch.arange(B * S).remainder(E - 1).view(B, S)[seqs].reshape(-1), attention=attention)
 
 
 def measure(rank: int, world: int) -> dict:
@@ -101,9 +100,9 @@ def measure(rank: int, world: int) -> dict:
         for call in range(2):
             x, w = (t.view(B, S, -1)[seqs].clone() for t in make_batch(B * S, seed=call + 1))
             x.requires_grad_(True)
-            _context(layer, x, rank, seqs)
+            inputs = _context(layer, x, rank, seqs)
             with count_host_syncs() as fwd:
-                y = layer(x)
+                y = layer(x, inputs)
             loss = (y * w).sum() + layer.aux_loss
             with count_host_syncs() as bwd:
                 loss.backward()
@@ -152,8 +151,8 @@ def test_counter_sees_a_sync_inside_a_layer(monkeypatch):
     layer = _layer("topk")
     route = type(layer.router).route
 
-    def reading_route(self, x, ctx):
-        routing = route(self, x, ctx)
+    def reading_route(self, x, ctx, inputs):
+        routing = route(self, x, ctx, inputs)
         if routing.logits.abs().max() > 1e9:  # a host read
             raise AssertionError
         return routing

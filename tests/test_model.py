@@ -73,7 +73,8 @@ def test_explicit_attention_matches_sdpa_with_gqa():
     x = torch.randn(2, 10, 64)
     cos, sin = rotary_tables(10, 8, 10000.0, x.device, x.dtype)
     fused, none = attn(x, cos, sin)
-    explicit, probs = attn(x, cos, sin, need_probs=True)
+    explicit, captured = attn(x, cos, sin, capture="probs")
+    probs = captured.probs
     assert none is None and probs.shape == (2, 8, 10, 10) and probs.dtype == torch.float32
     torch.testing.assert_close(explicit, fused, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(probs.sum(-1), torch.ones(2, 8, 10))
@@ -86,11 +87,16 @@ def test_left_padding_mask():
     real = tokens(1, 12, seed=3)
     padded = torch.cat([torch.zeros(1, 4, dtype=torch.long), real], dim=1)
     mask = torch.cat([torch.zeros(1, 4, dtype=torch.bool), torch.ones(1, 12, dtype=torch.bool)], dim=1)
+    handed = []  # the RouterInputs each MoE layer's forward gets
+    hooks = [m.register_forward_pre_hook(lambda mod, args: handed.append(args[1])) for m in model.moe_layers()]
     with torch.no_grad():
         ref = model(real)
+        handed.clear()
         out = model(padded, padding_mask=mask)
-        assert all(m.context.padding_mask is mask for m in model.moe_layers())
+        assert len(handed) == len(model.moe_layers()) and all(i.padding_mask is mask for i in handed)
         unmasked = model(padded)
+    for hook in hooks:
+        hook.remove()
     torch.testing.assert_close(out[:, 4:], ref, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(unmasked[:, 4:], ref, atol=1e-3)
 
@@ -115,10 +121,15 @@ def test_router_context_plumbing():
         assert probs.shape == (2, 4, 8, 8)  # [B, H, S, S], causal rows summing to one
         assert torch.all(probs.triu(1) == 0)
         torch.testing.assert_close(probs.sum(-1), torch.ones(2, 4, 8))
-        assert probe.blocks[i].needs_attention
-    # blocks whose router does not ask keep the fused kernel and get no probabilities
-    assert all(m.context.attn_probs is None for m in plain.moe_layers())
-    assert not any(b.needs_attention for b in plain.blocks)
+        assert layer.attention_needs == "probs"
+    # layers whose router does not ask keep the fused kernel and get no attention
+    handed = []
+    for m in plain.moe_layers():
+        m.register_forward_pre_hook(lambda mod, args: handed.append(args[1]))
+    with torch.no_grad():
+        plain(x)
+    assert len(handed) == len(plain.moe_layers()) and all(i.attention is None for i in handed)
+    assert all(m.attention_needs is None for m in plain.moe_layers())
 
 
 def test_attention_probs_are_the_blocks_own():
@@ -128,8 +139,8 @@ def test_attention_probs_are_the_blocks_own():
         model(x)
         h = model.embed(x)
         cos, sin = rotary_tables(6, model.head_dim, 10000.0, h.device, h.dtype)
-        _, expected = model.blocks[0].attn(model.blocks[0].attn_norm(h), cos, sin, need_probs=True)
-    torch.testing.assert_close(model.moe_layers()[0].router.seen[-1]["attn_probs"], expected)
+        _, expected = model.blocks[0].attn(model.blocks[0].attn_norm(h), cos, sin, capture="probs")
+    torch.testing.assert_close(model.moe_layers()[0].router.seen[-1]["attn_probs"], expected.probs)
 
 
 def _grads(model, x):
@@ -209,13 +220,14 @@ def test_attention_router_reads_scores_and_matches_the_explicit_path():
     for form in ("scores", "probs"):
         model = build_model(cfg, VOCAB, seed=9)
         for layer in model.moe_layers():
-            layer.router.attention_inputs = form
+            layer.router.attention_needs = form
+        handed = []
+        model.moe_layers()[0].register_forward_pre_hook(lambda mod, args: handed.append(args[1].attention))
         model.zero_grad(set_to_none=True)
         logits = model(x[:, :-1], padding_mask=pad)
         F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).backward()
-        ctx = model.moe_layers()[0].context
-        assert (ctx.attn_probs is None) == (form == "scores")
-        assert ctx.extras["attn_queries"].shape == (3, cfg.n_heads, 12, model.head_dim)
+        assert (handed[0].probs is None) == (form == "scores")
+        assert handed[0].queries.shape == (3, cfg.n_heads, 12, model.head_dim)
         results[form] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
                          [m.last_routing.expert_ids for m in model.moe_layers()])
     (l_s, g_s, ids_s), (l_p, g_p, ids_p) = results["scores"], results["probs"]

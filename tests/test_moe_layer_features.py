@@ -124,8 +124,8 @@ def test_sequence_loss_needs_sequences():
 
 
 @pytest.mark.parametrize("override,match", [
-    ("model.moe.expert_bias=true model.moe.router=ssr", "model.moe.expert_bias: not allowed with router 'ssr'"),
-    ("model.moe.router_dtype=fp64 model.moe.router=symphony", "model.moe.router_dtype: fp64 is not allowed with router"),
+    ("model.moe.expert_bias=true model.moe.router=ssr", "model.moe.expert_bias=true is not allowed with router 'ssr'"),
+    ("model.moe.router_dtype=fp64 model.moe.router=symphony", "model.moe.router_dtype=fp64 is not allowed with router"),
     ("model.moe.shared_gate=true", "model.moe.shared_gate: true needs a shared expert"),
     ("model.moe.granularity=2", "model.moe.granularity: 2: read only by `moe-dist upcycle`"),
 ])

@@ -10,7 +10,7 @@ from router_cases import SPAWN, build_jobs, call_labels, check_calls, differs, p
 from moe_dist.moe import MoELayer
 from moe_dist.moe.routers import build_router
 from moe_dist.moe.routers.ac import cluster_dispersion, dispersion_weights
-from moe_dist.moe.routing import RoutingContext
+from moe_dist.moe.routing import RouterInputs, RoutingContext
 
 E = 8
 AC = dict(labels=True, layer_idx=2)
@@ -96,16 +96,16 @@ def test_scaled_scores_and_plain_fallback():
     x = torch.randn(96, 16)
     labels = call_labels(0, 96, E)
     emb = F.normalize(router.weight.detach(), dim=-1)
-    plain = router(x, RoutingContext(layer_idx=0, prev_top1=labels))
+    plain = router(x, RoutingContext(layer_idx=0), RouterInputs(prev_top1=labels))
     torch.testing.assert_close(plain.logits, x @ emb.t())
     assert torch.equal(router(x, RoutingContext(layer_idx=3)).expert_ids, plain.expert_ids)
-    ac = router(x, RoutingContext(layer_idx=1, prev_top1=labels))
+    ac = router(x, RoutingContext(layer_idx=1), RouterInputs(prev_top1=labels))
     w = router.last_weights
     torch.testing.assert_close(ac.logits, (x * w[labels]) @ emb.t())
     assert not torch.equal(ac.expert_ids, plain.expert_ids)
     assert torch.equal(ac.expert_ids[:, 0], ac.logits.argmax(-1))  # column 0 is the label for the next layer
     with pytest.raises(ValueError, match="prev_top1 has 5 labels for 96 tokens"):
-        router(x, RoutingContext(layer_idx=1, prev_top1=labels[:5]))
+        router(x, RoutingContext(layer_idx=1), RouterInputs(prev_top1=labels[:5]))
 
 
 def test_running_statistics_and_eval_modes():
@@ -114,10 +114,9 @@ def test_running_statistics_and_eval_modes():
     batches = [(torch.randn(96, 16), call_labels(i, 96, E)) for i in range(3)]
     disps = []
     for x, labels in batches:
-        for layer in (plain, ckpt):
-            layer.context.prev_top1 = labels
-        plain(x).sum().backward()
-        checkpoint(ckpt, x.clone().requires_grad_(), use_reentrant=False).sum().backward()  # recomputes the forward
+        inputs = RouterInputs(prev_top1=labels)
+        plain(x, inputs).sum().backward()
+        checkpoint(ckpt, x.clone().requires_grad_(), inputs, use_reentrant=False).sum().backward()  # recomputes the forward
         disps.append(cluster_dispersion(x, labels, E, "mad")[1])
     # EMA: first sighting copies, then blends; recomputation does not update again
     expect = disps[0]
@@ -131,8 +130,7 @@ def test_running_statistics_and_eval_modes():
     # running mode decodes one token at a time with the training statistics
     plain.eval()
     one = torch.randn(1, 16)
-    plain.context.prev_top1 = torch.tensor([2])
-    routing = plain.router(one, plain.context)
+    routing = plain.router(one, plain.context, RouterInputs(prev_top1=torch.tensor([2])))
     w = dispersion_weights(plain.router.running_dispersion, valid)
     emb = F.normalize(plain.router.weight.detach(), dim=-1)
     torch.testing.assert_close(routing.logits, (one * w[2]) @ emb.t())

@@ -14,7 +14,7 @@ from moe_cases import D_MODEL, check_against_reference, collect, make_batch, mak
 from moe_dist.dist import build_parallel_groups
 from moe_dist.moe import MoELayer
 from moe_dist.moe.routers import build_router
-from moe_dist.moe.routing import RoutingContext
+from moe_dist.moe.routing import RouterInputs, RoutingContext
 from moe_dist.parallel import apply_expert_parallel, sync_gradients
 
 E, K = 8, 2
@@ -89,7 +89,7 @@ def test_counts_and_update_by_hand():
     r.after_optimizer_step(RoutingContext())
     torch.testing.assert_close(r.A, (0.9 * 0.1 + 0.1) * rownorm, rtol=0, atol=1e-7)
     # padding tokens are not counted
-    r(X3, RoutingContext(batch_shape=(1, 3), padding_mask=torch.tensor([[True, False, True]])))
+    r(X3, RoutingContext(), RouterInputs(batch_shape=(1, 3), padding_mask=torch.tensor([[True, False, True]])))
     assert torch.equal(r.pending_counts(), torch.tensor([[2, 2, 0], [2, 2, 0], [0, 0, 0]]))
 
 

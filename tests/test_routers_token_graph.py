@@ -12,9 +12,8 @@ from moe_cases import D_MODEL, check_against_reference, collect, make_layer, ste
 from moe_dist.dist import build_parallel_groups
 from moe_dist.moe import MoELayer
 from moe_dist.moe.routers import build_router
-from moe_dist.moe.routers.token_graph import (ATTN_KEYS, ATTN_OUT_WEIGHT, ATTN_OUTPUT, ATTN_QUERIES, ATTN_VALUES,
-                                              mix_over_sequence)
-from moe_dist.moe.routing import RoutingContext
+from moe_dist.moe.routers.token_graph import mix_over_sequence
+from moe_dist.moe.routing import AttentionInputs, RouterInputs, RoutingContext
 from moe_dist.parallel import apply_expert_parallel, sync_gradients
 
 E, K = 8, 2
@@ -24,11 +23,12 @@ E, K = 8, 2
 def attention_inputs(B, S, H, Hkv, dh, D, seed, padding_mask=None, causal=True, scale=1.0, form="probs"):
     """Attention probabilities (causal, padded keys masked, diagonal always allowed) or, with
     ``form="scores"``, the queries and keys they would come from, and the value path the
-    attention-aware router reads, as leaf tensors that require grad."""
+    attention-aware router reads, as leaf tensors that require grad (keyed by the fields of
+    AttentionInputs)."""
     g = torch.Generator().manual_seed(seed)
     if form == "scores":
         q, k = 1.5 * torch.randn(B, H, S, dh, generator=g), torch.randn(B, Hkv, S, dh, generator=g)
-        return {ATTN_QUERIES: q.requires_grad_(), ATTN_KEYS: k.requires_grad_(),
+        return {"queries": q.requires_grad_(), "keys": k.requires_grad_(),
                 **value_path(B, S, H, Hkv, dh, D, g, scale)}
     logits = 2.0 * torch.randn(B, H, S, S, generator=g)
     allowed = torch.ones(B, 1, S, S, dtype=torch.bool)
@@ -37,19 +37,19 @@ def attention_inputs(B, S, H, Hkv, dh, D, seed, padding_mask=None, causal=True, 
     if padding_mask is not None:
         allowed &= padding_mask[:, None, None, :] | torch.eye(S, dtype=torch.bool)
     probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), -1)
-    return {"attn_probs": probs.requires_grad_(), **value_path(B, S, H, Hkv, dh, D, g, scale)}
+    return {"probs": probs.requires_grad_(), **value_path(B, S, H, Hkv, dh, D, g, scale)}
 
 
 def value_path(B, S, H, Hkv, dh, D, g, scale):
     values = scale * torch.randn(B, Hkv, S, dh, generator=g)
     w_out = scale * torch.randn(D, H * dh, generator=g) / math.sqrt(dh)
     out = scale * torch.randn(B, S, D, generator=g)
-    return {ATTN_VALUES: values.requires_grad_(), ATTN_OUT_WEIGHT: w_out.requires_grad_(), ATTN_OUTPUT: out.requires_grad_()}
+    return {"values": values.requires_grad_(), "out_weight": w_out.requires_grad_(), "output": out.requires_grad_()}
 
 
 def probs_from_scores(attn, padding_mask, causal=True):
     """The attention probabilities the model would have formed from ``attn``'s queries and keys."""
-    q, k = attn[ATTN_QUERIES], attn[ATTN_KEYS]
+    q, k = attn["queries"], attn["keys"]
     B, H, S, dh = q.shape
     allowed = torch.ones(B, 1, S, S, dtype=torch.bool)
     if causal:
@@ -60,10 +60,14 @@ def probs_from_scores(attn, padding_mask, causal=True):
     return torch.softmax(s.masked_fill(~allowed, float("-inf")), -1)
 
 
-def context_for(B, S, attn=None, padding_mask=None, causal=True):
-    extras = {} if attn is None else {k: v for k, v in attn.items() if k != "attn_probs"}
-    return RoutingContext(batch_shape=(B, S), padding_mask=padding_mask, causal=causal,
-                          attn_probs=None if attn is None else attn.get("attn_probs"), extras=extras)
+CTX = RoutingContext()  # a single process: what the layer owns does not matter to these routers
+
+
+def inputs_for(B, S, attn=None, padding_mask=None, causal=True):
+    """What a model hands the layer's forward for B sequences of S tokens (``attn``: a dict of
+    AttentionInputs fields)."""
+    return RouterInputs(batch_shape=(B, S), padding_mask=padding_mask, causal=causal,
+                        attention=None if attn is None else AttentionInputs(**attn))
 
 
 class CausalAttention(torch.nn.Module):
@@ -81,7 +85,7 @@ class CausalAttention(torch.nn.Module):
         s = (q @ k.transpose(-1, -2)) / math.sqrt(self.dh)
         a = torch.softmax(s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf")), -1)
         out = self.o((a @ v).transpose(1, 2).reshape(B, S, -1))
-        return {"attn_probs": a, ATTN_VALUES: v, ATTN_OUT_WEIGHT: self.o.weight, ATTN_OUTPUT: out}
+        return {"probs": a, "values": v, "out_weight": self.o.weight, "output": out}
 
 
 # ---------------------------------------------------------------- references from the digest
@@ -104,7 +108,7 @@ def attention_reference(R, attn, sigma, out_scale, causal, padding_mask=None, li
     """Digest formulas, written out token by token: h* = argmin_h mean_i H(A_h[i, :]);
     L[i, j] = N(u_i | v'_{h*, j}, sigma^2 I) with v'_{h,j} = W_O,h v_{h,j}; A^P = A L / sum_j A L;
     P = A^P R (float64)."""
-    A, values, w_out, u = (attn[k].double() for k in ("attn_probs", ATTN_VALUES, ATTN_OUT_WEIGHT, ATTN_OUTPUT))
+    A, values, w_out, u = (attn[k].double() for k in ("probs", "values", "out_weight", "output"))
     B, H, S, _ = A.shape
     Hkv, dh, D = values.shape[1], values.shape[-1], u.shape[-1]
     rows = []
@@ -143,7 +147,7 @@ def test_similarity_matches_reference(cosine, tau, pad):
         pm = torch.ones(B, S, dtype=torch.bool)
         pm[0, -2:] = False
         pm[2, :2] = False
-    r = router(x, context_for(B, S, padding_mask=pm))
+    r = router(x, CTX, inputs_for(B, S, padding_mask=pm))
     P = similarity_reference(x.view(B, S, -1), base_probs(router, x).view(B, S, -1), tau, True, pm, cosine)
     torch.testing.assert_close(r.probs.double(), P.view(B * S, -1), rtol=1e-5, atol=1e-6)
     ids = P.view(B * S, -1).topk(K, -1).indices
@@ -164,39 +168,39 @@ def test_similarity_options():
     torch.manual_seed(1)
     B, S = 2, 6
     x = torch.randn(B * S, D_MODEL, requires_grad=True)
-    ctx = context_for(B, S)
+    inputs = inputs_for(B, S)
     fixed = build_router("similarity", D_MODEL, E, K, temperature=4.0)
     torch.manual_seed(1)
     learned = build_router("similarity", D_MODEL, E, K, temperature=4.0, learn_similarity=True)
     learned.base.load_state_dict(fixed.base.state_dict())
-    torch.testing.assert_close(learned(x, ctx).gates, fixed(x, ctx).gates)  # W_s starts at I
-    (learned(x, ctx).gates[:, 0].sum()).backward()
+    torch.testing.assert_close(learned(x, CTX, inputs).gates, fixed(x, CTX, inputs).gates)  # W_s starts at I
+    (learned(x, CTX, inputs).gates[:, 0].sum()).backward()
     assert learned.similarity_weight.grad is not None and learned.similarity_weight.grad.abs().sum() > 0
     # detach_graph: gradient reaches x only through R
     det = build_router("similarity", D_MODEL, E, K, temperature=4.0, detach_graph=True)
     det.base.load_state_dict(fixed.base.state_dict())
     c = torch.randn(B * S, K)
-    g_det, = torch.autograd.grad((det(x, ctx).gates * c).sum(), x)
+    g_det, = torch.autograd.grad((det(x, CTX, inputs).gates * c).sum(), x)
     xd = x.detach().clone().requires_grad_()
     with torch.no_grad():
         S_mat = torch.softmax((xd.view(B, S, -1) @ xd.view(B, S, -1).transpose(1, 2) / 4.0)
                               .masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf")), -1)
     P = S_mat @ torch.softmax(xd @ det.base.weight.t(), -1).view(B, S, -1)
-    ids = det(x, ctx).expert_ids
+    ids = det(x, CTX, inputs).expert_ids
     gate = P.view(B * S, -1).gather(-1, ids)
     g_ref, = torch.autograd.grad(((gate / gate.sum(-1, keepdim=True)) * c).sum(), xd)
     torch.testing.assert_close(g_det, g_ref, rtol=1e-4, atol=1e-6)
-    g_full, = torch.autograd.grad((fixed(x, ctx).gates * c).sum(), x)
+    g_full, = torch.autograd.grad((fixed(x, CTX, inputs).gates * c).sum(), x)
     assert not torch.allclose(g_full, g_det)  # the graph does carry gradient when not detached
     # top-1 keeps the un-normalised P[i, e*] (Switch style)
     top1 = build_router("similarity", D_MODEL, E, 1, temperature=4.0)
-    r1 = top1(x, ctx)
+    r1 = top1(x, CTX, inputs)
     torch.testing.assert_close(r1.gates, r1.probs.gather(-1, r1.expert_ids))
     assert (r1.gates < 1).all()
     # the load-balance probabilities: mixed P by default, base R on request
     base_aux = build_router("similarity", D_MODEL, E, K, temperature=4.0, aux_probs="base")
     base_aux.base.load_state_dict(fixed.base.state_dict())
-    torch.testing.assert_close(base_aux(x, ctx).probs, fixed.base(x, ctx).probs)
+    torch.testing.assert_close(base_aux(x, CTX, inputs).probs, fixed.base(x, CTX, inputs).probs)
 
 
 @pytest.mark.parametrize("sigma,likelihood,Hkv,pad", [(1.0, True, 3, False), (0.7, True, 1, True), (1.0, False, 3, True)])
@@ -210,7 +214,7 @@ def test_attention_matches_digest_formulas(sigma, likelihood, Hkv, pad):
         pm[1, -1] = False
     attn = attention_inputs(B, S, H, Hkv, dh, D, seed=3, padding_mask=pm, scale=0.6)
     x = torch.randn(B * S, D, requires_grad=True)
-    r = router(x, context_for(B, S, attn, pm))
+    r = router(x, CTX, inputs_for(B, S, attn, pm))
     P = attention_reference(base_probs(router, x).view(B, S, -1), attn, sigma, 1.0 / H, True, pm, likelihood)
     torch.testing.assert_close(r.probs.double(), P.view(B * S, -1), rtol=1e-5, atol=1e-6)
     ids = P.view(B * S, -1).topk(K, -1).indices
@@ -257,9 +261,9 @@ def test_attention_scores_form_matches_probs_form(likelihood, Hkv, pad, detach):
     for form in ("scores", "probs"):
         attn = dict(scores)
         if form == "probs":
-            attn = {"attn_probs": probs_from_scores(attn, pm), **{k: v for k, v in attn.items()
-                                                                  if k not in (ATTN_QUERIES, ATTN_KEYS)}}
-        r = router(x, context_for(B, S, attn, pm))
+            attn = {"probs": probs_from_scores(attn, pm), **{k: v for k, v in attn.items()
+                                                             if k not in ("queries", "keys")}}
+        r = router(x, CTX, inputs_for(B, S, attn, pm))
         loss = (r.gates * c).sum() + r.probs.pow(2).sum()
         results[form] = (r, torch.autograd.grad(loss, leaves, allow_unused=True))
     (r_s, g_s), (r_p, g_p) = results["scores"], results["probs"]
@@ -272,7 +276,7 @@ def test_attention_scores_form_matches_probs_form(likelihood, Hkv, pad, detach):
             assert a is None or not a.abs().any(), name
             continue
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m: f"grad {name}: {m}")
-    graph_grads = [g for name, g in zip(["x", *scores.keys()], g_s) if name in (ATTN_QUERIES, ATTN_KEYS)]
+    graph_grads = [g for name, g in zip(["x", *scores.keys()], g_s) if name in ("queries", "keys")]
     assert all((g is None or not g.abs().any()) == detach for g in graph_grads)
 
 
@@ -345,7 +349,7 @@ def test_causality(name):
 
     def route(inp, causal=True):
         attn = attn_layer(inp) if name == "attention" else None
-        return router(inp.reshape(B * S, D), context_for(B, S, attn, causal=causal))
+        return router(inp.reshape(B * S, D), CTX, inputs_for(B, S, attn, causal=causal))
 
     for t in (0, 3, S - 2):
         x2 = x.clone()
@@ -373,8 +377,8 @@ def test_padded_tokens_do_not_influence_real_tokens():
     x2 = x.clone()
     x2[0, 5:] = 10 * torch.randn(3, D_MODEL)
     for causal in (True, False):
-        a = router(x.reshape(-1, D_MODEL), context_for(B, S, padding_mask=pm, causal=causal))
-        b = router(x2.reshape(-1, D_MODEL), context_for(B, S, padding_mask=pm, causal=causal))
+        a = router(x.reshape(-1, D_MODEL), CTX, inputs_for(B, S, padding_mask=pm, causal=causal))
+        b = router(x2.reshape(-1, D_MODEL), CTX, inputs_for(B, S, padding_mask=pm, causal=causal))
         real = pm.reshape(-1)
         torch.testing.assert_close(a.probs[real], b.probs[real], rtol=0, atol=1e-7)
         assert torch.equal(a.expert_ids[real], b.expert_ids[real])
@@ -383,15 +387,15 @@ def test_padded_tokens_do_not_influence_real_tokens():
 def test_clear_errors():
     x = torch.randn(6, D_MODEL)
     with pytest.raises(ValueError, match="batch_shape"):
-        build_router("similarity", D_MODEL, E, K)(x, RoutingContext())
+        build_router("similarity", D_MODEL, E, K)(x, CTX)
     with pytest.raises(ValueError, match="batch_shape"):
-        build_router("similarity", D_MODEL, E, K)(x, RoutingContext(batch_shape=(2, 4)))
-    with pytest.raises(ValueError, match="attn_probs"):
-        build_router("attention", D_MODEL, E, K)(x, RoutingContext(batch_shape=(2, 3)))
-    probs = torch.softmax(torch.randn(2, 2, 3, 3), -1)
-    with pytest.raises(ValueError, match="attn_values"):
-        build_router("attention", D_MODEL, E, K)(x, RoutingContext(batch_shape=(2, 3), attn_probs=probs))
-    build_router("attention", D_MODEL, E, K, likelihood=False)(x, RoutingContext(batch_shape=(2, 3), attn_probs=probs))
+        build_router("similarity", D_MODEL, E, K)(x, CTX, RouterInputs(batch_shape=(2, 4)))
+    with pytest.raises(ValueError, match="needs the attention sub-layer before its layer"):
+        build_router("attention", D_MODEL, E, K)(x, CTX, RouterInputs(batch_shape=(2, 3)))
+    probs = AttentionInputs(probs=torch.softmax(torch.randn(2, 2, 3, 3), -1))
+    with pytest.raises(ValueError, match=r"likelihood=True needs the attention sub-layer's \['values', 'out_weight', 'output'\]"):
+        build_router("attention", D_MODEL, E, K)(x, CTX, RouterInputs(batch_shape=(2, 3), attention=probs))
+    build_router("attention", D_MODEL, E, K, likelihood=False)(x, CTX, RouterInputs(batch_shape=(2, 3), attention=probs))
     with pytest.raises(ValueError, match="base='symphony'.*allowed"):
         build_router("similarity", D_MODEL, E, K, base="symphony")
     with pytest.raises(ValueError, match="temperature"):
@@ -402,8 +406,8 @@ def test_clear_errors():
         build_router("attention", D_MODEL, E, K, sigma=-1.0)
     with pytest.raises(ValueError, match="aux_probs"):
         build_router("attention", D_MODEL, E, K, aux_probs="raw")
-    assert build_router("attention", D_MODEL, E, K).needs_attention
-    assert not build_router("similarity", D_MODEL, E, K).needs_attention
+    assert build_router("attention", D_MODEL, E, K).attention_needs == "scores"
+    assert build_router("similarity", D_MODEL, E, K).attention_needs is None
     assert build_router("similarity", D_MODEL, E, K, base="noisy_topk").needs_token_layout
 
 
@@ -412,15 +416,15 @@ def test_layer_extras_and_bf16_model():
     layer = MoELayer(D_MODEL, 32, E, K, router="similarity", router_options={"temperature": 4.0, "base": "xmoe"},
                      expert_kernel="loop")
     B, S = 3, 10
-    layer.context.batch_shape = (B, S)
+    inputs = RouterInputs(batch_shape=(B, S))
     x = torch.randn(B, S, D_MODEL, requires_grad=True)
-    layer(x).sum().backward()
+    layer(x, inputs).sum().backward()
     extras = layer.stats.extras
     assert set(extras) >= {"topk_changed", "temperature"}
     assert 0 < float(extras["topk_changed"]) <= 1  # the mixing changed some choices
     assert not extras["topk_changed"].requires_grad
     layer.to(torch.bfloat16)
-    out = layer(x.detach().to(torch.bfloat16))
+    out = layer(x.detach().to(torch.bfloat16), inputs)
     assert out.dtype == torch.bfloat16 and layer.last_routing.probs.dtype == torch.float32
 
 
@@ -472,15 +476,10 @@ def run_case(rank, spec, ep, sizes):
     x, w, pm, attn = case_data(spec)
     b0, nb = sum(sizes[:rank]), sizes[rank]
     sl = slice(b0, b0 + nb)
-    mine = None if attn is None else {k: (v if k == ATTN_OUT_WEIGHT else v[sl]) for k, v in attn.items()}
-    layer.context.batch_shape = (nb, S_LEN)
-    layer.context.padding_mask = None if pm is None else pm[sl]
-    layer.context.causal = spec["causal"]
-    if mine is not None:
-        layer.context.attn_probs = mine.get("attn_probs")
-        layer.context.extras.update({k: v for k, v in mine.items() if k != "attn_probs"})
+    mine = None if attn is None else {k: (v if k == "out_weight" else v[sl]) for k, v in attn.items()}
+    inputs = inputs_for(nb, S_LEN, mine, None if pm is None else pm[sl], spec["causal"])
     with record_collectives() as calls:
-        res = step(layer, x[sl].reshape(-1, D_MODEL), w[sl].reshape(-1, D_MODEL), B_SEQ * S_LEN)
+        res = step(layer, x[sl].reshape(-1, D_MODEL), w[sl].reshape(-1, D_MODEL), B_SEQ * S_LEN, inputs)
     sync_gradients(layer, groups)
     res = collect(layer, res)
     res["collectives"] = [(n, dt) for n, _, dt in calls]
@@ -508,7 +507,7 @@ def test_token_graph_invariance_and_collectives(world, ep):
             check_against_reference(ref, per_rank, tokens)
             if "attn_grads" in ref:
                 for key, g_ref in ref["attn_grads"].items():
-                    if key == ATTN_OUT_WEIGHT:  # a dense parameter: partial gradients sum over ranks
+                    if key == "out_weight":  # a dense parameter: partial gradients sum over ranks
                         got = torch.stack([r["attn_grads"][key] for r in per_rank]).sum(0)
                     else:
                         got = torch.cat([r["attn_grads"][key][sum(sizes[:j]):sum(sizes[:j]) + sizes[j]]

@@ -14,8 +14,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from moe_dist.bench.attention_inputs import fill_attention_inputs
-from moe_dist.moe import ROUTERS, MoELayer
+from moe_dist.bench.attention_inputs import synthetic_attention_inputs
+from moe_dist.moe import ROUTERS, MoELayer, RouterInputs
 
 # Allocation ops return uninitialised memory (whatever bytes were there): not computed values.
 UNINITIALISED = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"}
@@ -63,13 +63,12 @@ def _run(layer: MoELayer, dtype: torch.dtype, form: str = "scores") -> Subnormal
     x = torch.randn(B, S, D, generator=g).to(dtype).requires_grad_(True)
     ctx = layer.context
     ctx.step, ctx.seed = 1, 3
-    ctx.batch_shape = (B, S)
-    ctx.prev_top1 = torch.randint(0, E, (B * S,), generator=g)
-    if layer.router.needs_attention:
-        fill_attention_inputs(ctx, x.detach(), heads=8, form=form)
+    prev_top1 = torch.randint(0, E, (B * S,), generator=g)
+    attention = synthetic_attention_inputs(x.detach(), heads=8, form=form) if layer.attention_needs else None
+    inputs = RouterInputs(batch_shape=(B, S), prev_top1=prev_top1, attention=attention)
     counter = SubnormalCounter()
     with counter, torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-        y = layer(x)
+        y = layer(x, inputs)
         (y.float().square().mean() + layer.aux_loss).backward()
     return counter
 

@@ -16,9 +16,10 @@ import torch.nn.functional as F
 
 from ..dist import ParallelGroups
 from ..moe import MoELayer
+from ..moe.routing import RouterInputs
 from ..parallel import apply_expert_parallel
 from ..parallel.kernel_choice import agree_expert_kernels
-from .attention_inputs import fill_attention_inputs
+from .attention_inputs import synthetic_attention_inputs
 from .workload import Workload, imbalance
 
 FLOOR_KERNELS = ("bmm", "grouped_mm", "loop")
@@ -72,11 +73,10 @@ class MoEDistImpl(Impl):
         self.layer = layer.to(work.device, work.dtype).train()
         if expert_kernel == "auto":  # what the trainer does: one kernel, decided once over all ranks
             agree_expert_kernels(self.layer, work.tokens * s.top_k, work.dtype, work.device, seed=work.seed)
-        ctx = self.layer.context
-        ctx.batch_shape = work.batch_shape
-        ctx.prev_top1 = work.prev_top1
-        if self.layer.router.needs_attention:  # what a model's attention sub-layer would hand over
-            fill_attention_inputs(ctx, work.x, heads=s.heads, kv_heads=s.kv_heads, form=self.layer.router.attention_inputs)
+        needs = self.layer.attention_needs  # what a model's attention sub-layer would hand over
+        self.inputs = RouterInputs(
+            batch_shape=work.batch_shape, prev_top1=work.prev_top1,
+            attention=synthetic_attention_inputs(work.x, heads=s.heads, kv_heads=s.kv_heads, form=needs) if needs else None)
         self.x = work.x.detach().clone().requires_grad_(True)
         self.params = list(self.layer.parameters())
         self.one = torch.ones((), device=work.device)
@@ -84,7 +84,7 @@ class MoEDistImpl(Impl):
     def step(self) -> None:
         _clear_grads(self.params + [self.x])
         self.layer.context.step += 1  # routers with per-step coins (SSR) see a training run's mix of steps
-        out = self.layer(self.x)
+        out = self.layer(self.x, self.inputs)
         torch.autograd.backward([out, self.layer.aux_loss], [self.work.grad_out, self.one.to(self.layer.aux_loss.dtype)])
 
     def info(self) -> dict:

@@ -79,7 +79,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--router-options", type=json.loads, default={},
                    help='JSON: router name -> options, e.g. \'{"xmoe": {"proj_dim": 16}}\'')
     p.add_argument("--seq-len", type=int, default=None,
-                   help="tokens are [tokens/seq_len, seq_len, d] sequences (ctx.batch_shape, token-graph routers)")
+                   help="tokens are [tokens/seq_len, seq_len, d] sequences (RouterInputs.batch_shape, token-graph routers)")
     p.add_argument("--skew", type=float, default=0.0,
                    help="Zipf-like router preference: logits get -skew*log(1+e) for expert e (0 = none)")
     p.add_argument("--capacity-factor", type=_capacity, default=None, help="'none' = dropless (default)")

@@ -39,7 +39,7 @@ class RouterStep:
         layer = self.impl.layer
         layer.context.step += 1
         x2 = self.impl.x.reshape(-1, layer.d_model)
-        routing = layer.router(x2, layer.context)
+        routing = layer.router(x2, layer.context, self.impl.inputs)
         loss = (routing.gates * self.grad_gates[:, : routing.gates.shape[1]]).sum() + routing.probs.mean()
         loss.backward()
 

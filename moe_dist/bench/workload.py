@@ -33,7 +33,7 @@ class Sizes:
 @dataclass
 class Workload:
     """One rank's tokens of a case. ``x`` is ``[B, S, d]`` when a sequence length is given
-    (token-graph routers read ``ctx.batch_shape``), else ``[T, d]``."""
+    (token-graph routers read ``RouterInputs.batch_shape``), else ``[T, d]``."""
 
     sizes: Sizes
     tokens: int  # per rank

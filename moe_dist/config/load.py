@@ -9,81 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import typing
-from typing import Any, Iterable, Literal, Optional, Union
+from typing import Any, Iterable, Optional
 
 import yaml
 
+from ..checks import coerce_value, describe_type, describe_value
 from .schema import Config, ConfigError
-
-
-def _describe(value: Any) -> str:
-    return f"{value!r} ({type(value).__name__})"
-
-
-def _allowed(tp: Any) -> str:
-    """Human description of what a type allows."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in args)
-    if origin is Union:
-        parts = [_allowed(a) for a in args if a is not type(None)]
-        if type(None) in args:
-            parts.append("null")
-        return " or ".join(parts)
-    if origin is list:
-        plural = {int: "integers", float: "numbers", str: "strings"}
-        return f"a list of {plural.get(args[0], _allowed(args[0]))}" if args else "a list"
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a mapping"}.get(tp, str(tp))
-
-
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Check ``value`` against type ``tp``; return it in canonical form or raise ConfigError."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is Union:
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for alt in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(value, alt, key)
-            except ConfigError as e:
-                errors.append(e)
-        raise ConfigError(f"{key}: got {_describe(value)}; allowed: {_allowed(tp)}")
-    if origin is Literal:
-        if value not in args or isinstance(value, bool) != any(isinstance(a, bool) for a in args if a == value):
-            raise ConfigError(f"{key}: {value!r} is not allowed; allowed: {', '.join(repr(a) for a in args)}")
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}: got {_describe(value)}; allowed: {_allowed(tp)}")
-        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else list(value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
-            try:
-                f = float(value)
-                if math.isfinite(f):
-                    return f
-            except ValueError:
-                pass
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    elif tp is dict:
-        if isinstance(value, dict):
-            return dict(value)
-    else:  # pragma: no cover - a schema bug, not a user error
-        raise TypeError(f"unsupported schema type {tp!r} for {key}")
-    raise ConfigError(f"{key}: got {_describe(value)}; allowed: {_allowed(tp)}")
 
 
 def _check_bounds(value: Any, meta: dict, key: str) -> None:
@@ -103,7 +35,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: got {_describe(raw)}; allowed: a mapping of keys {sorted(f.name for f in dataclasses.fields(cls))}")
+        raise ConfigError(f"{where}: got {describe_value(raw)}; allowed: a mapping of keys {sorted(f.name for f in dataclasses.fields(cls))}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = [k for k in raw if k not in fields]
     if unknown:
@@ -120,7 +52,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
         if dataclasses.is_dataclass(tp):
             kwargs[name] = _build(tp, raw.get(name), key)
         elif name in raw:
-            value = _coerce(raw[name], tp, key)
+            value = coerce_value(raw[name], tp, key)
             _check_bounds(value, f.metadata, key)
             kwargs[name] = value
     return cls(**kwargs)
@@ -152,7 +84,7 @@ def apply_overrides(raw: dict, overrides: Iterable[str]) -> dict:
             if nxt is None:
                 nxt = node[part] = {}
             if not isinstance(nxt, dict):
-                raise ConfigError(f"{key}: {'.'.join(parts[:i + 1])} is not a section (it holds {_describe(nxt)})")
+                raise ConfigError(f"{key}: {'.'.join(parts[:i + 1])} is not a section (it holds {describe_value(nxt)})")
             node = nxt
         node[parts[-1]] = value
     return raw
@@ -221,5 +153,5 @@ def describe_schema(cls: type = Config, prefix: str = "") -> list[tuple[str, str
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         bounds = ", ".join(f"{op} {f.metadata[k]}" for k, op in (("min", ">="), ("max", "<="), ("gt", ">")) if k in f.metadata)
-        rows.append((key, _allowed(tp) + (f" ({bounds})" if bounds else ""), default, f.metadata.get("help", "")))
+        rows.append((key, describe_type(tp) + (f" ({bounds})" if bounds else ""), default, f.metadata.get("help", "")))
     return rows

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
+from ..checks import check_choice
 from ..errors import ConfigError
 
 DEFAULT_CORPUS = "/usr/share/doc/python3.11/html/_sources"
@@ -87,23 +88,12 @@ class MoEConfig:
                             "the written config holds the expanded values and granularity 1", min=1)
 
     def check(self, n_layers: int) -> None:
-        from ..moe.routers import ROUTERS, router_options  # registry: routers register on import
+        # the registry's checks (routers register on import), the same the MoE layer runs when built
+        from ..moe.routers import check_router_features, check_router_options, check_top_k
 
-        if self.router not in ROUTERS:
-            _fail("model.moe.router", f"{self.router!r} is not a known router; allowed: {sorted(ROUTERS)}")
-        allowed = router_options(self.router)
-        unknown = sorted(set(self.router_options) - set(allowed))
-        if unknown:
-            _fail("model.moe.router_options", f"unknown option(s) {unknown} for router {self.router!r}; allowed: {allowed}")
-        if self.top_k > self.num_experts:
-            _fail("model.moe.top_k", f"{self.top_k} must be between 1 and model.moe.num_experts={self.num_experts}")
-        cls = ROUTERS[self.router]
-        if self.expert_bias and not getattr(cls, "supports_expert_bias", False):
-            _fail("model.moe.expert_bias", f"not allowed with router {self.router!r} (it does not choose by top-k of its "
-                  f"probabilities); allowed routers: {sorted(n for n, c in ROUTERS.items() if c.supports_expert_bias)}")
-        if self.router_dtype != "fp32" and not getattr(cls, "supports_fp64", False):
-            _fail("model.moe.router_dtype", f"{self.router_dtype} is not allowed with router {self.router!r}; allowed "
-                  f"routers: {sorted(n for n, c in ROUTERS.items() if c.supports_fp64)} (the others compute in fp32)")
+        check_router_options(self.router, self.router_options)
+        check_top_k(self.num_experts, self.top_k)
+        check_router_features(self.router, self.expert_bias, self.router_dtype)
         if self.shared_gate and not self.shared_d_ff:
             _fail("model.moe.shared_gate", "true needs a shared expert: set model.moe.shared_d_ff")
         if self.granularity != 1:
@@ -138,8 +128,7 @@ def _positive(value) -> bool:
 
 def _check_rope_scaling(scaling: dict, head_dim: int) -> None:
     kind = scaling.get("type")
-    if kind not in ROPE_SCALING_KEYS:
-        _fail("model.rope_scaling.type", f"{kind!r} is not allowed; allowed: {list(ROPE_SCALING_KEYS)}")
+    check_choice("model.rope_scaling.type", kind, ROPE_SCALING_KEYS)
     keys = ROPE_SCALING_KEYS[kind]
     unknown = sorted(set(scaling) - set(keys) - {"type"})
     if unknown:

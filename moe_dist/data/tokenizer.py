@@ -12,7 +12,8 @@ from typing import Iterable, Iterator
 
 import sentencepiece as spm
 
-from ..errors import ConfigError, InputError, MissingInputError
+from ..checks import check_choice
+from ..errors import InputError, MissingInputError
 
 
 class Tokenizer:
@@ -79,8 +80,7 @@ def _paragraphs(texts: Iterable[str], max_chars: int, total_chars: int) -> Itera
 def train_tokenizer(texts: list[str], vocab_size: int, model_type: str = "bpe", max_chars: int = 4_000_000,
                     threads: int = 2) -> Tokenizer:
     """Train on (a spread-out sample of) ``texts``."""
-    if model_type not in ("bpe", "unigram"):
-        raise ConfigError(f"data.tokenizer_type={model_type!r} is not allowed; allowed: 'bpe', 'unigram'")
+    check_choice("data.tokenizer_type", model_type, ("bpe", "unigram"))
     buf = io.BytesIO()
     total = sum(len(t) for t in texts)
     try:

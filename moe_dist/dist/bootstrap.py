@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .groups import ParallelGroups, build_parallel_groups, set_group_timeout
+from ..checks import check_choice
 from ..errors import ConfigError, UserError
 
 DEFAULT_PORT = 29517
@@ -181,8 +182,7 @@ def detect_launch(environ: Optional[Mapping[str, str]] = None, use_mpi4py: Optio
 
 def pick_device(kind: str, local_rank: int) -> torch.device:
     """``auto``: this rank's CUDA device when CUDA is present, else the CPU."""
-    if kind not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"run.device={kind!r} is not allowed; allowed: 'auto', 'cpu', 'cuda'")
+    check_choice("run.device", kind, ("auto", "cpu", "cuda"))
     if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError("run.device='cuda' but torch sees no CUDA device; allowed here: 'cpu' or 'auto'")
@@ -193,8 +193,7 @@ def pick_device(kind: str, local_rank: int) -> torch.device:
 
 
 def pick_backend(kind: str, device: torch.device) -> str:
-    if kind not in ("auto", "gloo", "nccl"):
-        raise ConfigError(f"parallel.backend={kind!r} is not allowed; allowed: 'auto', 'gloo', 'nccl'")
+    check_choice("parallel.backend", kind, ("auto", "gloo", "nccl"))
     if kind == "auto":
         return "nccl" if device.type == "cuda" else "gloo"
     if kind == "nccl" and device.type != "cuda":

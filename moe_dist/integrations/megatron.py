@@ -44,7 +44,7 @@ from ..moe.counting import count_values
 from ..moe.losses import load_balance_share, load_balance_value, z_loss_share
 from ..moe.routers import build_router
 from ..moe.routers.token_graph import TokenGraphRouter
-from ..moe.routing import RoutingContext, is_recomputing
+from ..moe.routing import RouterInputs, RoutingContext, is_recomputing
 from ..moe.stats import MoEStats
 
 LOAD_BALANCING_TYPES = ("aux_loss", "global_aux_loss", "none")
@@ -113,7 +113,7 @@ class MegatronRouter(MegatronModule):
         _check_config(config)
         self.router = build_router(router, config.hidden_size, config.num_moe_experts, config.moe_router_topk,
                                    **dict(router_options or {}))
-        if self.router.needs_attention:
+        if self.router.attention_needs is not None:
             raise ValueError(f"router={router!r} reads the attention probabilities, which Megatron-Core's MoE layer "
                              "does not receive; choose another router (e.g. 'similarity')")
         if getattr(self.router, "k_min", self.router.top_k) != getattr(self.router, "k_max", self.router.top_k):
@@ -156,6 +156,20 @@ class MegatronRouter(MegatronModule):
             return None
         return routing.expert_ids[:, 0].detach()
 
+    def _router_inputs(self, hidden_states: torch.Tensor,
+                       padding_mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, RouterInputs]:
+        """The router's rows ``[T, H]`` and what it reads besides: Megatron's ``[S, B]`` token order,
+        or ``[B, S]`` sequences for the token-graph routers (``sequence_major``)."""
+        S, B, H = hidden_states.shape
+        real = None if padding_mask is None else ~padding_mask.reshape(S, B).bool()  # Megatron: True = padding
+        prev_top1 = self._prev_top1(S * B)
+        if not self.sequence_major:
+            return hidden_states.reshape(S * B, H), RouterInputs(padding_mask=real, prev_top1=prev_top1)
+        x = hidden_states.transpose(0, 1).reshape(B * S, H)
+        if prev_top1 is not None:
+            prev_top1 = prev_top1.view(S, B).t().reshape(-1)
+        return x, RouterInputs(batch_shape=(B, S), padding_mask=None if real is None else real.t(), prev_top1=prev_top1)
+
     def _token_layout(self, n_tok: int, device) -> tuple[int, int]:
         sizes = all_gather_tensor(torch.full((1,), n_tok, device=device), self.stats_group).view(-1).tolist()
         return sum(sizes[: group_rank(self.stats_group)]), sum(sizes)
@@ -163,22 +177,13 @@ class MegatronRouter(MegatronModule):
     def forward(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
         S, B, H = hidden_states.shape
         ctx, E = self.context, self.config.num_moe_experts
-        real = None if padding_mask is None else ~padding_mask.reshape(S, B).bool()  # Megatron: True = padding
-        ctx.prev_top1 = self._prev_top1(S * B)
-        if self.sequence_major:  # token-graph routers read [B, S] sequences
-            x = hidden_states.transpose(0, 1).reshape(B * S, H)
-            ctx.batch_shape, ctx.padding_mask = (B, S), None if real is None else real.t()
-            if ctx.prev_top1 is not None:
-                ctx.prev_top1 = ctx.prev_top1.view(S, B).t().reshape(-1)
-        else:
-            x = hidden_states.reshape(S * B, H)
-            ctx.batch_shape, ctx.padding_mask = None, real
+        x, inputs = self._router_inputs(hidden_states, padding_mask)
         if self.training and not is_recomputing():
             ctx.micro_step = self._micro_steps
             self._micro_steps += 1
         if self.router.needs_token_layout:
             ctx.token_offset, ctx.global_tokens = self._token_layout(x.shape[0], x.device)
-        routing = self.router(x, ctx)
+        routing = self.router(x, ctx, inputs)
         if self.sequence_major:
             routing = replace(routing, **{name: _to_seq_first(getattr(routing, name), B, S)
                                           for name in ("expert_ids", "gates", "probs", "logits")})

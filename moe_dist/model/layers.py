@@ -8,7 +8,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..errors import ConfigError
+from ..checks import check_choice
+from ..moe.routing import ATTENTION_NEEDS, AttentionInputs
 
 
 QK_NORMS = ("none", "projection")  # model.qk_norm: where Attention normalises queries and keys
@@ -74,10 +75,12 @@ def _init_linear(layer: nn.Linear, std: float) -> nn.Linear:
 class Attention(nn.Module):
     """Causal grouped-query attention: ``n_heads`` query heads share ``n_kv_heads`` key/value heads.
 
-    The fused SDPA kernel runs unless the caller asks for the attention probabilities
-    (``need_probs``); then scores and softmax are computed explicitly and returned ``[B, H, S, S]``.
-    ``values_out`` (a dict) receives the rotated queries and keys and the values, for routers
-    that read the attention.
+    ``forward`` returns the output and, when asked (``capture``, one of
+    :data:`~moe_dist.moe.routing.ATTENTION_NEEDS`), an :class:`~moe_dist.moe.routing.AttentionInputs`
+    for a router that reads the attention: ``scores`` gives the rotated queries and keys, the
+    values, the output and the output projection's weight, and the fused SDPA kernel still runs;
+    ``probs`` also the probabilities ``[B, H, S, S]``, whose scores and softmax are then computed
+    explicitly.
 
     ``qk_norm="projection"``: RMSNorm over the whole query projection (all heads) and over the
     whole key projection, before RoPE (OLMoE's q/k norm); ``"none"``: no such norm.
@@ -87,8 +90,7 @@ class Attention(nn.Module):
                  qkv_bias: bool = False, qk_norm: str = "none", norm_eps: float = 1e-5):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, d_model // n_heads
-        if qk_norm not in QK_NORMS:
-            raise ConfigError(f"model.qk_norm={qk_norm!r}; allowed: {list(QK_NORMS)}")
+        check_choice("model.qk_norm", qk_norm, QK_NORMS)
         self.q_norm = RMSNorm(n_heads * self.head_dim, norm_eps) if qk_norm == "projection" else None
         self.k_norm = RMSNorm(n_kv_heads * self.head_dim, norm_eps) if qk_norm == "projection" else None
         self.wq = _init_linear(nn.Linear(d_model, n_heads * self.head_dim, bias=qkv_bias), init_std)
@@ -97,7 +99,9 @@ class Attention(nn.Module):
         self.wo = _init_linear(nn.Linear(n_heads * self.head_dim, d_model, bias=False), out_init_std)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
-                need_probs: bool = False, values_out: Optional[dict] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                capture: Optional[str] = None) -> tuple[torch.Tensor, Optional[AttentionInputs]]:
+        if capture is not None and capture not in ATTENTION_NEEDS:  # a router's declaration, not a user's value
+            raise ValueError(f"Attention: capture={capture!r}; allowed: None or one of {list(ATTENTION_NEEDS)}")
         B, S, _ = x.shape
         q, k = self.wq(x), self.wk(x)
         if self.q_norm is not None:
@@ -112,7 +116,7 @@ class Attention(nn.Module):
             eye = torch.eye(S, dtype=torch.bool, device=x.device)
             mask = (causal & padding_mask[:, None, None, :].bool()) | eye
         probs = None
-        if need_probs:
+        if capture == "probs":
             groups = self.n_heads // self.n_kv_heads
             k_all, v_all = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
             if mask is None:
@@ -125,9 +129,11 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        if values_out is not None:  # attention-aware routing reads the (un-repeated) values, queries and keys
-            values_out.update(attn_values=v, attn_queries=q, attn_keys=k)
-        return self.wo(out.transpose(1, 2).reshape(B, S, -1)), probs
+        h = self.wo(out.transpose(1, 2).reshape(B, S, -1))
+        if capture is None:
+            return h, None
+        # attention-aware routing reads the (un-repeated) keys and values
+        return h, AttentionInputs(queries=q, keys=k, values=v, output=h, out_weight=self.wo.weight, probs=probs)
 
 
 class SwiGLU(nn.Module):

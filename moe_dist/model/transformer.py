@@ -1,13 +1,14 @@
 """Decoder-only language model whose feed-forward layers may be MoE layers.
 
 The model knows nothing of parallelism: ``moe_dist.parallel.apply_expert_parallel`` and the
-trainer's sharding are applied to it afterwards. Before each MoE layer runs, the model fills
-the layer's :class:`~moe_dist.moe.routing.RoutingContext` with what routers may read:
-``batch_shape``, ``padding_mask``, ``causal``, ``prev_top1`` (top-1 experts of the previous
-MoE layer in this forward) and, only for routers with ``needs_attention``, the same block's
-attention: queries, keys and values in ``extras`` (the fused SDPA kernel still runs), and
-``attn_probs`` (``[B, H, S, S]``, computed explicitly) only for routers whose
-``attention_inputs`` is ``probs``. The trainer fills ``step``, ``micro_step``, ``seed``.
+trainer's sharding are applied to it afterwards. Each MoE block calls its layer with a
+:class:`~moe_dist.moe.routing.RouterInputs`: ``batch_shape``, ``padding_mask``, ``causal``,
+``prev_top1`` (top-1 experts of the previous MoE layer in this forward, handed from block to
+block) and, only when the layer asks (``MoELayer.attention_needs``), the same block's attention
+as the attention sub-layer returns it (:class:`~moe_dist.moe.routing.AttentionInputs`: queries,
+keys, values, output and output projection, the fused SDPA kernel still running; and the
+``[B, H, S, S]`` probabilities, computed explicitly, only for ``probs``). What the trainer owns
+(``step``, ``micro_step``, ``seed``) is in each layer's ``context``.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from ..moe import MoELayer
-from ..moe.routers.token_graph import ATTN_OUT_WEIGHT, ATTN_OUTPUT
+from ..moe.routing import RouterInputs
 from .layers import Attention, RMSNorm, SwiGLU, rotary_tables
 
 
@@ -48,21 +49,18 @@ class Block(nn.Module):
         else:
             self.ffn = SwiGLU(cfg.d_model, cfg.d_ff, cfg.init_std, out_std)
 
-    @property
-    def needs_attention(self) -> bool:
-        return self.is_moe and bool(getattr(self.ffn.router, "needs_attention", False))
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        extras = self.ffn.context.extras if self.needs_attention else None
-        need_probs = extras is not None and self.ffn.router.attention_inputs == "probs"
-        h, probs = self.attn(self.attn_norm(x), cos, sin, padding_mask, need_probs=need_probs, values_out=extras)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
+                prev_top1: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``prev_top1``: the previous MoE layer's top-1 experts in this forward (MoE blocks hand
+        it to their router)."""
+        h, attention = self.attn(self.attn_norm(x), cos, sin, padding_mask,
+                                 capture=self.ffn.attention_needs if self.is_moe else None)
         x = x + h
-        if extras is not None:  # what the attention-aware router reads (keys: routers/token_graph.py)
-            self.ffn.context.attn_probs = probs
-            extras[ATTN_OUT_WEIGHT] = self.attn.wo.weight
-            extras[ATTN_OUTPUT] = h
-        return x + self.ffn(self.ffn_norm(x))
+        if not self.is_moe:
+            return x + self.ffn(self.ffn_norm(x))
+        inputs = RouterInputs(batch_shape=(x.shape[0], x.shape[1]), padding_mask=padding_mask, causal=True,
+                              prev_top1=prev_top1, attention=attention)
+        return x + self.ffn(self.ffn_norm(x), inputs)
 
 
 class TransformerLM(nn.Module):
@@ -96,20 +94,16 @@ class TransformerLM(nn.Module):
     def forward(self, tokens: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         if tokens.dim() != 2:
             raise ValueError(f"expected token ids [batch, seq], got shape {tuple(tokens.shape)}")
-        B, S = tokens.shape
         x = self.embed(tokens)
-        cos, sin = rotary_tables(S, self.head_dim, self.cfg.rope_theta, tokens.device, x.dtype, self.cfg.rope_scaling)
+        cos, sin = rotary_tables(tokens.shape[1], self.head_dim, self.cfg.rope_theta, tokens.device, x.dtype,
+                                 self.cfg.rope_scaling)
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         prev_top1 = None
         for block in self.blocks:
-            if block.is_moe:
-                ctx = block.ffn.context
-                ctx.batch_shape, ctx.padding_mask, ctx.causal = (B, S), padding_mask, True
-                ctx.prev_top1, ctx.attn_probs = prev_top1, None
             if recompute:
-                x = checkpoint(block, x, cos, sin, padding_mask, use_reentrant=False)
+                x = checkpoint(block, x, cos, sin, padding_mask, prev_top1, use_reentrant=False)
             else:
-                x = block(x, cos, sin, padding_mask)
+                x = block(x, cos, sin, padding_mask, prev_top1)
             if block.is_moe:
                 prev_top1 = block.ffn.last_routing.expert_ids[:, 0].detach()
         return self.lm_head(self.norm(x))

@@ -5,11 +5,12 @@
 from .experts import GroupedExperts
 from .layer import MoELayer, collect_aux_loss, collect_stats, moe_layers
 from .routers import ROUTERS, Router, build_router, register_router
-from .routing import Routing, RoutingContext
+from .routing import AttentionInputs, RouterInputs, Routing, RoutingContext
 from .shared import SharedExpert
 from .stats import MoEStats
 
 __all__ = [
-    "MoELayer", "GroupedExperts", "SharedExpert", "MoEStats", "Routing", "RoutingContext", "Router", "ROUTERS",
+    "MoELayer", "GroupedExperts", "SharedExpert", "MoEStats", "Routing", "RoutingContext", "RouterInputs",
+    "AttentionInputs", "Router", "ROUTERS",
     "build_router", "register_router", "collect_aux_loss", "collect_stats", "moe_layers",
 ]

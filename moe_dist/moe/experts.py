@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..dist.shards import local_rows
-from ..errors import ConfigError
+from ..checks import check_choice
 from .exchange import Exchange, PipelinedLoop, exchange_rows, return_rows
 from .loop_kernel import LoopFFN
 
@@ -72,10 +72,8 @@ class GroupedExperts(nn.Module):
     def __init__(self, num_experts: int, d_model: int, d_ff: int, *, activation: str = "swiglu",
                  kernel: str = "loop", offset: int = 0, init_std: float = 0.02, out_init_std: Optional[float] = None):
         super().__init__()
-        if activation not in ACTIVATIONS:
-            raise ConfigError(f"model.moe.activation={activation!r} not allowed; allowed: {list(ACTIVATIONS)}")
-        if kernel not in KERNELS:
-            raise ConfigError(f"model.moe.expert_kernel={kernel!r} not allowed; allowed: {list(KERNELS)}")
+        check_choice("model.moe.activation", activation, ACTIVATIONS)
+        check_choice("model.moe.expert_kernel", kernel, KERNELS)
         self.num_experts, self.d_model, self.d_ff = num_experts, d_model, d_ff
         self.activation, self.kernel, self.offset = activation, kernel, offset
         self.init_std = init_std

@@ -1,7 +1,10 @@
 """MoELayer = router -> capacity -> dispatch -> experts -> combine.
 
 The layer is built for one process; ``apply_expert_parallel`` (moe_dist.parallel) later
-keeps only this rank's experts and hands the layer its process groups.
+keeps only this rank's experts and hands the layer its process groups. What its router needs
+from the model for a call (sequence structure, padding, the previous MoE layer's top-1, the
+attention before it: :class:`~moe_dist.moe.routing.RouterInputs`) is an argument of ``forward``;
+``attention_needs`` says which form of the attention the router reads.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from ..checks import check_choice
 from ..errors import ConfigError
 from ..dist.collectives import all_gather_tensor, group_rank, group_size, subgroup_rows
 from ..dist.groups import ParallelGroups
@@ -20,18 +24,13 @@ from .dispatch import combine, dispatch
 from .experts import GroupedExperts
 from .losses import (BALANCE_LOSSES, LOSS_SCOPES, load_balance_share, load_balance_value, sequence_balance_sum,
                      z_loss_share)
-from .routers import build_router
+from .routers import build_router, check_router_features
 from .routers.base import count_nonfinite, nonfinite_logits_error
-from .routing import Routing, RoutingContext, is_recomputing
+from .routing import NO_INPUTS, Routing, RouterInputs, RoutingContext, is_recomputing
 from .shared import SharedExpert, init_linear
 from .stats import MoEStats
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
-
-
-def _check_choice(key: str, value, allowed) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not allowed; allowed: {list(allowed)}")
 
 
 class MoELayer(nn.Module):
@@ -51,7 +50,7 @@ class MoELayer(nn.Module):
         the expert-bias counts.
     balance_loss: ``batch`` (Switch / GShard over the batch) or ``sequence`` (DeepSeek-V2/V3:
         the same loss per sequence, averaged over sequences; needs ``[B, S, d]`` input or
-        ``context.batch_shape``).
+        ``inputs.batch_shape``).
     shared_d_ff: hidden size of the always-active shared expert (None / 0: none);
         shared_gate: scale it per token by ``sigmoid(x w)`` (Qwen2-MoE's ``shared_expert_gate``).
     expert_bias: aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the router's
@@ -71,20 +70,16 @@ class MoELayer(nn.Module):
                  shared_gate: bool = False, expert_bias: bool = False, expert_bias_rate: float = 1e-3,
                  router_dtype: str = "fp32"):
         super().__init__()
-        if num_experts < 1:
-            raise ConfigError(f"model.moe.num_experts must be >= 1, got {num_experts}")
-        if not 1 <= top_k <= num_experts:
-            raise ConfigError(f"model.moe.top_k={top_k} must be between 1 and model.moe.num_experts={num_experts}")
         for key, cf in (("model.moe.capacity_factor", capacity_factor), ("model.moe.eval_capacity_factor", eval_capacity_factor)):
             if cf is not None and not (isinstance(cf, (int, float)) and math.isfinite(cf) and cf > 0):
                 raise ConfigError(f"{key} must be > 0 or null (dropless), got {cf!r}")
         if min_capacity < 0:
             raise ConfigError(f"model.moe.min_capacity must be >= 0, got {min_capacity}")
-        _check_choice("model.moe.drop_policy", drop_policy, DROP_POLICIES)
-        _check_choice("model.moe.capacity_scope", capacity_scope, CAPACITY_SCOPES)
-        _check_choice("model.moe.loss_scope", loss_scope, LOSS_SCOPES)
-        _check_choice("model.moe.balance_loss", balance_loss, BALANCE_LOSSES)
-        _check_choice("model.moe.router_dtype", router_dtype, ROUTER_DTYPES)
+        check_choice("model.moe.drop_policy", drop_policy, DROP_POLICIES)
+        check_choice("model.moe.capacity_scope", capacity_scope, CAPACITY_SCOPES)
+        check_choice("model.moe.loss_scope", loss_scope, LOSS_SCOPES)
+        check_choice("model.moe.balance_loss", balance_loss, BALANCE_LOSSES)
+        check_choice("model.moe.router_dtype", router_dtype, ROUTER_DTYPES)
         if shared_d_ff is not None and shared_d_ff < 0:
             raise ConfigError(f"model.moe.shared_d_ff must be >= 0 or null (no shared expert), got {shared_d_ff}")
         if shared_gate and not shared_d_ff:
@@ -123,10 +118,18 @@ class MoELayer(nn.Module):
     def _build_router(self) -> nn.Module:
         name, d_model, num_experts, top_k, options, expert_bias, router_dtype = self._router_spec
         router = build_router(name, d_model, num_experts, top_k, **options)
+        check_router_features(name, expert_bias, router_dtype)
         if expert_bias:
-            router.enable_expert_bias(name)
-        router.set_compute_dtype(ROUTER_DTYPES[router_dtype], name)
+            router.enable_expert_bias()
+        router.set_compute_dtype(ROUTER_DTYPES[router_dtype])
         return router
+
+    @property
+    def attention_needs(self) -> Optional[str]:
+        """What the router reads of the attention sub-layer before this layer: None, ``scores``
+        or ``probs`` (:data:`~moe_dist.moe.routing.ATTENTION_NEEDS`); the model hands it over in
+        ``RouterInputs.attention``."""
+        return self.router.attention_needs
 
     @property
     def expert_bias(self) -> Optional[torch.Tensor]:
@@ -176,16 +179,20 @@ class MoELayer(nn.Module):
         sizes = all_gather_tensor(torch.full((1,), n_tok, device=device), group).view(-1).tolist()
         return sum(sizes[: group_rank(group)]), sum(sizes)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Host synchronisation: one read per call, the dispatch's (split sizes and per-expert
+    def forward(self, x: torch.Tensor, inputs: Optional[RouterInputs] = None) -> torch.Tensor:
+        """``x`` ``[..., d_model]``; ``inputs``: what the router needs from the model for this call
+        (None: nothing, tokens without sequence structure).
+
+        Host synchronisation: one read per call, the dispatch's (split sizes and per-expert
         row counts, with the global count of non-finite router logits riding along); one more
         for routers with ``needs_token_layout`` (the ranks' token counts), for the ``probs`` drop
         policy with global capacity on 2+ ranks (the ranks' pair counts), and whatever the router
         itself reads (Sinkhorn: its stop test). None in backward."""
         if x.shape[-1] != self.d_model:
             raise ValueError(f"MoELayer expects [..., {self.d_model}] input, got {tuple(x.shape)}")
+        inputs = NO_INPUTS if inputs is None else inputs
         shape = x.shape
-        n_seq = self._num_sequences(x) if self.balance_loss == "sequence" else 0
+        n_seq = self._num_sequences(x, inputs) if self.balance_loss == "sequence" else 0
         x2 = x.reshape(-1, self.d_model)
         n_tok = x2.shape[0]
         ctx = self.context
@@ -195,7 +202,7 @@ class MoELayer(nn.Module):
 
         if self.router.needs_token_layout:
             ctx.token_offset, ctx.global_tokens = self._token_layout(n_tok, x.device)
-        routing = self.router(x2, ctx)
+        routing = self.router(x2, ctx, inputs)
         self.last_routing = routing
         E, k = self.num_experts, routing.top_k
         probs = routing.probs
@@ -269,13 +276,13 @@ class MoELayer(nn.Module):
                               capacity=capacity, extras=dict(routing.extras))
         return out.to(x.dtype).reshape(shape)
 
-    def _num_sequences(self, x: torch.Tensor) -> int:
+    def _num_sequences(self, x: torch.Tensor, inputs: RouterInputs) -> int:
         """Sequences in this rank's input for the sequence-level loss: ``B`` of a ``[B, S, d]``
-        input, else of ``context.batch_shape``."""
-        shape = tuple(x.shape[:-1]) if x.dim() == 3 else self.context.batch_shape
+        input, else of ``inputs.batch_shape``."""
+        shape = tuple(x.shape[:-1]) if x.dim() == 3 else inputs.batch_shape
         if shape is None or len(shape) != 2 or shape[0] * shape[1] != x.numel() // self.d_model:
             raise ValueError(f"model.moe.balance_loss='sequence' needs [batch, seq, {self.d_model}] input or "
-                             f"context.batch_shape; got input {tuple(x.shape)} and batch_shape {self.context.batch_shape}")
+                             f"inputs.batch_shape; got input {tuple(x.shape)} and batch_shape {inputs.batch_shape}")
         return int(shape[0])
 
     def _capacity_keep(self, routing: Routing, counts_g, counts_r, tokens_g, tokens_r, n_tok: int, me: int, device):

@@ -114,7 +114,7 @@ def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int
     router_cls = ROUTERS.get(m.moe.router)
     work = Workload(seq_len=inp.seq_len, micro_batch=micro_batch, grad_accum=inp.grad_accum,
                     act_bytes=2 if inp.dtype == "bf16" else 4, vocab_size=m.vocab_size, n_layers=m.n_layers,
-                    moe_blocks=inp.moe_blocks, attention_probs=bool(n_moe and getattr(router_cls, "needs_attention", False)))
+                    moe_blocks=inp.moe_blocks, attention_probs=bool(n_moe and router_cls is not None and router_cls.attention_needs))
     act = activation_bytes(s, work, checkpointing=False)
     act_ckpt = activation_bytes(s, work, checkpointing=True)
     fsdp = uses_fsdp(inp.dense_mode, world)

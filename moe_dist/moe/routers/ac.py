@@ -1,11 +1,11 @@
 """Adaptive Clustering routing (ACMoE; "Tight clusters make specialized experts", ICLR 2025).
 
-Tokens are grouped by their top-1 expert at the previous MoE layer (``ctx.prev_top1``, set by
-the model). Per group k and feature q the router input's dispersion ``s_qk`` (mean absolute
-deviation by default, or variance) gives a feature weight ``w_qk ~ 1 / (s_qk + eps)``; the
-router scores ``(x * w_{c(x)}) . e_j`` with ``e_j`` the L2-normalised expert embeddings, so
-features on which a cluster is tight count more. Only the router sees the scaled input;
-the weights carry no gradient.
+Tokens are grouped by their top-1 expert at the previous MoE layer (``inputs.prev_top1``, which
+the model hands the layer's forward). Per group k and feature q the router input's dispersion
+``s_qk`` (mean absolute deviation by default, or variance) gives a feature weight
+``w_qk ~ 1 / (s_qk + eps)``; the router scores ``(x * w_{c(x)}) . e_j`` with ``e_j`` the
+L2-normalised expert embeddings, so features on which a cluster is tight count more. Only the
+router sees the scaled input; the weights carry no gradient.
 
 Distributed: the weights come from sufficient statistics summed in fp32 over
 ``ctx.group_for(scope)`` in two rounds (``[n_k, sum x]``, then ``sum |x - mu_k|`` or
@@ -21,10 +21,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...dist.collectives import all_reduce_sum
-from ..routing import Routing, RoutingContext, is_recomputing
+from ..routing import SCOPES, Routing, RouterInputs, RoutingContext, is_recomputing
 from .base import Router, default_normalize, fp32_linear, select_topk
 from .registry import register_router
-from .token_stats import SCOPES, check_choice, real_token_weights
+from .token_stats import real_token_weights
+from ...checks import check_choice
 from ...errors import ConfigError
 
 DISPERSIONS = ("mad", "var")
@@ -80,7 +81,7 @@ class AdaptiveClusteringRouter(Router):
     """Options:
 
     start_layer: first layer (``ctx.layer_idx``) that uses AC; earlier layers, and any call
-        without ``ctx.prev_top1``, route by plain top-k on the same scores (default 2: the
+        without ``inputs.prev_top1``, route by plain top-k on the same scores (default 2: the
         paper's best Switch placement leaves the first two MoE layers plain).
     dispersion: ``mad`` (mean absolute deviation, paper default) or ``var``.
     eps: added to the dispersion before inverting. clamp: cap weights at ``clamp`` x their
@@ -104,11 +105,11 @@ class AdaptiveClusteringRouter(Router):
                  scope: str = "global", eval_mode: str = "batch", momentum: float = 0.1, base: str = "embedding",
                  normalize: Optional[bool] = None, init_std: float = 0.02):
         super().__init__(d_model, num_experts, top_k)
-        check_choice("dispersion", dispersion, DISPERSIONS)
-        check_choice("weight_norm", weight_norm, WEIGHT_NORMS)
-        check_choice("scope", scope, SCOPES)
-        check_choice("eval_mode", eval_mode, EVAL_MODES)
-        check_choice("base", base, BASES)
+        check_choice("model.moe.router_options.dispersion", dispersion, DISPERSIONS)
+        check_choice("model.moe.router_options.weight_norm", weight_norm, WEIGHT_NORMS)
+        check_choice("model.moe.router_options.scope", scope, SCOPES)
+        check_choice("model.moe.router_options.eval_mode", eval_mode, EVAL_MODES)
+        check_choice("model.moe.router_options.base", base, BASES)
         if not eps > 0:
             raise ConfigError(f"model.moe.router_options.eps must be > 0, got {eps}")
         if clamp is not None and clamp < 0:
@@ -136,8 +137,8 @@ class AdaptiveClusteringRouter(Router):
     def router_weight(self) -> torch.Tensor:
         return F.normalize(self.weight.float(), dim=-1) if self.base == "embedding" else self.weight
 
-    def active(self, ctx: RoutingContext) -> bool:
-        return ctx.prev_top1 is not None and ctx.layer_idx >= self.start_layer
+    def active(self, ctx: RoutingContext, inputs: RouterInputs) -> bool:
+        return inputs.prev_top1 is not None and ctx.layer_idx >= self.start_layer
 
     @torch.no_grad()
     def _update_running(self, counts: torch.Tensor, dispersion: torch.Tensor) -> None:
@@ -147,27 +148,28 @@ class AdaptiveClusteringRouter(Router):
         self.running_dispersion.copy_(torch.where(seen[:, None], blended, running))
         self.running_valid |= seen
 
-    def feature_weights(self, x: torch.Tensor, labels: torch.Tensor, ctx: RoutingContext) -> tuple[torch.Tensor, dict]:
+    def feature_weights(self, x: torch.Tensor, labels: torch.Tensor, ctx: RoutingContext,
+                        inputs: RouterInputs) -> tuple[torch.Tensor, dict]:
         """``[E, d]`` weights for this call (detached) and the statistics for metrics."""
         if not self.training and self.eval_mode == "running":
             valid = self.running_valid
             w = dispersion_weights(self.running_dispersion.float(), valid, self.eps, self.clamp, self.weight_norm)
             return w, {}
         counts, disp = cluster_dispersion(x, labels, self.num_experts, self.dispersion, ctx.group_for(self.scope),
-                                          real_token_weights(ctx, x.shape[0], x.device))
+                                          real_token_weights(inputs, ctx, x.shape[0], x.device))
         valid = counts >= self.min_count
         if self.training and not is_recomputing():
             self._update_running(counts, disp)
         w = dispersion_weights(disp, valid, self.eps, self.clamp, self.weight_norm)
         return w, {"ac_cluster_sizes": counts.detach(), "ac_small_clusters": (~valid).sum().float()}
 
-    def route(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:
+    def route(self, x: torch.Tensor, ctx: RoutingContext, inputs: RouterInputs) -> Routing:
         extras: dict = {"ac_active": torch.zeros(())}
-        if self.active(ctx):
-            labels = ctx.prev_top1.reshape(-1).to(device=x.device, dtype=torch.long)
+        if self.active(ctx, inputs):
+            labels = inputs.prev_top1.reshape(-1).to(device=x.device, dtype=torch.long)
             if labels.shape[0] != x.shape[0]:
-                raise ValueError(f"layer {ctx.layer_idx}: ctx.prev_top1 has {labels.shape[0]} labels for {x.shape[0]} tokens")
-            w, stats = self.feature_weights(x, labels, ctx)
+                raise ValueError(f"layer {ctx.layer_idx}: prev_top1 has {labels.shape[0]} labels for {x.shape[0]} tokens")
+            w, stats = self.feature_weights(x, labels, ctx, inputs)
             self.last_weights = w
             extras.update(stats, ac_active=torch.ones(()))
             router_input = x.float() * w.index_select(0, labels)

@@ -1,28 +1,40 @@
 """Shared pieces of every router: the base class and the steps routers have in common."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..routing import Routing, RoutingContext
+from ..routing import NO_INPUTS, Routing, RouterInputs, RoutingContext
 from ...errors import ConfigError
 
 
-class Router(nn.Module):
-    """Maps router inputs ``[T, d]`` to a :class:`Routing`. Subclasses implement ``route``.
+def check_top_k(num_experts: int, top_k: int) -> None:
+    """``model.moe.num_experts`` >= 1 and ``1 <= model.moe.top_k <= num_experts`` (every router
+    checks it when built; the config before launch)."""
+    if num_experts < 1:
+        raise ConfigError(f"model.moe.num_experts must be >= 1, got {num_experts}")
+    if not 1 <= top_k <= num_experts:
+        raise ConfigError(f"model.moe.top_k={top_k} must be between 1 and model.moe.num_experts={num_experts}")
 
-    Class attributes tell the layer what context to supply:
-    ``needs_token_layout``: fill ``ctx.token_offset`` / ``ctx.global_tokens`` (layout-invariant noise).
-    ``needs_attention``: the model must hand this layer the attention sub-layer before it, in the
-    form ``attention_inputs`` names: ``probs`` (``ctx.attn_probs`` ``[B, H, S, S]``, computed
-    explicitly) or ``scores`` (``ctx.extras`` ``attn_queries`` / ``attn_keys``; the attention keeps
-    its fused kernel). Either way the values are in ``ctx.extras["attn_values"]``.
+
+class Router(nn.Module):
+    """Maps router inputs ``[T, d]`` to a :class:`Routing`. Subclasses implement
+    ``route(x, ctx, inputs)``: ``ctx`` is the layer's :class:`RoutingContext`, ``inputs`` the
+    :class:`RouterInputs` the model handed the layer's forward.
+
+    Class attributes tell the layer and the model what to supply:
+    ``needs_token_layout``: the layer fills ``ctx.token_offset`` / ``ctx.global_tokens`` (layout-invariant noise).
+    ``attention_needs``: None, or what the model hands over of the attention sub-layer before the
+    layer, in ``inputs.attention`` (one of :data:`~moe_dist.moe.routing.ATTENTION_NEEDS`): ``scores``
+    (queries, keys, values, output and output projection; the attention keeps its fused kernel) or
+    ``probs`` (the same and the ``[B, H, S, S]`` probabilities, computed explicitly).
     """
 
     needs_token_layout = False
-    needs_attention = False
-    attention_inputs = "probs"
+    attention_needs: Optional[str] = None
     # Routing.extras that describe this rank's tokens only, and how the metrics combine them over
     # the ranks holding distinct tokens: "mean" (weighted by router rows) or "sum"
     local_extras: dict[str, str] = {}
@@ -37,30 +49,20 @@ class Router(nn.Module):
 
     def __init__(self, d_model: int, num_experts: int, top_k: int):
         super().__init__()
-        if num_experts < 1:
-            raise ConfigError(f"model.moe.num_experts must be >= 1, got {num_experts}")
-        if not 1 <= top_k <= num_experts:
-            raise ConfigError(f"model.moe.top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        check_top_k(num_experts, top_k)
         self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
 
-    def forward(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:
-        return self.route(x, ctx)
+    def forward(self, x: torch.Tensor, ctx: RoutingContext, inputs: Optional[RouterInputs] = None) -> Routing:
+        return self.route(x, ctx, NO_INPUTS if inputs is None else inputs)
 
-    # ---- options the MoE layer sets after construction -------------------------------------
-    def enable_expert_bias(self, name: str = "") -> None:
+    # ---- options the MoE layer sets after construction (registry.check_router_features says which
+    # routers support them) --------------------------------------------------------------------
+    def enable_expert_bias(self) -> None:
         """Register the per-expert selection bias (a persistent fp32 buffer, zeros: router state that
         checkpoints save; every rank holds the same values, updated by the MoE layer)."""
-        if not self.supports_expert_bias:
-            raise ConfigError(f"model.moe.expert_bias=true is not allowed with router {name or type(self).__name__!r} (it "
-                              "does not choose by top-k of its probabilities: Sinkhorn balances by itself, Symphony "
-                              f"chooses through its graph); allowed routers: {_routers_with('supports_expert_bias')}")
         self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32), persistent=True)
 
-    def set_compute_dtype(self, dtype: torch.dtype, name: str = "") -> None:
-        if dtype != torch.float32 and not self.supports_fp64:
-            raise ConfigError(f"model.moe.router_dtype=fp64 is not allowed with router {name or type(self).__name__!r}; "
-                              "allowed routers: "
-                              f"{_routers_with('supports_fp64')} (the others compute in fp32)")
+    def set_compute_dtype(self, dtype: torch.dtype) -> None:
         self.compute_dtype = dtype
 
     def selection_bias(self) -> torch.Tensor | None:
@@ -75,7 +77,7 @@ class Router(nn.Module):
             self._buffers["expert_bias"] = after.float() if bias.is_meta else bias.to(after.device)
         return self
 
-    def route(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:  # pragma: no cover - abstract
+    def route(self, x: torch.Tensor, ctx: RoutingContext, inputs: RouterInputs) -> Routing:  # pragma: no cover - abstract
         raise NotImplementedError(f"{type(self).__name__} must implement route()")
 
     def extra_metrics(self) -> dict:
@@ -86,12 +88,6 @@ class Router(nn.Module):
         """Called by the trainer once per optimizer step, after ``optimizer.step()``, on every
         rank (collectives allowed over ``ctx.stats_group``). Routers with per-step state
         (Symphony's graph, schedules) update it here."""
-
-
-def _routers_with(flag: str) -> list[str]:
-    from .registry import ROUTERS
-
-    return sorted(n for n, c in ROUTERS.items() if getattr(c, flag, False))
 
 
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ...dist.collectives import all_gather_tensor, group_size
-from ..routing import Routing, RoutingContext
+from ..routing import Routing, RouterInputs, RoutingContext
 from .base import Router, default_normalize, fp32_linear, select_topk
 from .registry import register_router
 from ...errors import ConfigError
@@ -136,7 +136,7 @@ class FrozenRouter(Router):
     def router_weights(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def route(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:
+    def route(self, x: torch.Tensor, ctx: RoutingContext, inputs: RouterInputs) -> Routing:
         weight, bias = self.router_weights()
         logits = fp32_linear(x, weight, bias, dtype=self.compute_dtype)
         probs = torch.softmax(logits, dim=-1)

@@ -1,10 +1,15 @@
-"""Routers by name, with option checking that names the bad key and the allowed ones."""
+"""Routers by name, and the one check of a router choice: the name, its options (known keys,
+values of the types its ``__init__`` declares) and the layer features it supports. The config
+(before launch) and the builders (:func:`build_router`, the MoE layer) call the same checks, so a
+mistake reads the same wherever it is caught."""
 from __future__ import annotations
 
 import inspect
-from typing import Callable
+import typing
+from typing import Any, Callable
 
 from .base import Router
+from ...checks import check_choice, coerce_value
 from ...errors import ConfigError
 
 ROUTERS: dict[str, Callable[..., Router]] = {}
@@ -33,12 +38,42 @@ def router_options(name: str) -> list[str]:
     return [p for p in inspect.signature(ROUTERS[name].__init__).parameters if p not in fixed]
 
 
-def build_router(name: str, d_model: int, num_experts: int, top_k: int, **options) -> Router:
-    if name not in ROUTERS:
-        raise ConfigError(f"model.moe.router={name!r} is not a known router; allowed: {sorted(ROUTERS)}")
+def _option_types(name: str) -> dict[str, Any]:
+    """The declared type of each annotated option of a router (``p: float`` -> ``float``)."""
+    hints = typing.get_type_hints(ROUTERS[name].__init__)
+    return {p: hints[p] for p in router_options(name) if p in hints}
+
+
+def check_router_options(name: str, options: dict) -> dict:
+    """``model.moe.router`` is a registered router and ``model.moe.router_options`` are options it
+    takes, each of its declared type. Returns the options in canonical form (an integer given for
+    a number is that number, YAML's ``1e-3`` string too); raises :class:`ConfigError` naming the key."""
+    check_choice("model.moe.router", name, sorted(ROUTERS))
     allowed = router_options(name)
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         raise ConfigError(f"model.moe.router_options: unknown key(s) {unknown} for router {name!r}; allowed: {allowed}")
-    kwargs = {**ROUTER_DEFAULTS[name], **options}
-    return ROUTERS[name](d_model, num_experts, top_k, **kwargs)
+    types = _option_types(name)
+    return {key: coerce_value(value, types[key], f"model.moe.router_options.{key}") if key in types else value
+            for key, value in options.items()}
+
+
+def _routers_with(flag: str) -> list[str]:
+    return sorted(n for n, c in ROUTERS.items() if getattr(c, flag, False))
+
+
+def check_router_features(name: str, expert_bias: bool, router_dtype: str) -> None:
+    """``model.moe.expert_bias`` and ``model.moe.router_dtype=fp64`` only with a router that supports them."""
+    cls = ROUTERS[name]
+    if expert_bias and not cls.supports_expert_bias:
+        raise ConfigError(f"model.moe.expert_bias=true is not allowed with router {name!r} (it does not choose by "
+                          "top-k of its probabilities: Sinkhorn balances by itself, Symphony chooses through its "
+                          f"graph); allowed routers: {_routers_with('supports_expert_bias')}")
+    if router_dtype != "fp32" and not cls.supports_fp64:
+        raise ConfigError(f"model.moe.router_dtype={router_dtype} is not allowed with router {name!r}; allowed "
+                          f"routers: {_routers_with('supports_fp64')} (the others compute in fp32)")
+
+
+def build_router(name: str, d_model: int, num_experts: int, top_k: int, **options) -> Router:
+    options = check_router_options(name, options)
+    return ROUTERS[name](d_model, num_experts, top_k, **{**ROUTER_DEFAULTS[name], **options})

@@ -18,11 +18,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..routing import Routing, RoutingContext, is_recomputing
+from ..routing import SCOPES, Routing, RouterInputs, RoutingContext, is_recomputing
 from .base import Router, default_normalize, fp32_linear, layout_invariant_normal, select_topk
 from .registry import register_router
 from .sinkhorn import sinkhorn_dual, transport_plan
-from .token_stats import SCOPES, check_choice, real_token_weights, shared_uniform
+from .token_stats import real_token_weights, shared_uniform
+from ...checks import check_choice
 from ...errors import ConfigError
 
 COSTS = ("logits", "softmax")  # SSR-L, SSR-S
@@ -68,9 +69,9 @@ class SelectiveSinkhornRouter(Router):
             raise ConfigError(f"model.moe.router_options.max_iters must be >= 1 and tol > 0, got {max_iters}, {tol}")
         if not (isinstance(check_every, int) and check_every >= 1):
             raise ConfigError(f"model.moe.router_options.check_every must be an integer >= 1, got {check_every!r}")
-        check_choice("cost", cost, COSTS)
-        check_choice("gates", gates, GATES)
-        check_choice("scope", scope, SCOPES)
+        check_choice("model.moe.router_options.cost", cost, COSTS)
+        check_choice("model.moe.router_options.gates", gates, GATES)
+        check_choice("model.moe.router_options.scope", scope, SCOPES)
         self.p, self.xi, self.cost, self.gate_source = float(p), float(xi), cost, gates
         self.noise_alpha, self.noise_sigma = float(noise_alpha), float(noise_sigma)
         self.max_iters, self.tol, self.check_every, self.scope = int(max_iters), float(tol), check_every, scope
@@ -94,7 +95,7 @@ class SelectiveSinkhornRouter(Router):
             return False
         return shared_uniform(ctx.seed, ctx.step, ctx.micro_step, ctx.layer_idx, _COIN_SALT) < self.p
 
-    def route(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:
+    def route(self, x: torch.Tensor, ctx: RoutingContext, inputs: RouterInputs) -> Routing:
         logits = fp32_linear(x, self.weight)
         probs = torch.softmax(logits, dim=-1)
         extras = {"sinkhorn_calls": torch.zeros(()), "sinkhorn_calls_total": self.sinkhorn_calls_total.detach().clone()}
@@ -112,7 +113,7 @@ class SelectiveSinkhornRouter(Router):
 
         scores = cost.detach() / self.xi
         result = sinkhorn_dual(scores, group=ctx.group_for(self.scope), max_iters=self.max_iters, tol=self.tol,
-                               row_weight=real_token_weights(ctx, x.shape[0], x.device), check_every=self.check_every)
+                               row_weight=real_token_weights(inputs, ctx, x.shape[0], x.device), check_every=self.check_every)
         self.last_dual = result.dual
         z = scores + result.dual  # log plan + a per-token constant
         if self.gate_source == "plan":  # Prop. 4.1: plan renormalised over the chosen k; no gradient

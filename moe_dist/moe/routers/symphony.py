@@ -21,34 +21,33 @@ from typing import Optional
 
 import torch
 
+from ...checks import check_choice
 from ...errors import ConfigError
 from ...dist.collectives import all_reduce_sum
 from ..counting import count_values
-from ..routing import Routing, RoutingContext, is_recomputing
+from ..routing import SCOPES, Routing, RouterInputs, RoutingContext, is_recomputing
 from .registry import register_router
 from .wrapping import WrappingRouter, topk_set_changed
 
 NORMALIZATIONS = ("row", "column", "symmetric")
 INITS = ("zero", "identity")
 COUNT_SOURCES = ("base", "final")
-SCOPES = ("global", "ep", "local")
 
 
 def normalize_counts(counts: torch.Tensor, how: str) -> torch.Tensor:
     """``[E, E]`` co-selection counts -> fp32 graph update. ``row``: ``D^-1 C``; ``column``:
     ``C D^-1``; ``symmetric``: ``D^-1/2 C D^-1/2`` with ``D = diag(row sums)`` (C is symmetric).
     Rows / columns of never-selected experts come out zero."""
+    check_choice("model.moe.router_options.normalization", how, NORMALIZATIONS)
     c = counts.double()
     d = c.sum(-1)
     if how == "row":
         out = c / d.clamp_min(1)[:, None]
     elif how == "column":
         out = c / d.clamp_min(1)[None, :]
-    elif how == "symmetric":
+    else:
         r = d.clamp_min(1).rsqrt()
         out = r[:, None] * c * r[None, :]
-    else:
-        raise ConfigError(f"model.moe.router_options.normalization={how!r} is not allowed; allowed: {list(NORMALIZATIONS)}")
     return out.float()
 
 
@@ -82,11 +81,11 @@ class SymphonyRouter(WrappingRouter):
                  base_options: Optional[dict] = None, beta: float = 0.9, init: str = "zero",
                  normalization: str = "row", count_source: str = "base", scope: str = "global",
                  normalize: bool = False, bias_correction: bool = False):
-        super().__init__(d_model, num_experts, top_k, base, base_options, "symphony")
-        for key, value, allowed in (("init", init, INITS), ("normalization", normalization, NORMALIZATIONS),
-                                    ("count_source", count_source, COUNT_SOURCES), ("scope", scope, SCOPES)):
-            if value not in allowed:
-                raise ConfigError(f"model.moe.router_options.{key}={value!r} is not allowed; allowed: {list(allowed)}")
+        super().__init__(d_model, num_experts, top_k, base, base_options)
+        check_choice("model.moe.router_options.init", init, INITS)
+        check_choice("model.moe.router_options.normalization", normalization, NORMALIZATIONS)
+        check_choice("model.moe.router_options.count_source", count_source, COUNT_SOURCES)
+        check_choice("model.moe.router_options.scope", scope, SCOPES)
         if not (isinstance(beta, (int, float)) and 0.0 <= beta < 1.0):
             raise ConfigError(f"model.moe.router_options.beta must be in [0, 1), got {beta!r}")
         if bias_correction and init != "zero":
@@ -123,8 +122,8 @@ class SymphonyRouter(WrappingRouter):
             A = torch.where(t > 0, A / correction, A)
         return A
 
-    def route(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:
-        base = self.base_routing(x, ctx)
+    def route(self, x: torch.Tensor, ctx: RoutingContext, inputs: RouterInputs) -> Routing:
+        base = self.base_routing(x, ctx, inputs)
         probs = base.probs  # softmax of the base logits, fp32
         with torch.autocast(device_type=x.device.type, enabled=False):
             g = probs @ self.expert_graph().t()  # g[i, j] = sum_k A[j, k] p[i, k]
@@ -133,19 +132,19 @@ class SymphonyRouter(WrappingRouter):
         if self.normalize:
             gates = gates / gates.sum(-1, keepdim=True).clamp_min(torch.finfo(gates.dtype).tiny)
         if self.training and not is_recomputing():
-            self._count(base.expert_ids if self.count_source == "base" else expert_ids, ctx)
+            self._count(base.expert_ids if self.count_source == "base" else expert_ids, inputs.padding_mask)
         with torch.no_grad():
             extras = {**base.extras, "topk_changed": topk_set_changed(expert_ids, base.expert_ids).float().mean(),
                       "gate_sum": gates.sum(-1).mean()}
         return Routing(expert_ids=expert_ids, gates=gates, probs=probs, logits=base.logits, extras=extras)
 
     @torch.no_grad()
-    def _count(self, ids: torch.Tensor, ctx: RoutingContext) -> None:
+    def _count(self, ids: torch.Tensor, padding_mask: Optional[torch.Tensor]) -> None:
         E = self.num_experts
         pairs = ids[:, :, None] * E + ids[:, None, :]  # [T, k, k]
         weights = None
-        if ctx.padding_mask is not None:  # padding tokens count zero (a weight, not a data-dependent selection)
-            real = ctx.padding_mask.reshape(-1).to(ids.device, torch.long)
+        if padding_mask is not None:  # padding tokens count zero (a weight, not a data-dependent selection)
+            real = padding_mask.reshape(-1).to(ids.device, torch.long)
             weights = real[:, None, None].expand(pairs.shape)
         counts = count_values(pairs, E * E, weights).view(E, E)
         self._counts = counts if self._counts is None else self._counts + counts

@@ -7,8 +7,10 @@ tokens of the same sequence with a row-stochastic token graph before choosing th
 once, in :func:`mix_over_sequence` (blockwise; causal blocks skip the keys after them).
 
 Coupling is within one sequence only, so the routers need no collective beyond the
-layer's own (sequences are never split across data-parallel ranks). In decoders
-(``ctx.causal``) a token never mixes with later tokens; padding keys are masked.
+layer's own (sequences are never split across data-parallel ranks). They read the sequence
+structure from the :class:`~moe_dist.moe.routing.RouterInputs` the model hands the layer:
+``batch_shape``, ``padding_mask`` (padding keys are masked) and ``causal`` (in decoders a token
+never mixes with later tokens); the attention-aware router also its ``attention``.
 """
 from __future__ import annotations
 
@@ -19,33 +21,25 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ...checks import check_choice
 from ...errors import ConfigError
 from ..counting import count_values
-from ..routing import Routing, RoutingContext
+from ..routing import AttentionInputs, Routing, RouterInputs, RoutingContext
 from .base import default_normalize, select_topk
 from .registry import register_router
 from .wrapping import WrappingRouter, topk_set_changed
-
-# What the model hands an attention-aware layer besides ``ctx.attn_probs`` [B, H, S, S]
-# (the Gaussian likelihood term needs the attention sub-layer's value path):
-ATTN_VALUES = "attn_values"  # ctx.extras: [B, H_kv, S, d_head] value vectors (GQA: H_kv divides H)
-ATTN_OUT_WEIGHT = "attn_out_weight"  # ctx.extras: [D, H * d_head] output projection weight
-ATTN_OUTPUT = "attn_output"  # ctx.extras: [B, S, D] attention sub-layer output (before the residual)
-# ... and, in place of ctx.attn_probs, the scores' inputs (the model keeps its fused SDPA kernel):
-ATTN_QUERIES = "attn_queries"  # ctx.extras: [B, H, S, d_head] queries after the rotary embedding
-ATTN_KEYS = "attn_keys"  # ctx.extras: [B, H_kv, S, d_head] keys after the rotary embedding
 
 AUX_PROBS = ("mixed", "base")
 SIMILARITIES = ("dot", "cosine")
 
 
-def sequence_shape(x: torch.Tensor, ctx: RoutingContext, router: str) -> tuple[int, int]:
-    if ctx.batch_shape is None:
+def sequence_shape(x: torch.Tensor, inputs: RouterInputs, router: str) -> tuple[int, int]:
+    if inputs.batch_shape is None:
         raise ValueError(f"router {router!r} mixes tokens within a sequence and needs the sequence structure: "
-                         "set the layer's context.batch_shape = (B, S)")
-    B, S = ctx.batch_shape
+                         "hand the layer's forward RouterInputs(batch_shape=(B, S))")
+    B, S = inputs.batch_shape
     if B * S != x.shape[0]:
-        raise ValueError(f"router {router!r}: context.batch_shape={tuple(ctx.batch_shape)} does not match "
+        raise ValueError(f"router {router!r}: batch_shape={tuple(inputs.batch_shape)} does not match "
                          f"{x.shape[0]} router inputs")
     return B, S
 
@@ -179,10 +173,9 @@ class TokenGraphRouter(WrappingRouter):
     local_extras = {"topk_changed": "mean"}  # share of tokens whose top-k set the mixing changed
     supports_expert_bias = True
 
-    def __init__(self, d_model, num_experts, top_k, base, base_options, normalize, aux_probs, detach_graph, name):
-        super().__init__(d_model, num_experts, top_k, base, base_options, name)
-        if aux_probs not in AUX_PROBS:
-            raise ConfigError(f"model.moe.router_options.aux_probs={aux_probs!r} is not allowed; allowed: {list(AUX_PROBS)}")
+    def __init__(self, d_model, num_experts, top_k, base, base_options, normalize, aux_probs, detach_graph):
+        super().__init__(d_model, num_experts, top_k, base, base_options)
+        check_choice("model.moe.router_options.aux_probs", aux_probs, AUX_PROBS)
         self.normalize = default_normalize(top_k, normalize)
         self.aux_probs = aux_probs
         self.detach_graph = bool(detach_graph)
@@ -212,17 +205,16 @@ class SimilarityRouter(TokenGraphRouter):
                  base_options: Optional[dict] = None, temperature: float = 1.0, similarity: str = "dot",
                  learn_similarity: bool = False, detach_graph: bool = False, normalize: Optional[bool] = None,
                  aux_probs: str = "mixed"):
-        super().__init__(d_model, num_experts, top_k, base, base_options, normalize, aux_probs, detach_graph, "similarity")
+        super().__init__(d_model, num_experts, top_k, base, base_options, normalize, aux_probs, detach_graph)
         if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
             raise ConfigError(f"model.moe.router_options.temperature must be > 0, got {temperature!r}")
-        if similarity not in SIMILARITIES:
-            raise ConfigError(f"model.moe.router_options.similarity={similarity!r} is not allowed; allowed: {list(SIMILARITIES)}")
+        check_choice("model.moe.router_options.similarity", similarity, SIMILARITIES)
         self.temperature, self.similarity = float(temperature), similarity
         self.similarity_weight = nn.Parameter(torch.eye(d_model)) if learn_similarity else None
 
-    def route(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:
-        B, S = sequence_shape(x, ctx, "similarity")
-        base = self.base_routing(x, ctx)
+    def route(self, x: torch.Tensor, ctx: RoutingContext, inputs: RouterInputs) -> Routing:
+        B, S = sequence_shape(x, inputs, "similarity")
+        base = self.base_routing(x, ctx, inputs)
         with torch.autocast(device_type=x.device.type, enabled=False):
             u = x.float().view(B, S, -1)
             if self.detach_graph:
@@ -233,7 +225,7 @@ class SimilarityRouter(TokenGraphRouter):
             if self.detach_graph:
                 q = q.detach()
             mixed = mix_over_sequence(base.probs.view(B, S, -1), q, u, scale=1.0 / self.temperature,
-                                      padding_mask=ctx.padding_mask, causal=ctx.causal)
+                                      padding_mask=inputs.padding_mask, causal=inputs.causal)
         return self.finish(base, mixed.reshape(B * S, -1), {})
 
 
@@ -305,46 +297,45 @@ class AttentionRouter(TokenGraphRouter):
     """Attention-aware ("A^2") routing: ``P = A^P_{h*} R`` per sequence, then top-k, where h* is
     the head of lowest mean attention entropy and ``A^P_h[i, j] ∝ A_h[i, j] N(u_i | v'_{h,j}, sigma^2 I)``.
 
-    Reads the attention right before this layer in one of two forms:
+    Reads the attention right before this layer (``inputs.attention``, an
+    :class:`~moe_dist.moe.routing.AttentionInputs`) in one of two forms:
 
-    - scores (what the model hands; ``attention_inputs = "scores"``): ``ctx.extras`` entries
-      ``attn_queries`` / ``attn_keys``. Nothing ``[B, H, S, S]`` is kept: the entropies are
-      computed block by block without gradient, and since ``log A_h[i, j] = q_i.k_j / sqrt(dh)``
-      up to a row constant, ``A^P_{h*}`` is one more blockwise softmax over
-      ``[q/sqrt(dh), W_h^T u / sigma^2] . [k, v] - |v'|^2 / 2 sigma^2``;
-    - probabilities: ``ctx.attn_probs`` ``[B, H, S, S]`` (used when given).
+    - scores (what the model hands; ``attention_needs = "scores"``): ``queries`` / ``keys``.
+      Nothing ``[B, H, S, S]`` is kept: the entropies are computed block by block without
+      gradient, and since ``log A_h[i, j] = q_i.k_j / sqrt(dh)`` up to a row constant, ``A^P_{h*}``
+      is one more blockwise softmax over ``[q/sqrt(dh), W_h^T u / sigma^2] . [k, v] - |v'|^2 / 2 sigma^2``;
+    - probabilities: ``probs`` ``[B, H, S, S]`` (used when given).
 
-    For the likelihood, ``ctx.extras`` entries ``attn_values`` / ``attn_out_weight`` /
-    ``attn_output`` (v'_{h,j} = W_O,h v_{h,j}; u = attention output * output_scale).
+    For the likelihood, ``values`` / ``out_weight`` / ``output`` (v'_{h,j} = W_O,h v_{h,j};
+    u = attention output * output_scale).
 
     sigma: likelihood std (paper default 1). likelihood: False uses ``A_{h*}`` alone.
     output_scale: factor on the attention output used as u (default 1/H, the digest's reading).
     Other options as for ``similarity``; detach_graph stops gradients into the attention, v' and u.
     """
 
-    needs_attention = True
-    attention_inputs = "scores"
+    attention_needs = "scores"
     local_extras = {**TokenGraphRouter.local_extras, "selected_heads": "sum"}  # sequences per chosen head
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, *, base: str = "topk",
                  base_options: Optional[dict] = None, sigma: float = 1.0, likelihood: bool = True,
                  output_scale: Optional[float] = None, detach_graph: bool = False,
                  normalize: Optional[bool] = None, aux_probs: str = "mixed"):
-        super().__init__(d_model, num_experts, top_k, base, base_options, normalize, aux_probs, detach_graph, "attention")
+        super().__init__(d_model, num_experts, top_k, base, base_options, normalize, aux_probs, detach_graph)
         if not (isinstance(sigma, (int, float)) and math.isfinite(sigma) and sigma > 0):
             raise ConfigError(f"model.moe.router_options.sigma must be > 0, got {sigma!r}")
         if output_scale is not None and not (isinstance(output_scale, (int, float)) and math.isfinite(output_scale)):
             raise ConfigError(f"model.moe.router_options.output_scale must be a number or null (1/heads), got {output_scale!r}")
         self.sigma, self.likelihood, self.output_scale = float(sigma), bool(likelihood), output_scale
 
-    def _value_path(self, ctx: RoutingContext):
+    def _value_path(self, attention: AttentionInputs):
         if not self.likelihood:
             return None
-        missing = [key for key in (ATTN_VALUES, ATTN_OUT_WEIGHT, ATTN_OUTPUT) if ctx.extras.get(key) is None]
+        missing = [key for key in ("values", "out_weight", "output") if getattr(attention, key) is None]
         if missing:
-            raise ValueError(f"router 'attention' with likelihood=True needs context.extras {missing} from the "
-                             "attention sub-layer (or set model.moe.router_options.likelihood=false)")
-        return ctx.extras[ATTN_VALUES], ctx.extras[ATTN_OUT_WEIGHT], ctx.extras[ATTN_OUTPUT]
+            raise ValueError(f"router 'attention' with likelihood=True needs the attention sub-layer's {missing} "
+                             "(AttentionInputs; or set model.moe.router_options.likelihood=false)")
+        return attention.values, attention.out_weight, attention.output
 
     def _likelihood_terms(self, value_path, head: torch.Tensor, H: int, B: int, S: int):
         """``(q_l [B, S, dh], k_l [B, S, dh], key_bias [B, S])`` with ``q_l . k_l + key_bias`` the
@@ -352,7 +343,7 @@ class AttentionRouter(TokenGraphRouter):
         values, w_out, out = value_path
         Hkv, dh = values.shape[1], values.shape[-1]
         if H % Hkv or w_out.shape[-1] != H * dh or values.shape[0] != B or values.shape[2] != S:
-            raise ValueError(f"router 'attention': attn_values {tuple(values.shape)} / attn_out_weight "
+            raise ValueError(f"router 'attention': values {tuple(values.shape)} / out_weight "
                              f"{tuple(w_out.shape)} do not fit {H} heads and batch_shape ({B}, {S})")
         rows = torch.arange(B, device=head.device)
         # u_i . v'_j = (W_h^T u_i) . v_j with W_h the head's [D, dh] slice of W_O: the dot
@@ -365,13 +356,13 @@ class AttentionRouter(TokenGraphRouter):
         v_sq = (torch.bmm(k, w.transpose(1, 2) @ w) * k).sum(-1)  # |W_h v_j|^2 via the [dh, dh] Gram
         return q, k, v_sq / (-2 * self.sigma ** 2)
 
-    def _mix_from_probs(self, ctx: RoutingContext, base: Routing, B: int, S: int):
-        A = ctx.attn_probs
+    def _mix_from_probs(self, inputs: RouterInputs, base: Routing, B: int, S: int):
+        A = inputs.attention.probs
         if A.dim() != 4 or A.shape[0] != B or A.shape[2:] != (S, S):
-            raise ValueError(f"router 'attention': context.attn_probs must be [B={B}, H, S={S}, S={S}], got {tuple(A.shape)}")
+            raise ValueError(f"router 'attention': the attention probs must be [B={B}, H, S={S}, S={S}], got {tuple(A.shape)}")
         H = A.shape[1]
-        value_path = self._value_path(ctx)
-        head = lowest_entropy_head(A, ctx.padding_mask, ctx.causal)
+        value_path = self._value_path(inputs.attention)
+        head = lowest_entropy_head(A, inputs.padding_mask, inputs.causal)
         a = A[torch.arange(B, device=A.device), head].float()  # [B, S, S]
         q = k = key_bias = None
         if value_path is not None:
@@ -379,22 +370,18 @@ class AttentionRouter(TokenGraphRouter):
         if self.detach_graph:
             a, q, k, key_bias = (None if t is None else t.detach() for t in (a, q, k, key_bias))
         mixed = mix_over_sequence(base.probs.view(B, S, -1), q, k, prior=a, key_bias=key_bias,
-                                  padding_mask=ctx.padding_mask, causal=ctx.causal)
+                                  padding_mask=inputs.padding_mask, causal=inputs.causal)
         return mixed, head, H
 
-    def _mix_from_scores(self, ctx: RoutingContext, base: Routing, B: int, S: int):
-        queries, keys = ctx.extras.get(ATTN_QUERIES), ctx.extras.get(ATTN_KEYS)
-        if queries is None or keys is None:
-            raise ValueError("router 'attention' needs the preceding attention sub-layer: context.extras "
-                             f"{ATTN_QUERIES!r} [B, H, S, d_head] and {ATTN_KEYS!r} [B, H_kv, S, d_head] (what the "
-                             "model hands routers with attention_inputs='scores'), or context.attn_probs [B, H, S, S]")
+    def _mix_from_scores(self, inputs: RouterInputs, base: Routing, B: int, S: int):
+        queries, keys = inputs.attention.queries, inputs.attention.keys
         if (queries.dim() != 4 or keys.dim() != 4 or queries.shape[0] != B or queries.shape[2] != S
                 or keys.shape[0] != B or keys.shape[2:] != queries.shape[2:] or queries.shape[1] % keys.shape[1]):
-            raise ValueError(f"router 'attention': attn_queries {tuple(queries.shape)} / attn_keys {tuple(keys.shape)} "
+            raise ValueError(f"router 'attention': queries {tuple(queries.shape)} / keys {tuple(keys.shape)} "
                              f"do not fit batch_shape ({B}, {S}) (queries [B, H, S, dh], keys [B, H_kv, S, dh])")
         H, dh = queries.shape[1], queries.shape[-1]
-        value_path = self._value_path(ctx)
-        head = lowest_entropy_head_from_scores(queries, keys, ctx.padding_mask, ctx.causal)
+        value_path = self._value_path(inputs.attention)
+        head = lowest_entropy_head_from_scores(queries, keys, inputs.padding_mask, inputs.causal)
         rows = torch.arange(B, device=queries.device)
         q = queries[rows, head].float() * (1.0 / math.sqrt(dh))  # q_{h*}: [B, S, dh]
         k = keys[rows, head // (H // keys.shape[1])].float()
@@ -405,16 +392,21 @@ class AttentionRouter(TokenGraphRouter):
         if self.detach_graph:
             q, k, key_bias = (None if t is None else t.detach() for t in (q, k, key_bias))
         mixed = mix_over_sequence(base.probs.view(B, S, -1), q, k, key_bias=key_bias,
-                                  padding_mask=ctx.padding_mask, causal=ctx.causal)
+                                  padding_mask=inputs.padding_mask, causal=inputs.causal)
         return mixed, head, H
 
-    def route(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:
-        B, S = sequence_shape(x, ctx, "attention")
-        base = self.base_routing(x, ctx)
+    def route(self, x: torch.Tensor, ctx: RoutingContext, inputs: RouterInputs) -> Routing:
+        B, S = sequence_shape(x, inputs, "attention")
+        attention = inputs.attention
+        if attention is None or (attention.probs is None and (attention.queries is None or attention.keys is None)):
+            raise ValueError("router 'attention' needs the attention sub-layer before its layer: "
+                             "RouterInputs(attention=AttentionInputs(...)) with queries [B, H, S, d_head] and keys "
+                             "[B, H_kv, S, d_head] (what the model hands for attention_needs='scores') or probs [B, H, S, S]")
+        base = self.base_routing(x, ctx, inputs)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            if ctx.attn_probs is not None:
-                mixed, head, H = self._mix_from_probs(ctx, base, B, S)
+            if attention.probs is not None:
+                mixed, head, H = self._mix_from_probs(inputs, base, B, S)
             else:
-                mixed, head, H = self._mix_from_scores(ctx, base, B, S)
+                mixed, head, H = self._mix_from_scores(inputs, base, B, S)
         extras = {"selected_heads": count_values(head.detach(), H)}
         return self.finish(base, mixed.reshape(B * S, -1), extras)

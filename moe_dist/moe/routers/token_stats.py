@@ -1,27 +1,18 @@
 """Steps shared by routers whose statistics couple tokens across ranks (SSR, AC): the
-reduction scope option, the real-token weights, and coins every rank draws alike."""
+real-token weights and coins every rank draws alike."""
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 
-from ...errors import ConfigError
-from ..routing import RoutingContext
-
-SCOPES = ("global", "ep", "local")
+from ..routing import RouterInputs, RoutingContext
 
 
-def check_choice(key: str, value, allowed) -> None:
-    """Reject a bad option value with the config key and the allowed values."""
-    if value not in allowed:
-        raise ConfigError(f"model.moe.router_options.{key}={value!r} is not allowed; allowed: {list(allowed)}")
-
-
-def real_token_weights(ctx: RoutingContext, num_tokens: int, device) -> Optional[torch.Tensor]:
-    """``[T]`` fp32 weights, 1 for real tokens and 0 for padding, from ``ctx.padding_mask``
+def real_token_weights(inputs: RouterInputs, ctx: RoutingContext, num_tokens: int, device) -> Optional[torch.Tensor]:
+    """``[T]`` fp32 weights, 1 for real tokens and 0 for padding, from ``inputs.padding_mask``
     (``[B, S]``, True = real), or None when there is no mask (every token is real)."""
-    mask = ctx.padding_mask
+    mask = inputs.padding_mask
     if mask is None:
         return None
     if mask.numel() != num_tokens:

@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...errors import ConfigError
-from ..routing import Routing, RoutingContext
+from ..routing import Routing, RouterInputs, RoutingContext
 from .base import Router, default_normalize, fp32_linear, layout_invariant_normal, select_topk
 from .registry import register_router
 
@@ -50,7 +50,7 @@ class TopKRouter(Router):
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         return fp32_linear(x, self.weight, dtype=self.compute_dtype)
 
-    def route(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:
+    def route(self, x: torch.Tensor, ctx: RoutingContext, inputs: RouterInputs) -> Routing:
         logits = self.scores(x)
         if self.noisy and self.training:
             noise_std = F.softplus(fp32_linear(x, self.noise_weight, dtype=self.compute_dtype))

@@ -10,27 +10,24 @@ from typing import Optional
 
 import torch
 
-from ..routing import Routing, RoutingContext
+from ..routing import Routing, RouterInputs, RoutingContext
 from .base import Router
 from .registry import ROUTERS, build_router
-from ...errors import ConfigError
+from ...checks import check_choice
 
 
 class WrappingRouter(Router):
-    """Builds ``self.base`` from the registry; forwards the base's context needs and hooks.
+    """Builds ``self.base`` from the registry; forwards the base's token-layout need and hooks.
 
-    base: registry name of the router that supplies the probabilities.
-    base_options: that router's options (its ``top_k`` is this router's).
+    base: registry name of the router that supplies the probabilities (not a wrapping one).
+    base_options: that router's options (its ``top_k`` is this router's; a mapping, which the
+        registry checks with the other options).
     """
 
-    def __init__(self, d_model: int, num_experts: int, top_k: int, base: str, base_options: Optional[dict], name: str):
+    def __init__(self, d_model: int, num_experts: int, top_k: int, base: str, base_options: Optional[dict]):
         super().__init__(d_model, num_experts, top_k)
-        allowed = sorted(n for n, cls in ROUTERS.items() if not issubclass(cls, WrappingRouter))
-        if base not in allowed:
-            raise ConfigError(f"model.moe.router_options.base={base!r} is not allowed for router {name!r}; "
-                             f"allowed: {allowed}")
-        if base_options is not None and not isinstance(base_options, dict):
-            raise ConfigError(f"model.moe.router_options.base_options must be a mapping, got {type(base_options).__name__}")
+        check_choice("model.moe.router_options.base", base,
+                     sorted(n for n, cls in ROUTERS.items() if not issubclass(cls, WrappingRouter)))
         self.base = build_router(base, d_model, num_experts, top_k, **(base_options or {}))
         self.base_name = base
 
@@ -38,8 +35,8 @@ class WrappingRouter(Router):
     def needs_token_layout(self) -> bool:  # e.g. noisy_topk draws layout-invariant noise
         return self.base.needs_token_layout
 
-    def base_routing(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:
-        return self.base(x, ctx)
+    def base_routing(self, x: torch.Tensor, ctx: RoutingContext, inputs: RouterInputs) -> Routing:
+        return self.base(x, ctx, inputs)
 
     def after_optimizer_step(self, ctx: RoutingContext) -> None:
         self.base.after_optimizer_step(ctx)

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..routing import Routing, RoutingContext
+from ..routing import Routing, RouterInputs, RoutingContext
 from .base import Router, default_normalize, fp32_linear, select_topk
 from .registry import register_router
 from ...errors import ConfigError
@@ -42,7 +42,7 @@ class XMoERouter(Router):
     def temperature(self) -> torch.Tensor:
         return self.log_temperature.float().exp().clamp(self.min_temperature, 1.0)
 
-    def route(self, x: torch.Tensor, ctx: RoutingContext) -> Routing:
+    def route(self, x: torch.Tensor, ctx: RoutingContext, inputs: RouterInputs) -> Routing:
         with torch.autocast(device_type=x.device.type, enabled=False):
             z = F.normalize(fp32_linear(x, self.proj, dtype=self.compute_dtype), dim=-1)
             e = F.normalize(self.expert_embed.to(self.compute_dtype), dim=-1)

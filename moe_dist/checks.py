@@ -1,0 +1,102 @@
+"""The two checks of a user's value that every layer words the same way.
+
+- :func:`check_choice`: a value among allowed ones (``KEY=VALUE is not allowed; allowed: [...]``);
+- :func:`coerce_value`: a value of a declared type (``KEY: got VALUE (type); allowed: a number``),
+  returned in its canonical form (an integer where a number is declared is that number; YAML's
+  ``1e-3``, read as a string, is a number too).
+
+Both raise :class:`~moe_dist.errors.ConfigError`. The config schema, the MoE layer, the routers
+(their options are typed by their ``__init__`` annotations) and the launcher use them, so a bad
+value reads the same wherever it is caught.
+"""
+from __future__ import annotations
+
+import math
+import types
+import typing
+from typing import Any, Iterable, Literal, Union
+
+from .errors import ConfigError
+
+
+def _is_one_of(value: Any, allowed: Iterable) -> bool:
+    """``value`` equals one of ``allowed``, a bool only a bool (``True == 1`` does not count)."""
+    return any(a == value and isinstance(a, bool) == isinstance(value, bool) for a in allowed)
+
+
+def check_choice(key: str, value: Any, allowed: Iterable) -> None:
+    """Refuse ``value`` unless it is one of ``allowed`` (a sequence, or a mapping's keys)."""
+    if not _is_one_of(value, allowed):
+        raise ConfigError(f"{key}={value!r} is not allowed; allowed: {list(allowed)}")
+
+
+def describe_value(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _is_union(origin: Any) -> bool:
+    return origin is Union or origin is types.UnionType  # Optional[X] or X | None
+
+
+def describe_type(tp: Any) -> str:
+    """What a type allows, in words (``a number or null``)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if _is_union(origin):
+        parts = [describe_type(a) for a in args if a is not type(None)]
+        if type(None) in args:
+            parts.append("null")
+        return " or ".join(parts)
+    if origin is list:
+        plural = {int: "integers", float: "numbers", str: "strings"}
+        return f"a list of {plural.get(args[0], describe_type(args[0]))}" if args else "a list"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a mapping"}.get(tp, str(tp))
+
+
+def coerce_value(value: Any, tp: Any, key: str) -> Any:
+    """``value`` checked against type ``tp`` (``int``, ``float``, ``bool``, ``str``, ``dict``,
+    ``list[...]``, ``Literal[...]``, ``Optional[...]`` / unions) and returned in canonical form;
+    otherwise a ConfigError naming ``key``, the value and what the type allows."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if _is_union(origin):
+        if value is None and type(None) in args:
+            return None
+        for alt in (a for a in args if a is not type(None)):
+            try:
+                return coerce_value(value, alt, key)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key}: got {describe_value(value)}; allowed: {describe_type(tp)}")
+    if origin is Literal:
+        check_choice(key, value, args)
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: got {describe_value(value)}; allowed: {describe_type(tp)}")
+        return [coerce_value(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else list(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+            try:
+                f = float(value)
+                if math.isfinite(f):
+                    return f
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif tp is dict:
+        if isinstance(value, dict):
+            return dict(value)
+    else:  # pragma: no cover - a schema bug, not a user error
+        raise TypeError(f"unsupported schema type {tp!r} for {key}")
+    raise ConfigError(f"{key}: got {describe_value(value)}; allowed: {describe_type(tp)}")
