@@ -22,7 +22,7 @@ from .cli_args import add_size_arguments, check_routers, sizes_from_args
 from .impls import MoEDistImpl, _clear_grads
 from .report import ROUTER_TARGETS
 from .timing import median, timed
-from .workload import Workload
+from .workload import DTYPES, Workload
 
 
 class RouterStep:
@@ -51,6 +51,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--router-options", type=json.loads, default={}, help="JSON: router name -> options")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="the layer's dtype (routers compute in fp32)")
     add_size_arguments(p)
     p.add_argument("--router-repeats", type=int, default=15, help="timed rounds of the routers alone")
     p.add_argument("--layer-repeats", type=int, default=3, help="timed full topk layer steps (the denominator)")
@@ -69,13 +70,13 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     sizes = sizes_from_args(args)
-    work = Workload(sizes, args.tokens, torch.float32, device, args.seq_len, 0.0, args.seed)
+    work = Workload(sizes, args.tokens, DTYPES[args.dtype], device, args.seq_len, 0.0, args.seed)
     groups = ParallelGroups.single()
     impls = {name: MoEDistImpl(work, name, groups, args.router_options.get(name), "loop") for name in ["topk"] + routers}
     gen = torch.Generator().manual_seed(args.seed + 3)
     grad_gates = torch.randn(args.tokens, args.top_k, generator=gen).to(device)
     steps = {name: RouterStep(impl, grad_gates) for name, impl in impls.items()}
-    print(f"router benchmark: {sizes}, {args.tokens} tokens in sequences of {args.seq_len}, "
+    print(f"router benchmark: {sizes}, {args.dtype}, {args.tokens} tokens in sequences of {args.seq_len}, "
           f"{torch.get_num_threads()} thread(s)", file=sys.stderr)
 
     impls["topk"].step()  # warm-up, then the denominator
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
         share = extra / layer_s
         rec = {"router": name, "router_ms": 1e3 * median(times[name]), "topk_router_ms": 1e3 * median(base),
                "extra_ms": 1e3 * extra, "topk_layer_ms": 1e3 * layer_s, "overhead": share,
-               "seq_len": args.seq_len, "tokens": args.tokens, "d_model": sizes.d_model, "d_ff": sizes.d_ff,
+               "seq_len": args.seq_len, "tokens": args.tokens, "dtype": args.dtype, "d_model": sizes.d_model, "d_ff": sizes.d_ff,
                "heads": sizes.heads, "kv_heads": sizes.kv_heads or sizes.heads, "threads": torch.get_num_threads()}
         limit = ROUTER_TARGETS.get(name)
         verdict = "" if limit is None else (" met " if 1 + share <= limit else " MISS") + f" (<= {limit - 1:+.0%})"
