@@ -3,7 +3,8 @@
 - :func:`check_choice`: a value among allowed ones (``KEY=VALUE is not allowed; allowed: [...]``);
 - :func:`coerce_value`: a value of a declared type (``KEY: got VALUE (type); allowed: a number``),
   returned in its canonical form (an integer where a number is declared is that number; YAML's
-  ``1e-3``, read as a string, is a number too).
+  ``1e-3``, read as a string, is a number too);
+- :func:`check_bounds`: a number within bounds (``KEY: VALUE is too small; allowed: >= MIN``).
 
 Both raise :class:`~moe_dist.errors.ConfigError`. The config schema, the MoE layer, the routers
 (their options are typed by their ``__init__`` annotations) and the launcher use them, so a bad
@@ -28,6 +29,19 @@ def check_choice(key: str, value: Any, allowed: Iterable) -> None:
     """Refuse ``value`` unless it is one of ``allowed`` (a sequence, or a mapping's keys)."""
     if not _is_one_of(value, allowed):
         raise ConfigError(f"{key}={value!r} is not allowed; allowed: {list(allowed)}")
+
+
+def check_bounds(key: str, value: Any, min: Any = None, max: Any = None, gt: Any = None) -> None:
+    """Refuse a number below ``min``, above ``max`` (both inclusive) or not above ``gt``; None and
+    non-numbers pass (their type is :func:`coerce_value`'s business)."""
+    if value is None or isinstance(value, (bool, str, list, dict)):
+        return
+    if min is not None and value < min:
+        raise ConfigError(f"{key}: {value!r} is too small; allowed: >= {min}")
+    if max is not None and value > max:
+        raise ConfigError(f"{key}: {value!r} is too large; allowed: <= {max}")
+    if gt is not None and value <= gt:
+        raise ConfigError(f"{key}: {value!r} is not allowed; allowed: > {gt}")
 
 
 def describe_value(value: Any) -> str:

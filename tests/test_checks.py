@@ -115,3 +115,20 @@ def test_a_value_of_a_declared_type():
     assert coerce_value(None, Optional[int], "k") is None and coerce_value(2, int | None, "k") == 2
     assert _message(lambda: coerce_value(True, int, "k")) == "k: got True (bool); allowed: an integer"
     assert _message(lambda: coerce_value("x", bool | None, "k")) == "k: got 'x' (str); allowed: true or false or null"
+
+
+@pytest.mark.parametrize("overrides, layer_kwargs, expected", [
+    (["model.moe.capacity_factor=0"], dict(capacity_factor=0), "model.moe.capacity_factor: 0.0 is not allowed; allowed: > 0"),
+    (["model.moe.eval_capacity_factor=-1"], dict(eval_capacity_factor=-1),
+     "model.moe.eval_capacity_factor: -1.0 is not allowed; allowed: > 0"),
+    (["model.moe.min_capacity=-2"], dict(min_capacity=-2), "model.moe.min_capacity: -2 is too small; allowed: >= 0"),
+    (["model.moe.expert_bias_rate=-0.5"], dict(expert_bias_rate=-0.5),
+     "model.moe.expert_bias_rate: -0.5 is too small; allowed: >= 0"),
+    (["model.moe.capacity_factor=abc"], dict(capacity_factor="abc"),
+     "model.moe.capacity_factor: got 'abc' (str); allowed: a number or null"),
+    (["model.moe.shared_gate=true"], dict(shared_gate=True),
+     "model.moe.shared_gate: true needs a shared expert; set model.moe.shared_d_ff > 0"),
+])
+def test_layer_bounds_read_as_the_config_reads_them(overrides, layer_kwargs, expected):
+    assert _message(lambda: _config(*overrides)) == expected
+    assert _message(lambda: MoELayer(16, 32, 8, 2, **layer_kwargs)) == expected

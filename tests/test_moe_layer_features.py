@@ -110,8 +110,10 @@ def test_router_dtype_fp64_computes_scores_in_fp64():
     (dict(router="sinkhorn", router_dtype="fp64"), "model.moe.router_dtype=fp64 is not allowed with router 'sinkhorn'"),
     (dict(router_dtype="fp16"), "model.moe.router_dtype='fp16' is not allowed; allowed: \\['fp32', 'fp64'\\]"),
     (dict(balance_loss="token"), "model.moe.balance_loss='token' is not allowed; allowed: \\['batch', 'sequence'\\]"),
-    (dict(shared_gate=True), "model.moe.shared_gate=true needs a shared expert"),
-    (dict(expert_bias=True, expert_bias_rate=-1.0), "model.moe.expert_bias_rate must be a number >= 0"),
+    (dict(shared_gate=True), "model.moe.shared_gate: true needs a shared expert"),  # the config's wording too (below)
+    (dict(expert_bias=True, expert_bias_rate=-1.0), "model.moe.expert_bias_rate: -1.0 is too small; allowed: >= 0"),
+    (dict(capacity_factor=0.0), "model.moe.capacity_factor: 0.0 is not allowed; allowed: > 0"),
+    (dict(min_capacity=-1), "model.moe.min_capacity: -1 is too small; allowed: >= 0"),
 ])
 def test_bad_combinations_are_refused_by_name(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -14,19 +14,8 @@ from typing import Any, Iterable, Optional
 
 import yaml
 
-from ..checks import coerce_value, describe_type, describe_value
+from ..checks import check_bounds, coerce_value, describe_type, describe_value
 from .schema import Config, ConfigError
-
-
-def _check_bounds(value: Any, meta: dict, key: str) -> None:
-    if value is None or isinstance(value, (bool, str, list, dict)):
-        return
-    if "min" in meta and value < meta["min"]:
-        raise ConfigError(f"{key}: {value!r} is too small; allowed: >= {meta['min']}")
-    if "max" in meta and value > meta["max"]:
-        raise ConfigError(f"{key}: {value!r} is too large; allowed: <= {meta['max']}")
-    if "gt" in meta and value <= meta["gt"]:
-        raise ConfigError(f"{key}: {value!r} is not allowed; allowed: > {meta['gt']}")
 
 
 def _build(cls: type, raw: Any, prefix: str) -> Any:
@@ -53,7 +42,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
             kwargs[name] = _build(tp, raw.get(name), key)
         elif name in raw:
             value = coerce_value(raw[name], tp, key)
-            _check_bounds(value, f.metadata, key)
+            check_bounds(key, value, f.metadata.get("min"), f.metadata.get("max"), f.metadata.get("gt"))
             kwargs[name] = value
     return cls(**kwargs)
 

@@ -90,12 +90,12 @@ class MoEConfig:
     def check(self, n_layers: int) -> None:
         # the registry's checks (routers register on import), the same the MoE layer runs when built
         from ..moe.routers import check_router_features, check_router_options, check_top_k
+        from ..moe.shared import check_shared_expert
 
         check_router_options(self.router, self.router_options)
         check_top_k(self.num_experts, self.top_k)
         check_router_features(self.router, self.expert_bias, self.router_dtype)
-        if self.shared_gate and not self.shared_d_ff:
-            _fail("model.moe.shared_gate", "true needs a shared expert: set model.moe.shared_d_ff")
+        check_shared_expert(self.shared_d_ff, self.shared_gate)
         if self.granularity != 1:
             _fail("model.moe.granularity", f"{self.granularity}: read only by `moe-dist upcycle` and `moe-dist plan` of a "
                   "dense checkpoint (a model config gives the expanded num_experts, top_k and d_ff); allowed here: 1")

@@ -8,13 +8,12 @@ attention before it: :class:`~moe_dist.moe.routing.RouterInputs`) is an argument
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 import torch.nn as nn
 
-from ..checks import check_choice
+from ..checks import check_bounds, check_choice, coerce_value
 from ..errors import ConfigError
 from ..dist.collectives import all_gather_tensor, group_rank, group_size, subgroup_rows
 from ..dist.groups import ParallelGroups
@@ -27,7 +26,7 @@ from .losses import (BALANCE_LOSSES, LOSS_SCOPES, load_balance_share, load_balan
 from .routers import build_router, check_router_features
 from .routers.base import count_nonfinite, nonfinite_logits_error
 from .routing import NO_INPUTS, Routing, RouterInputs, RoutingContext, is_recomputing
-from .shared import SharedExpert, init_linear
+from .shared import SharedExpert, check_shared_expert, init_linear
 from .stats import MoEStats
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
@@ -70,22 +69,23 @@ class MoELayer(nn.Module):
                  shared_gate: bool = False, expert_bias: bool = False, expert_bias_rate: float = 1e-3,
                  router_dtype: str = "fp32"):
         super().__init__()
-        for key, cf in (("model.moe.capacity_factor", capacity_factor), ("model.moe.eval_capacity_factor", eval_capacity_factor)):
-            if cf is not None and not (isinstance(cf, (int, float)) and math.isfinite(cf) and cf > 0):
-                raise ConfigError(f"{key} must be > 0 or null (dropless), got {cf!r}")
-        if min_capacity < 0:
-            raise ConfigError(f"model.moe.min_capacity must be >= 0, got {min_capacity}")
+        # the config's bounds on these keys (moe_dist.config.schema.MoEConfig), for callers of the layer itself
+        capacity_factor = coerce_value(capacity_factor, Optional[float], "model.moe.capacity_factor")
+        eval_capacity_factor = coerce_value(eval_capacity_factor, Optional[float], "model.moe.eval_capacity_factor")
+        expert_bias_rate = coerce_value(expert_bias_rate, float, "model.moe.expert_bias_rate")
+        min_capacity = coerce_value(min_capacity, int, "model.moe.min_capacity")
+        shared_d_ff = coerce_value(shared_d_ff, Optional[int], "model.moe.shared_d_ff")
+        for key, value, bound in (("capacity_factor", capacity_factor, dict(gt=0)),
+                                  ("eval_capacity_factor", eval_capacity_factor, dict(gt=0)),
+                                  ("min_capacity", min_capacity, dict(min=0)), ("shared_d_ff", shared_d_ff, dict(min=0)),
+                                  ("expert_bias_rate", expert_bias_rate, dict(min=0))):
+            check_bounds(f"model.moe.{key}", value, **bound)
         check_choice("model.moe.drop_policy", drop_policy, DROP_POLICIES)
         check_choice("model.moe.capacity_scope", capacity_scope, CAPACITY_SCOPES)
         check_choice("model.moe.loss_scope", loss_scope, LOSS_SCOPES)
         check_choice("model.moe.balance_loss", balance_loss, BALANCE_LOSSES)
         check_choice("model.moe.router_dtype", router_dtype, ROUTER_DTYPES)
-        if shared_d_ff is not None and shared_d_ff < 0:
-            raise ConfigError(f"model.moe.shared_d_ff must be >= 0 or null (no shared expert), got {shared_d_ff}")
-        if shared_gate and not shared_d_ff:
-            raise ConfigError("model.moe.shared_gate=true needs a shared expert (model.moe.shared_d_ff > 0)")
-        if not (isinstance(expert_bias_rate, (int, float)) and math.isfinite(expert_bias_rate) and expert_bias_rate >= 0):
-            raise ConfigError(f"model.moe.expert_bias_rate must be a number >= 0, got {expert_bias_rate!r}")
+        check_shared_expert(shared_d_ff, shared_gate)
         self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
         self.capacity_factor = capacity_factor
         self.eval_capacity_factor = capacity_factor if eval_capacity_factor is None else eval_capacity_factor

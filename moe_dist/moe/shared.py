@@ -15,6 +15,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..errors import ConfigError
+
+
+def check_shared_expert(shared_d_ff: Optional[int], shared_gate: bool) -> None:
+    """The shared-expert options together: a gate needs a shared expert."""
+    if shared_gate and not shared_d_ff:
+        raise ConfigError("model.moe.shared_gate: true needs a shared expert; set model.moe.shared_d_ff > 0")
+
 
 def init_linear(d_in: int, d_out: int, std: float) -> nn.Linear:
     layer = nn.Linear(d_in, d_out, bias=False)
