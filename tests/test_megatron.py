@@ -295,7 +295,7 @@ def _config(**overrides):
      "moe_pad_expert_input_to_capacity=True is not supported"),
     ({}, {"router": "hyper", "router_options": {"k_min": 1, "k_max": 2, "k_schedule_steps": 10}}, "k schedule"),
     ({"moe_router_load_balancing_type": "seq_aux_loss"}, {}, "allowed: ['aux_loss', 'global_aux_loss', 'none']"),
-    ({}, {"router": "attention"}, "reads the attention probabilities"),
+    ({}, {"router": "attention"}, "reads the preceding attention"),
     ({}, {"router": "nope"}, "allowed: ["),
     ({}, {"router": "topk", "router_options": {"bogus": 1}}, "unknown key(s) ['bogus']"),
 ])

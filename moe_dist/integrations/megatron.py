@@ -114,8 +114,9 @@ class MegatronRouter(MegatronModule):
         self.router = build_router(router, config.hidden_size, config.num_moe_experts, config.moe_router_topk,
                                    **dict(router_options or {}))
         if self.router.attention_needs is not None:
-            raise ValueError(f"router={router!r} reads the attention probabilities, which Megatron-Core's MoE layer "
-                             "does not receive; choose another router (e.g. 'similarity')")
+            raise ValueError(f"router={router!r} reads the preceding attention (its queries and keys, or its "
+                             "probabilities), which Megatron-Core's MoE layer does not receive; choose another router "
+                             "(e.g. 'similarity')")
         if getattr(self.router, "k_min", self.router.top_k) != getattr(self.router, "k_max", self.router.top_k):
             raise ValueError(f"router={router!r} with a k schedule (k_min < k_max) is not supported: Megatron's "
                              "dispatchers size their buffers by moe_router_topk")

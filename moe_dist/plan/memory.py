@@ -59,7 +59,8 @@ class Workload:
     vocab_size: int
     n_layers: int
     moe_blocks: list[int]
-    attention_probs: bool = False  # the router reads [H, S, S] attention probabilities
+    graph_values: float = 0.0  # fp32 values per token a token-graph router keeps (its mixing weights)
+    attention_probs: bool = False  # the model hands the router [H, S, S] attention probabilities
 
     @property
     def tokens(self) -> int:
@@ -105,13 +106,17 @@ def engine_state_bytes(dense_params: int, expert_params_local: int, world: int, 
             "optimizer": part(8, dense_shard, expert_shard)}
 
 
-def block_activation_elems(s: BlockShape, is_moe: bool, act_bytes: int, seq_len: int, attention_probs: bool) -> float:
-    """Elements (in activation dtype units) kept per token by one block for backward."""
+def block_activation_elems(s: BlockShape, is_moe: bool, act_bytes: int, seq_len: int, attention_probs: bool,
+                           graph_values: float = 0.0) -> float:
+    """Elements (in activation dtype units) kept per token by one block for backward: with a
+    token-graph router also its mixing weights (``graph_values`` fp32 per token) and, for the
+    ``probs`` attention form, every head's [S, S] probabilities."""
     attn = 2 * s.d_model + (2 * s.n_heads + 3 * s.n_kv_heads) * s.head_dim
     if is_moe:
         ffn = 2 * s.d_model + s.top_k * (2 * s.d_model + 3 * s.expert_d_ff) + 2 * s.num_experts * 4 / act_bytes
         if s.shared_d_ff:  # the shared expert's hidden activations and output (and its gate)
             ffn += 3 * s.shared_d_ff + s.d_model + (2 if s.shared_gate else 0)
+        ffn += graph_values * 4 / act_bytes
         if attention_probs:
             ffn += s.n_heads * seq_len * 4 / act_bytes
     else:
@@ -122,7 +127,8 @@ def block_activation_elems(s: BlockShape, is_moe: bool, act_bytes: int, seq_len:
 def activation_bytes(s: BlockShape, w: Workload, checkpointing: bool) -> float:
     """Peak activation bytes of one micro-batch on one GPU."""
     moe = set(w.moe_blocks)
-    per_block = [block_activation_elems(s, i in moe, w.act_bytes, w.seq_len, w.attention_probs) for i in range(w.n_layers)]
+    per_block = [block_activation_elems(s, i in moe, w.act_bytes, w.seq_len, w.attention_probs, w.graph_values)
+                 for i in range(w.n_layers)]
     logits = w.vocab_size * (w.act_bytes + 8) / w.act_bytes
     edges = 3 * s.d_model  # embedding output, final norm in/out
     if checkpointing:

@@ -52,6 +52,11 @@ def _blocks(S: int, causal: bool, block: int):
     return [(i0, min(S, i0 + block), min(S, i0 + block) if causal else S) for i0 in range(0, S, block)]
 
 
+def graph_values_per_token(S: int, causal: bool = True, block: int = BLOCK) -> float:
+    """Mixing weights the graph keeps for backward per token of a length-``S`` sequence (fp32 values)."""
+    return sum((i1 - i0) * e for i0, i1, e in _blocks(S, causal, block)) / S
+
+
 # Scores more than 50 below their row's maximum are raised to -50 before exp: e^-50 ~ 2e-22 is
 # nothing next to the maximum's exp(0) = 1 at float32 precision (even summed over 10^5 keys),
 # yet far enough above float32's smallest normal (1.2e-38) that the weights after the row
