@@ -10,6 +10,7 @@ from dist_harness import run_ranks
 from moe_cases import D_MODEL, check_against_reference, collect, make_layer, step
 
 from moe_dist.dist import build_parallel_groups
+from moe_dist.errors import ConfigError
 from moe_dist.moe import MoELayer
 from moe_dist.moe.routers import build_router
 from moe_dist.moe.routers.token_graph import mix_over_sequence
@@ -411,6 +412,39 @@ def test_clear_errors():
     assert build_router("similarity", D_MODEL, E, K, base="noisy_topk").needs_token_layout
 
 
+@pytest.mark.parametrize("router", ["similarity", "attention"])
+def test_bf16_graph_products_track_fp32(router):
+    """graph_dtype=bf16 runs the graph's q . k products (and the entropy scan's) in bf16: the scores
+    are rounded to bf16, everything after them stays fp32. On inputs a bf16 model hands over (exact
+    in bf16) it routes as the fp32 graph does, to bf16 precision, with gradients to match."""
+    torch.manual_seed(7)
+    B, S, H, Hkv, dh, D = 2, 40, 4, 2, 8, 32
+    attn = attention_inputs(B, S, H, Hkv, dh, D, seed=8, scale=0.5, form="scores") if router == "attention" else None
+    if attn is not None:
+        attn = {k: v.detach().to(torch.bfloat16).float().requires_grad_(True) for k, v in attn.items()}
+    x = (torch.randn(B * S, D) * 0.3).to(torch.bfloat16).float().requires_grad_(True)
+    leaves = [x] + ([] if attn is None else list(attn.values()))
+    c = torch.randn(B * S, K)
+    options = {"temperature": 4.0} if router == "similarity" else {}
+    out = {}
+    for dtype in ("fp32", "bf16"):
+        torch.manual_seed(9)
+        r = build_router(router, D, E, K, graph_dtype=dtype, **options)
+        routing = r(x, CTX, inputs_for(B, S, attn, None))
+        loss = (routing.gates * c).sum() + routing.probs.pow(2).sum()
+        out[dtype] = (routing, torch.autograd.grad(loss, leaves))
+    (r32, g32), (r16, g16) = out["fp32"], out["bf16"]
+    assert not torch.equal(r32.probs, r16.probs)  # the bf16 products ran
+    torch.testing.assert_close(r16.probs, r32.probs, rtol=0, atol=5e-4)
+    assert (r16.expert_ids == r32.expert_ids).float().mean() > 0.95
+    if router == "attention":
+        assert torch.equal(r16.extras["selected_heads"], r32.extras["selected_heads"])
+    for a, b in zip(g16, g32):
+        assert float((a - b).norm() / b.norm()) < 2e-2
+    with pytest.raises(ConfigError, match=r"graph_dtype='fp16' is not allowed; allowed: \['fp32', 'bf16'\]"):
+        build_router(router, D, E, K, graph_dtype="fp16")
+
+
 def test_layer_extras_and_bf16_model():
     torch.manual_seed(6)
     layer = MoELayer(D_MODEL, 32, E, K, router="similarity", router_options={"temperature": 4.0, "base": "xmoe"},
@@ -441,6 +475,8 @@ CASES = {
     "attention": dict(cfg=dict(router="attention"), causal=True, pad=True, baseline="baseline-topk"),
     "attention-scores": dict(cfg=dict(router="attention"), causal=True, pad=True, form="scores",
                              baseline="baseline-topk"),
+    "attention-scores-bf16-graph": dict(cfg=dict(router="attention", router_options={"graph_dtype": "bf16"}),
+                                        causal=True, pad=True, form="scores", baseline="baseline-topk"),
     "attention-top1-cap": dict(cfg=dict(router="attention", top_k=1, capacity_factor=1.25,
                                         router_options={"sigma": 2.0}), causal=True, pad=False,
                                baseline="baseline-top1-cap"),

@@ -76,6 +76,8 @@ def _run(layer: MoELayer, dtype: torch.dtype, form: str = "scores") -> Subnormal
 CASES = [(name, {}, "scores") for name in sorted(ROUTERS)] + [
     ("similarity", {"similarity": "cosine", "learn_similarity": True}, "scores"),
     ("attention", {}, "probs"),
+    ("similarity", {"graph_dtype": "bf16"}, "scores"),
+    ("attention", {"graph_dtype": "bf16"}, "scores"),
     ("ssr", {"p": 1.0}, "scores"),  # Sinkhorn on every call
 ]
 
