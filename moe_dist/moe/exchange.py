@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from ..dist.collectives import all_to_all_rows
-from .loop_kernel import CHUNK_ROWS, WeightGrads, keeps_graph, span_backward, span_forward, spans_of
+from .loop_kernel import CHUNK_ROWS, begin_backward, span_backward, span_forward, spans_of
 
 
 @dataclass
@@ -115,15 +115,11 @@ class PipelinedLoop(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, gy):
-        x, w1, w3, w2 = ctx.saved_tensors
+        x, w, need_x, grads, reuse, gy = begin_backward(ctx, gy)
         ex, acts, received = ctx.ex, ctx.acts, ctx.received
         own_first, remote, own_second = ctx.spans
-        need_x, _, need_w1, need_w3, need_w2 = ctx.needs_input_grad
-        reuse = not keeps_graph()
-        gy = gy.contiguous()
         away = ex.sent_away
         send, recv_splits = ex.send_splits(), ex.recv_splits()
-        grads = WeightGrads(w1, w3, w2, (need_w1, need_w3, need_w2))
         # every rank returns the row gradients of the rows it received, whether or not it needs its own
         gx = torch.empty_like(x) if need_x or away else x.new_empty((0, x.shape[1]))
         g_remote = gy.new_empty((received.shape[0], gy.shape[1]))
@@ -131,15 +127,13 @@ class PipelinedLoop(torch.autograd.Function):
 
         def own(spans):
             for e, s, t in spans:
-                span_backward(gy[s:t], x[s:t], acts[("own", s)], e, w1, w3, w2, gx[s:t] if need_x else None,
-                              grads, reuse)
+                span_backward(gy[s:t], x[s:t], acts[("own", s)], e, *w, gx[s:t] if need_x else None, grads, reuse)
 
         work = _start(g_remote, gy[:away], recv_splits, send, ex.group)
         own(own_first)
         work.wait()
         for e, s, t in remote:
-            span_backward(g_remote[s:t], received[s:t], acts[("remote", s)], e, w1, w3, w2, gx_remote[s:t], grads,
-                          reuse)
+            span_backward(g_remote[s:t], received[s:t], acts[("remote", s)], e, *w, gx_remote[s:t], grads, reuse)
         work = _start(gx[:away], gx_remote, send, recv_splits, ex.group)
         own(own_second)
         work.wait()

@@ -130,6 +130,17 @@ def span_backward(gy: torch.Tensor, x: torch.Tensor, acts: tuple, e: int, w1: to
     grads.add(e, x, gh1, gh3, a, gy)
 
 
+def begin_backward(ctx, gy: torch.Tensor):
+    """What a loop-kernel backward starts from (:class:`LoopFFN`, the pipelined exchange): the
+    saved ``x`` and weights, whether ``x`` needs a gradient, empty weight gradients, whether the
+    activations may take their gradients (:func:`span_backward`'s ``reuse``) and ``gy``
+    contiguous. Both save ``(x, w1, w3, w2)`` and take ``(x, layout, w1, w3, w2)``."""
+    x, w1, w3, w2 = ctx.saved_tensors
+    need_x, _, need_w1, need_w3, need_w2 = ctx.needs_input_grad
+    grads = WeightGrads(w1, w3, w2, (need_w1, need_w3, need_w2))
+    return x, (w1, w3, w2), need_x, grads, not keeps_graph(), gy.contiguous()
+
+
 class LoopFFN(torch.autograd.Function):
     """The experts on rows laid out as ``segments`` (``(local expert, rows)`` in row order), one
     span after the other. Weight gradients are one matmul per span over all its rows."""
@@ -147,13 +158,9 @@ class LoopFFN(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, gy):
-        x, w1, w3, w2 = ctx.saved_tensors
-        need_x, _, need_w1, need_w3, need_w2 = ctx.needs_input_grad
-        reuse = not keeps_graph()
-        gy = gy.contiguous()
-        grads = WeightGrads(w1, w3, w2, (need_w1, need_w3, need_w2))
+        x, w, need_x, grads, reuse, gy = begin_backward(ctx, gy)
         gx = (torch.zeros_like(x) if not ctx.spans else torch.empty_like(x)) if need_x else None
         for (e, s, t), acts in zip(ctx.spans, ctx.acts):
-            span_backward(gy[s:t], x[s:t], acts, e, w1, w3, w2, None if gx is None else gx[s:t], grads, reuse)
+            span_backward(gy[s:t], x[s:t], acts, e, *w, None if gx is None else gx[s:t], grads, reuse)
         g1, g3, g2 = grads.finish()
         return gx, None, g1, g3, g2
