@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...checks import check_bounds, check_choice, coerce_value
+from ...checks import check_bounds, check_choice
 from ..counting import count_values
 from ..routing import AttentionInputs, Routing, RouterInputs, RoutingContext
 from .base import default_normalize, select_topk
@@ -227,7 +227,6 @@ class SimilarityRouter(TokenGraphRouter):
                  learn_similarity: bool = False, detach_graph: bool = False, normalize: Optional[bool] = None,
                  aux_probs: str = "mixed", graph_dtype: str = "fp32"):
         super().__init__(d_model, num_experts, top_k, base, base_options, normalize, aux_probs, detach_graph, graph_dtype)
-        temperature = coerce_value(temperature, float, "model.moe.router_options.temperature")
         check_bounds("model.moe.router_options.temperature", temperature, gt=0)
         check_choice("model.moe.router_options.similarity", similarity, SIMILARITIES)
         self.temperature, self.similarity = float(temperature), similarity
@@ -346,9 +345,7 @@ class AttentionRouter(TokenGraphRouter):
                  output_scale: Optional[float] = None, detach_graph: bool = False,
                  normalize: Optional[bool] = None, aux_probs: str = "mixed", graph_dtype: str = "fp32"):
         super().__init__(d_model, num_experts, top_k, base, base_options, normalize, aux_probs, detach_graph, graph_dtype)
-        sigma = coerce_value(sigma, float, "model.moe.router_options.sigma")
-        check_bounds("model.moe.router_options.sigma", sigma, gt=0)
-        output_scale = coerce_value(output_scale, Optional[float], "model.moe.router_options.output_scale")
+        check_bounds("model.moe.router_options.sigma", sigma, gt=0)  # types: the registry (build_router)
         self.sigma, self.likelihood, self.output_scale = float(sigma), bool(likelihood), output_scale
 
     def _value_path(self, attention: AttentionInputs):
