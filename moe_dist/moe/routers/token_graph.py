@@ -163,6 +163,33 @@ class _GraphMix(torch.autograd.Function):
         return d_probs, d_q, d_k, d_prior, d_bias, None, None, None, None, None
 
 
+# Callables observing every mixing step (diagnostics, e.g. moe_dist.study.graph_probe): each is called
+# as observer(probs=, q=, k=, scale=, prior=, key_bias=, key_mask=, causal=, mixed=) under no_grad.
+GRAPH_OBSERVERS: list = []
+
+
+def dense_graph_weights(q: Optional[torch.Tensor], k: Optional[torch.Tensor], scale: float = 1.0,
+                        prior: Optional[torch.Tensor] = None, key_bias: Optional[torch.Tensor] = None,
+                        key_mask: Optional[torch.Tensor] = None, causal: bool = True) -> torch.Tensor:
+    """The mixing weights ``softmax_j(L_ij)`` ``[B, S, S]`` of :func:`mix_over_sequence` as one dense
+    matrix (for inspection; the mixing step itself never forms it), in fp32, same masks."""
+    ref = q if q is not None else prior
+    B, S = ref.shape[0], ref.shape[1]
+    with torch.no_grad():
+        L = torch.zeros(B, S, S, device=ref.device)
+        if q is not None:
+            L = L + scale * torch.bmm(q.float(), k.float().transpose(1, 2))
+        if prior is not None:
+            L = L + torch.log(prior.float())
+        if key_bias is not None:
+            L = L + key_bias.float()[:, None, :]
+        _mask_block_(L, 0, causal, key_mask, float("-inf"))
+        rows = torch.arange(S, device=ref.device)
+        diag = L[:, rows, rows]
+        L[:, rows, rows] = torch.where(torch.isneginf(L.amax(-1)), torch.zeros_like(diag), diag)
+        return _softmax_(L, 0, causal, key_mask)
+
+
 def mix_over_sequence(probs: torch.Tensor, q: Optional[torch.Tensor] = None, k: Optional[torch.Tensor] = None,
                       scale: float = 1.0, prior: Optional[torch.Tensor] = None, key_bias: Optional[torch.Tensor] = None,
                       padding_mask: Optional[torch.Tensor] = None, causal: bool = True, block: int = BLOCK,
@@ -180,7 +207,13 @@ def mix_over_sequence(probs: torch.Tensor, q: Optional[torch.Tensor] = None, k: 
     if q is None and prior is None:
         raise ValueError("mix_over_sequence needs q/k or a prior")
     km = None if padding_mask is None else padding_mask.to(device=probs.device, dtype=torch.bool)
-    return _GraphMix.apply(probs, q, k, prior, key_bias, float(scale), km, bool(causal), int(block), mm_dtype)
+    mixed = _GraphMix.apply(probs, q, k, prior, key_bias, float(scale), km, bool(causal), int(block), mm_dtype)
+    if GRAPH_OBSERVERS:
+        with torch.no_grad():
+            for observe in GRAPH_OBSERVERS:
+                observe(probs=probs, q=q, k=k, scale=float(scale), prior=prior, key_bias=key_bias, key_mask=km,
+                        causal=bool(causal), mixed=mixed)
+    return mixed
 
 
 class TokenGraphRouter(WrappingRouter):
