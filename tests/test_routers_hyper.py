@@ -170,3 +170,25 @@ def test_inference_cache_matches_training_router():
     other = build_router("hyper", 16, E, 2, embed_dim=8, hyper_dim=16).eval()
     other.load_state_dict(router.state_dict())
     torch.testing.assert_close(other.router_weights()[0], router.router_weights()[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("router", ["hyper", "smoe_dropout"])
+def test_active_parameters_count_the_k_training_ends_with(router):
+    """A k schedule from 2 to 6 ends with 6 experts per token: the model's and the planner's
+    counts of active parameters use that k, not top_k."""
+    from moe_dist.config import config_from_dict
+    from moe_dist.model import build_model, count_parameters
+    from moe_dist.model.params import count_params
+
+    def config(options):
+        return config_from_dict({"model": {"vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 4, "d_ff": 64,
+                                           "moe": {"num_experts": E, "top_k": 2, "d_ff": 16, "router": router,
+                                                   "router_options": options}},
+                                 "train": {"steps": 10}})
+
+    ramp, fixed = config({"k_max": 6}), config({})
+    per_expert = 3 * 32 * 16
+    for cfg, k in ((ramp, 6), (fixed, 2)):
+        counts, want = count_params(cfg.model), count_parameters(build_model(cfg.model, 64, device="meta"))
+        assert (counts["total"], counts["active"]) == (want["total"], want["active"])
+        assert counts["active"] == counts["total"] - 2 * (E - k) * per_expert

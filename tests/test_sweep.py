@@ -33,6 +33,22 @@ def _sweep(study: str, *args: str, **kw):
 
 
 # ---- the study file and the grid ----------------------------------------------------------------
+def test_timing_study_is_the_study_shortened():
+    """configs/study-timing.yaml times the study's routers on the study's model: the same overrides
+    but the run length and evaluation keys, the same router entries (the ramps left out)."""
+    study = load_study(os.path.join(ROOT, "configs", "study.yaml"))
+    timing = load_study(os.path.join(ROOT, "configs", "study-timing.yaml"))
+    length = ("train.steps=", "eval.every=", "ckpt.every=")
+
+    def model_and_data(s):
+        return [o for o in s.overrides if not o.startswith(length)]
+
+    assert model_and_data(timing) == model_and_data(study) and timing.base == study.base
+    assert set(timing.routers) == set(study.routers) - {"hyper_ramp", "smoe_dropout_ramp"}
+    assert all(timing.routers[label] == study.routers[label] for label in timing.routers)
+    assert (timing.processes_per_run, timing.threads_per_run) == (study.processes_per_run, study.threads_per_run)
+
+
 def test_grid_and_run_overrides(tmp_path):
     path = _study(tmp_path, """
 out: OUT

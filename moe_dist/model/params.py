@@ -3,8 +3,8 @@
 The formulae follow moe_dist.model (RMSNorm weights, GQA projections, optional q/k/v
 biases and q/k norms, SwiGLU FFN / experts, tied or separate output projection); a router's parameters are
 counted by instantiating that router alone (they are tiny: about E x d). "active" = what one
-token uses: every dense weight and the top-k experts of each MoE layer. These are the figures
-a published model card quotes (e.g. Mixtral-8x7B: 46.7B total, 12.9B active).
+token uses: every dense weight and the top-k experts of each MoE layer (for a router with a k
+schedule, the k training ends with). These are the figures a published model card quotes (e.g. Mixtral-8x7B: 46.7B total, 12.9B active).
 """
 from __future__ import annotations
 
@@ -37,15 +37,13 @@ def block_shape(model_cfg) -> BlockShape:
                       shared_d_ff=m.moe.shared_d_ff or 0, shared_gate=bool(m.moe.shared_gate and m.moe.shared_d_ff))
 
 
-def router_params(model_cfg) -> int:
-    """Parameters of one MoE layer's router (counted from the router class itself)."""
+def _meta_router(model_cfg):
     from ..moe.routers import build_router
     import torch
 
     m = model_cfg.moe
     with torch.device("meta"):  # shapes only, no memory
-        router = build_router(m.router, model_cfg.d_model, m.num_experts, m.top_k, **m.router_options)
-    return sum(p.numel() for p in router.parameters())
+        return build_router(m.router, model_cfg.d_model, m.num_experts, m.top_k, **m.router_options)
 
 
 def count_params(model_cfg, moe_blocks: Optional[list[int]] = None) -> dict:
@@ -64,14 +62,15 @@ def count_params(model_cfg, moe_blocks: Optional[list[int]] = None) -> dict:
     norms = 2 * s.d_model
     dense_ffn = 3 * s.d_model * s.d_ff
     per_expert = (3 if s.gated else 2) * s.d_model * s.expert_d_ff
-    router = router_params(m) if n_moe else 0
+    meta_router = _meta_router(m) if n_moe else None
+    router = sum(p.numel() for p in meta_router.parameters()) if n_moe else 0
     shared_expert = (3 if s.gated else 2) * s.d_model * s.shared_d_ff + (s.d_model if s.shared_gate else 0)
     embedding = m.vocab_size * s.d_model
     head = 0 if m.tie_embeddings else m.vocab_size * s.d_model
     shared = (embedding + head + s.d_model + m.n_layers * (attn + norms) + n_dense * dense_ffn
               + n_moe * (router + shared_expert))
     experts_total = n_moe * s.num_experts * per_expert
-    experts_active = n_moe * s.top_k * per_expert
+    experts_active = n_moe * (meta_router.final_k if n_moe else 0) * per_expert  # a k schedule's last k
     return {
         "total": shared + experts_total, "active": shared + experts_active,
         "embedding": embedding, "lm_head": head, "attention": m.n_layers * attn, "norms": m.n_layers * norms + s.d_model,

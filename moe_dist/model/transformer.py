@@ -127,7 +127,8 @@ def build_model(cfg, vocab_size: int, seed: int = 0, device="cpu") -> Transforme
 
 
 def count_parameters(model: nn.Module) -> dict[str, int]:
-    """Total parameters (each tied tensor once) and those one token uses (top-k of the experts)."""
+    """Total parameters (each tied tensor once) and those one token uses (the k experts it is routed
+    to at the end of training: ``top_k``, or a k schedule's last k)."""
     total, expert_total, active_expert = 0, 0, 0
     seen = set()
     for p in model.parameters():
@@ -138,6 +139,6 @@ def count_parameters(model: nn.Module) -> dict[str, int]:
         n = sum(p.numel() for p in layer.experts.expert_parameters())
         per_expert = n // layer.experts.num_experts
         expert_total += per_expert * layer.num_experts
-        active_expert += per_expert * layer.top_k
+        active_expert += per_expert * layer.router.final_k
         total += per_expert * (layer.num_experts - layer.experts.num_experts)  # experts held by other ranks
     return {"total": total, "active": total - expert_total + active_expert}

@@ -1,7 +1,7 @@
 """What one finished run measured, read back from its run directory.
 
-From ``summary.json``: validation perplexity (at the router's training-end k), parameters
-(total / active per token). From ``metrics.jsonl`` (one row per logged step; after a resume
+From ``summary.json``: validation perplexity (at the router's training-end k). From the
+run's ``config.yaml``: parameters (total / active per token, at the k training ends with). From ``metrics.jsonl`` (one row per logged step; after a resume
 the re-logged steps are counted once): the median step time and tokens/s over the steps
 after the first, the training time = steps x median step time (robust to a resume and to
 another run's start-up), the validation perplexity over training, the routing fluctuation
@@ -17,6 +17,8 @@ import os
 import statistics
 from typing import Optional
 
+from ..config import load_config
+from ..model.params import count_params
 from .spec import RunSpec
 
 LOAD_KEYS = ("load_cv", "max_load_ratio", "dead_experts")
@@ -95,9 +97,12 @@ def collect_run(run: RunSpec, steps: int) -> dict:
     cpu = [r["cpu_s"] for r in timed if r.get("cpu_s") is not None]
     eval_k = read_json(os.path.join(d, "eval_k.json")) or []
     run_info = read_json(os.path.join(d, "run.json")) or {}
+    # the config the run wrote (vocabulary resolved); active parameters at the k training ends with
+    counts = count_params(load_config(os.path.join(d, "config.yaml")).model)
     record.update(
         status="done", val_ppl=summary["val_ppl"], val_loss=summary["val_loss"], unigram_ppl=summary["unigram_ppl"],
-        train_loss=summary.get("train_loss"), parameters=summary.get("parameters"),
+        train_loss=summary.get("train_loss"),
+        parameters={key: counts[key] for key in ("total", "active")},
         tokens_per_s=tok_s, step_s=step_s, train_time_s=step_s * steps if step_s else None,
         cpu_step_s=statistics.median(cpu) if cpu else None,
         wall_s=summary.get("train_seconds"), threads=run_info.get("threads_per_process"),

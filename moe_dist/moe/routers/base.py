@@ -52,6 +52,12 @@ class Router(nn.Module):
         check_top_k(num_experts, top_k)
         self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
 
+    @property
+    def final_k(self) -> int:
+        """Experts per token the trained model routes to: the k training ends with (a router with a
+        k schedule ends above ``top_k``)."""
+        return self.top_k
+
     def forward(self, x: torch.Tensor, ctx: RoutingContext, inputs: Optional[RouterInputs] = None) -> Routing:
         return self.route(x, ctx, NO_INPUTS if inputs is None else inputs)
 

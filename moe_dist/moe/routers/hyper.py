@@ -81,6 +81,10 @@ class FrozenRouter(Router):
         self._frozen: list[str] = []
 
     # ---- k --------------------------------------------------------------------------------
+    @property
+    def final_k(self) -> int:
+        return self.k_max
+
     def set_eval_k(self, k: Optional[int]) -> None:
         if k is not None and not 1 <= int(k) <= self.num_experts:
             raise ConfigError(f"eval_k must be in [1, num_experts={self.num_experts}] or null, got {k}")
