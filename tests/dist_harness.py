@@ -34,6 +34,9 @@ def _worker(rank, world_size, out_dir, fn, args, timeout):
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'rendezvous')}", rank=rank,
                                 world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
+        # every rank has finished connecting before any may leave: a rank whose fn returns at once
+        # (a refused setting) would otherwise close its sockets while a slower rank still connects
+        dist.barrier()
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, os.path.join(out_dir, f"rank{rank}.pt"))
     except BaseException:  # noqa: BLE001 - report every failure to the parent

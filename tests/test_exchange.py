@@ -132,3 +132,34 @@ def test_transfers_overlap_the_rows_that_stay():
             # while the rows travel out: half of this rank's own rows; then the arrived rows; while the
             # outputs (row gradients) travel back: the other half of the own rows
             assert rows == [own // 2, remote, own // 2], (phase, part)
+
+
+def _peer_leaves(rank, world):
+    """Rank 1 leaves before the exchange; rank 0's pipelined transfer fails in its wait()."""
+    import torch.distributed as dist
+
+    from moe_dist.dist.collective_errors import failed_collective
+
+    if rank == 1:
+        dist.destroy_process_group()  # closes its connections, as a killed process would
+        return None
+    counts = torch.full((world, world, EXPERTS // world), 6)
+    ex = _exchange(counts, rank, dist.group.WORLD)
+    experts = GroupedExperts(EXPERTS // world, D_MODEL, D_FF, kernel="loop")
+    try:
+        experts(torch.randn(sum(ex.send), D_MODEL), counts[:, rank].sum(0).tolist(), ex)
+    except RuntimeError as e:
+        info = failed_collective(e)
+        return None if info is None else {"name": info.name, "caller": info.caller, "ranks": info.ranks,
+                                          "lost_or_timed_out": info.peer_lost or info.timed_out}
+    return "no error"
+
+
+def test_a_failed_transfer_is_named_like_a_blocking_collective():
+    """An asynchronous all-to-all fails in its wait(), outside torch.distributed's frames: the
+    error still names the collective, its group and the caller, so the launcher prints one line
+    ("another rank went away") instead of a traceback."""
+    info = run_ranks(_peer_leaves, 2, timeout=60)[0]
+    assert info is not None and info != "no error"
+    assert info["name"] == "all_to_all_single" and info["ranks"] == [0, 1] and info["lost_or_timed_out"]
+    assert info["caller"].startswith("moe_dist/moe/exchange.py:")

@@ -8,6 +8,9 @@ frame above it, in moe_dist, is the caller.
 
     info = failed_collective(exc)         # None if exc did not come out of a collective
     if info and info.timed_out: print(info.describe(timeout_s=15))
+
+An asynchronous collective (``async_op=True``) fails later, in its work handle's ``wait()``, a
+frame of no collective: wait on it with :func:`wait_collective`, which names it.
 """
 from __future__ import annotations
 
@@ -43,6 +46,24 @@ class FailedCollective:
         return f"the collective {self.name} over {ranks} failed{where}: another rank went away"
 
 
+class AsyncCollectiveError(RuntimeError):
+    """An asynchronous collective failed while its work was waited on (the backend's message, the
+    collective's name and group attached)."""
+
+    def __init__(self, name: str, group, cause: BaseException):
+        super().__init__(str(cause))
+        self.collective, self.group = name, group
+
+
+def wait_collective(work, name: str, group=None) -> None:
+    """``work.wait()`` of an ``async_op=True`` collective called ``name`` over ``group``; a failure
+    is raised as :class:`AsyncCollectiveError` (``failed_collective`` reads it like a blocking one)."""
+    try:
+        work.wait()
+    except RuntimeError as e:
+        raise AsyncCollectiveError(name, group, e) from e
+
+
 def _group(group) -> tuple[str, Optional[list[int]]]:
     from .groups import describe_group
 
@@ -70,6 +91,11 @@ def failed_collective(exc: BaseException) -> Optional[FailedCollective]:
     while tb is not None:  # outermost first
         frames.append(tb.tb_frame)
         tb = tb.tb_next
+    if isinstance(exc, AsyncCollectiveError):
+        mine = os.path.abspath(__file__)
+        ours = [f for f in frames if f"{os.sep}moe_dist{os.sep}" in f.f_code.co_filename
+                and os.path.abspath(f.f_code.co_filename) != mine]
+        return _described(exc.collective, exc.group, ours[-1] if ours else None, str(exc))
     c10d = [i for i, f in enumerate(frames) if f.f_code.co_filename.endswith(f"distributed{os.sep}distributed_c10d.py")]
     anywhere = [i for i, f in enumerate(frames) if f"{os.sep}torch{os.sep}distributed{os.sep}" in f.f_code.co_filename]
     if not (c10d or anywhere):
@@ -78,13 +104,17 @@ def failed_collective(exc: BaseException) -> Optional[FailedCollective]:
     while frames[i].f_code.co_name.startswith("_") and i > 0 and frames[i - 1].f_code.co_filename == \
             frames[i].f_code.co_filename:  # a private helper: name the public collective that called it
         i -= 1
-    frame, caller = frames[i], ""
+    frame = frames[i]
     ours = [f for f in frames[:i] if f"{os.sep}moe_dist{os.sep}" in f.f_code.co_filename]
-    if ours:
-        short = ours[-1].f_code.co_filename.split(f"{os.sep}moe_dist{os.sep}", 1)[1]
-        caller = f"moe_dist/{short}:{ours[-1].f_lineno} in {ours[-1].f_code.co_name}"
-    message = str(exc)
+    return _described(frame.f_code.co_name, frame.f_locals.get("group"), ours[-1] if ours else None, str(exc))
+
+
+def _described(collective: str, group, caller_frame, message: str) -> FailedCollective:
+    caller = ""
+    if caller_frame is not None:
+        short = caller_frame.f_code.co_filename.split(f"{os.sep}moe_dist{os.sep}", 1)[1]
+        caller = f"moe_dist/{short}:{caller_frame.f_lineno} in {caller_frame.f_code.co_name}"
     timed_out = bool(_TIMEOUT.search(message))
-    name, ranks = _group(frame.f_locals.get("group"))
-    return FailedCollective(name=frame.f_code.co_name, ranks=ranks, caller=caller, timed_out=timed_out,
+    name, ranks = _group(group)
+    return FailedCollective(name=collective, ranks=ranks, caller=caller, timed_out=timed_out,
                             peer_lost=bool(_PEER_LOST.search(message)) and not timed_out, group=name)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+from ..dist.collective_errors import wait_collective
 from ..dist.collectives import all_to_all_rows
 from .loop_kernel import CHUNK_ROWS, begin_backward, span_backward, span_forward, spans_of
 
@@ -66,9 +67,21 @@ class Exchange:
         return list(enumerate(self.recv[self.rank]))
 
 
-def _start(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], group):
-    """An all-to-all that runs while the caller computes; ``.wait()`` the returned work."""
-    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
+class _Transfer:
+    """An all-to-all in flight; ``.wait()`` for it (a failure names the collective and its group,
+    as a blocking one's would)."""
+
+    def __init__(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], group):
+        self.group = group
+        self.work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
+
+    def wait(self) -> None:
+        wait_collective(self.work, "all_to_all_single", self.group)
+
+
+def _start(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> _Transfer:
+    """An all-to-all that runs while the caller computes."""
+    return _Transfer(out, inp, out_splits, in_splits, group)
 
 
 def _halves(spans: list, offset: int) -> tuple[list, list]:
