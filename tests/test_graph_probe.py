@@ -69,3 +69,27 @@ def test_attention_router_reports_its_heads_and_topk_has_nothing_to_probe():
     assert "heads" in format_probe(results) and model.training  # left in its mode
     plain, _ = _model()
     assert probe_token_graph(plain, _tokens()) == [None, None]
+
+
+@pytest.mark.slow
+def test_probe_command_on_a_trained_run(tmp_path):
+    """`python -m moe_dist.study.graph_probe --run-dir DIR`: a real run's checkpoint, the table and
+    its JSON; a directory that is not a run is one line with exit code 2."""
+    import json
+    import subprocess
+    import sys
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+    run_dir = str(tmp_path / "run")
+    r = cli("moe_dist.cli", "train", "--config", "configs/test.yaml", 'model.moe.router="attention"',
+            f"run.dir={run_dir}", "train.steps=2", "parallel.ep=1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = cli("moe_dist.study.graph_probe", "--run-dir", run_dir, "--sequences", "16", "--json", str(tmp_path / "p.json"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "router attention, checkpoint step 2, 16 sequences of 64 tokens" in r.stdout
+    layers = json.load(open(tmp_path / "p.json"))["layers"]
+    assert len(layers) == 2 and all(sum(layer["heads"]) == 16 for layer in layers)
+    bad = cli("moe_dist.study.graph_probe", "--run-dir", str(tmp_path))
+    assert bad.returncode == 2 and bad.stderr.strip().endswith("(is it a moe-dist run directory?)"), bad.stderr

@@ -4,7 +4,8 @@ The formulae follow moe_dist.model (RMSNorm weights, GQA projections, optional q
 biases and q/k norms, SwiGLU FFN / experts, tied or separate output projection); a router's parameters are
 counted by instantiating that router alone (they are tiny: about E x d). "active" = what one
 token uses: every dense weight and the top-k experts of each MoE layer (for a router with a k
-schedule, the k training ends with). These are the figures a published model card quotes (e.g. Mixtral-8x7B: 46.7B total, 12.9B active).
+schedule, the k training ends with). These are the figures a published model card quotes
+(e.g. Mixtral-8x7B: 46.7B total, 12.9B active).
 """
 from __future__ import annotations
 

@@ -125,6 +125,31 @@ def format_probe(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def probe_run(cfg, rt, path: str, run_dir: str, json_path: Optional[str]) -> None:
+    """Load the checkpoint at ``path`` into the run's model, probe its validation sequences, print
+    the table (and write ``json_path``)."""
+    import json
+
+    from ..train.checkpoint import load_checkpoint
+    from ..train.evaluate import validation_batches
+    from ..train.model_setup import build_meta_model, weights_filler
+    from ..train.parallelize import parallelize
+    from ..train.trainer import load_data, resolve_vocab
+
+    data = load_data(cfg, rt, lambda _msg: None)
+    model = build_meta_model(cfg, resolve_vocab(cfg, data))
+    parallelize(model, rt, cfg.parallel, fill=weights_filler(cfg, None), dtype=cfg.train.dtype)
+    step = load_checkpoint(model, path).get("step")
+    batches = [torch.as_tensor(b[:, :-1]).long() for b in validation_batches(data, cfg.train.seq_len, cfg.eval, 0, 1)]
+    results = probe_token_graph(model, batches)
+    print(f"{run_dir}: router {cfg.model.moe.router}, checkpoint step {step}, "
+          f"{sum(b.shape[0] for b in batches)} sequences of {cfg.train.seq_len} tokens")
+    print(format_probe(results))
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump({"run_dir": run_dir, "step": step, "layers": results}, f, indent=2)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_dist.study.graph_probe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-dir", required=True, metavar="DIR", help="a run of the similarity or attention router")
@@ -133,39 +158,30 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="FILE", help="also write the per-layer results to FILE")
     args = parser.parse_args(argv)
 
-    import json
     import os
 
     from ..config import load_config
     from ..errors import MissingInputError
-    from ..train.checkpoint import latest_checkpoint, load_checkpoint
-    from ..train.evaluate import validation_batches
-    from ..train.model_setup import build_meta_model, weights_filler
-    from ..train.parallelize import parallelize
-    from ..train.trainer import load_data, resolve_vocab, setup_runtime, shutdown
+    from ..train.checkpoint import latest_checkpoint
+    from ..train.cmd_common import user_errors
+    from ..train.trainer import setup_runtime, shutdown
 
-    cfg = load_config(os.path.join(args.run_dir, "config.yaml"),
-                      [f"run.dir={args.run_dir}", f"eval.max_sequences={args.sequences}", "parallel.ep=1"])
-    rt = setup_runtime(cfg)
-    try:
+    def go() -> int:
+        config = os.path.join(args.run_dir, "config.yaml")
+        if not os.path.exists(config):
+            raise MissingInputError(f"--run-dir {args.run_dir!r} has no config.yaml (is it a moe-dist run directory?)")
+        cfg = load_config(config, [f"run.dir={args.run_dir}", f"eval.max_sequences={args.sequences}", "parallel.ep=1"])
         path = args.checkpoint or latest_checkpoint(cfg.run.dir)
         if path is None:
             raise MissingInputError(f"no complete checkpoint under {args.run_dir}/checkpoints")
-        data = load_data(cfg, rt, lambda _msg: None)
-        model = build_meta_model(cfg, resolve_vocab(cfg, data))
-        parallelize(model, rt, cfg.parallel, fill=weights_filler(cfg, None), dtype=cfg.train.dtype)
-        step = load_checkpoint(model, path).get("step")
-        batches = [torch.as_tensor(b[:, :-1]).long() for b in validation_batches(data, cfg.train.seq_len, cfg.eval, 0, 1)]
-        results = probe_token_graph(model, batches)
-        print(f"{args.run_dir}: router {cfg.model.moe.router}, checkpoint step {step}, "
-              f"{sum(b.shape[0] for b in batches)} sequences of {cfg.train.seq_len} tokens")
-        print(format_probe(results))
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump({"run_dir": args.run_dir, "step": step, "layers": results}, f, indent=2)
-    finally:
-        shutdown(rt)
-    return 0
+        rt = setup_runtime(cfg)
+        try:
+            probe_run(cfg, rt, path, args.run_dir, args.json)
+        finally:
+            shutdown(rt)
+        return 0
+
+    return user_errors("graph_probe", go)
 
 
 if __name__ == "__main__":
