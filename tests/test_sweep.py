@@ -49,6 +49,16 @@ def test_timing_study_is_the_study_shortened():
     assert (timing.processes_per_run, timing.threads_per_run) == (study.processes_per_run, study.threads_per_run)
 
 
+def test_follow_up_study_is_the_study_setting():
+    """configs/study-followup.yaml (two candidate causes of negative results) trains what the study
+    trains: the same base, overrides and run layout; topk is its reference."""
+    study = load_study(os.path.join(ROOT, "configs", "study.yaml"))
+    follow = load_study(os.path.join(ROOT, "configs", "study-followup.yaml"))
+    assert (follow.base, follow.overrides) == (study.base, study.overrides)
+    assert follow.reference == "topk" and follow.routers["topk"] == study.routers["topk"]
+    assert (follow.processes_per_run, follow.threads_per_run) == (study.processes_per_run, study.threads_per_run)
+
+
 def test_grid_and_run_overrides(tmp_path):
     path = _study(tmp_path, """
 out: OUT
