@@ -6,7 +6,8 @@ From ``metrics.jsonl`` (one row per logged step; after a resume the re-logged st
 counted once): the median step time and tokens/s over the steps after the first, the
 training time = steps x median step time (robust to a resume and to another run's
 start-up), the validation perplexity over training, the routing fluctuation of the probe
-set at each probe, and the load balance over the last quarter of the logged steps (per-expert counts of each step's batch: coefficient of variation, max-load
+set at each probe, and the load balance over the last quarter of the logged steps
+(per-expert counts of each step's batch: coefficient of variation, max-load
 ratio = max count / mean count, dead experts = experts that got no token in that step),
 each averaged over the MoE layers. From ``eval_k.json``: validation perplexity per inference k.
 """

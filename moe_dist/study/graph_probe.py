@@ -158,19 +158,14 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="FILE", help="also write the per-layer results to FILE")
     args = parser.parse_args(argv)
 
-    import os
-
     from ..config import load_config
     from ..errors import MissingInputError
     from ..train.checkpoint import latest_checkpoint
-    from ..train.cmd_common import user_errors
+    from ..train.cmd_common import run_config_path, user_errors
     from ..train.trainer import setup_runtime, shutdown
 
     def go() -> int:
-        config = os.path.join(args.run_dir, "config.yaml")
-        if not os.path.exists(config):
-            raise MissingInputError(f"--run-dir {args.run_dir!r} has no config.yaml (is it a moe-dist run directory?)")
-        cfg = load_config(config, [f"run.dir={args.run_dir}", f"eval.max_sequences={args.sequences}", "parallel.ep=1"])
+        cfg = load_config(run_config_path(args.run_dir), [f"run.dir={args.run_dir}", f"eval.max_sequences={args.sequences}", "parallel.ep=1"])
         path = args.checkpoint or latest_checkpoint(cfg.run.dir)
         if path is None:
             raise MissingInputError(f"no complete checkpoint under {args.run_dir}/checkpoints")

@@ -34,6 +34,16 @@ def max_shard_bytes(args) -> int:
     return int(args.max_shard_gib * (1 << 30))
 
 
+def run_config_path(run_dir: str) -> str:
+    """``run_dir/config.yaml`` (the config ``moe-dist train`` wrote there), or a MissingInputError."""
+    from ..errors import MissingInputError
+
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.exists(path):
+        raise MissingInputError(f"--run-dir {run_dir!r} has no config.yaml (is it a moe-dist run directory?)")
+    return path
+
+
 def user_errors(command: str, fn: Callable[[], int]) -> int:
     """Run ``fn``; a :class:`~moe_dist.errors.UserError` (bad configuration, input data, checkpoint or
     argument) prints one line (rank 0) and returns 2. Any other exception propagates with its

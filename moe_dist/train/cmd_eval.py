@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import os
 
-from .cmd_common import add_overrides_argument, user_errors
+from .cmd_common import add_overrides_argument, run_config_path, user_errors
 from ..errors import MissingInputError, UsageError
 
 HELP = "evaluate a checkpoint on the validation split (perplexity vs a unigram baseline)"
@@ -34,10 +34,7 @@ def _router_option_names(router: str) -> list[str]:
 def _config_path(args) -> str:
     """The config of what is evaluated: the run directory's, else the model directory's."""
     if args.run_dir:
-        path = os.path.join(args.run_dir, "config.yaml")
-        if not os.path.exists(path):
-            raise MissingInputError(f"--run-dir {args.run_dir!r} has no config.yaml (is it a moe-dist run directory?)")
-        return path
+        return run_config_path(args.run_dir)
     if not args.checkpoint:
         raise UsageError("eval: give --run-dir DIR (a training run) or --checkpoint DIR (a model directory written by "
                          "`moe-dist upcycle` or `moe-dist convert`)")

@@ -93,6 +93,15 @@ def _mask_block_(L: torch.Tensor, i0: int, causal: bool, key_mask: Optional[torc
     return L
 
 
+def _keep_self_where_empty_(L: torch.Tensor, i0: int) -> torch.Tensor:
+    """In place: a query row of the score block ``L`` (queries ``i0:i0+b``) with no finite score
+    (a prior that is zero everywhere) gets score 0 on the token itself, so it keeps its own routing."""
+    rows = torch.arange(L.shape[-2], device=L.device)
+    diag = L[:, rows, i0 + rows]
+    L[:, rows, i0 + rows] = torch.where(torch.isneginf(L.amax(-1)), torch.zeros_like(diag), diag)
+    return L
+
+
 class _GraphMix(torch.autograd.Function):
     """Blockwise ``softmax_j(L_ij) @ R`` with ``L = scale * q k^T + log(prior) + key_bias``, masked;
     nothing after the diagonal is computed when causal. Saves the softmax blocks for backward.
@@ -118,12 +127,9 @@ class _GraphMix(torch.autograd.Function):
                 L = log_prior if L is None else L.add_(log_prior)
             if key_bias is not None:
                 L.add_(key_bias[:, None, :e])
-            rows = torch.arange(b, device=probs.device)
             _mask_block_(L, i0, causal, key_mask, neg)
-            if prior is not None:  # a row with no finite logit (prior all zero) keeps the token itself
-                diag = L[:, rows, i0 + rows]
-                empty = torch.isneginf(L.amax(-1))
-                L[:, rows, i0 + rows] = torch.where(empty, torch.zeros_like(diag), diag)
+            if prior is not None:  # only a prior can leave a row without a finite logit
+                _keep_self_where_empty_(L, i0)
             W = _softmax_(L, i0, causal, key_mask)
             out[:, i0:i1] = torch.bmm(W, probs[:, :e])
             weights.append(W)
@@ -183,10 +189,7 @@ def dense_graph_weights(q: Optional[torch.Tensor], k: Optional[torch.Tensor], sc
             L = L + torch.log(prior.float())
         if key_bias is not None:
             L = L + key_bias.float()[:, None, :]
-        _mask_block_(L, 0, causal, key_mask, float("-inf"))
-        rows = torch.arange(S, device=ref.device)
-        diag = L[:, rows, rows]
-        L[:, rows, rows] = torch.where(torch.isneginf(L.amax(-1)), torch.zeros_like(diag), diag)
+        _keep_self_where_empty_(_mask_block_(L, 0, causal, key_mask, float("-inf")), 0)
         return _softmax_(L, 0, causal, key_mask)
 
 
