@@ -281,16 +281,19 @@ def test_attention_scores_form_matches_probs_form(likelihood, Hkv, pad, detach):
     assert all((g is None or not g.abs().any()) == detach for g in graph_grads)
 
 
-@pytest.mark.parametrize("causal,pad,with_q,with_prior", [(True, True, True, True), (False, True, True, False),
-                                                         (True, False, False, True), (False, False, True, True)])
-def test_blockwise_mixing_matches_dense(causal, pad, with_q, with_prior):
+@pytest.mark.parametrize("causal,pad,with_q,with_prior,self_keys",
+                         [(True, True, True, True, False), (False, True, True, False, False),
+                          (True, False, False, True, False), (False, False, True, True, False),
+                          (True, True, True, False, True), (False, False, True, True, True)])
+def test_blockwise_mixing_matches_dense(causal, pad, with_q, with_prior, self_keys):
     """The blockwise mixing step (blocks of 3 query rows over sequences of 10) against a dense
-    float64 autograd computation, values and gradients of every input."""
+    float64 autograd computation, values and gradients of every input. ``self_keys``: k is left
+    out, so the keys are the queries (the similarity router's case) and q's gradient holds both."""
     g = torch.Generator().manual_seed(7)
     B, S, Dq, Ex = 2, 10, 5, 4
     probs = torch.softmax(torch.randn(B, S, Ex, generator=g), -1).requires_grad_()
     q = torch.randn(B, S, Dq, generator=g).requires_grad_() if with_q else None
-    k = torch.randn(B, S, Dq, generator=g).requires_grad_() if with_q else None
+    k = torch.randn(B, S, Dq, generator=g).requires_grad_() if with_q and not self_keys else None
     bias = torch.randn(B, S, generator=g).requires_grad_() if with_q else None
     prior = None
     if with_prior:
@@ -311,7 +314,11 @@ def test_blockwise_mixing_matches_dense(causal, pad, with_q, with_prior):
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
     it = iter(ref_leaves)
     r_probs = next(it)
-    r_q, r_k, r_bias = (next(it), next(it), next(it)) if with_q else (None, None, None)
+    r_q = r_k = r_bias = None
+    if with_q:
+        r_q = next(it)
+        r_k = r_q if self_keys else next(it)
+        r_bias = next(it)
     r_prior = next(it) if with_prior else None
     allowed = torch.ones(B, S, S, dtype=torch.bool)
     if with_prior:

@@ -105,20 +105,23 @@ def _keep_self_where_empty_(L: torch.Tensor, i0: int) -> torch.Tensor:
 class _GraphMix(torch.autograd.Function):
     """Blockwise ``softmax_j(L_ij) @ R`` with ``L = scale * q k^T + log(prior) + key_bias``, masked;
     nothing after the diagonal is computed when causal. Saves the softmax blocks for backward.
-    The ``q k^T`` products and their gradients run in ``mm_dtype`` (the scores, the softmax and
-    the mixing stay fp32)."""
+    ``k`` None with ``q`` given: the keys are the queries (self-similarity; cast once, one
+    gradient). The ``q k^T`` products and their gradients run in ``mm_dtype`` (the scores, the
+    softmax and the mixing stay fp32)."""
 
     @staticmethod
     def forward(ctx, probs, q, k, prior, key_bias, scale, key_mask, causal, block, mm_dtype):
         B, S, E = probs.shape
         out = probs.new_empty(B, S, E)
+        ctx.keys_are_queries = q is not None and k is None
         if q is not None:
-            ctx.q_dtype, ctx.k_dtype = q.dtype, k.dtype
-            q, k = q.to(mm_dtype), k.to(mm_dtype)
+            ctx.q_dtype = q.dtype
+            ctx.k_dtype = None if k is None else k.dtype
+            q = q.to(mm_dtype)
+            k = q if k is None else k.to(mm_dtype)
         neg = float("-inf")
         weights = []
         for i0, i1, e in _blocks(S, causal, block):
-            b = i1 - i0
             L = None
             if q is not None:
                 L = torch.bmm(q[:, i0:i1], k[:, :e].transpose(1, 2)).float().mul_(scale)
@@ -134,38 +137,58 @@ class _GraphMix(torch.autograd.Function):
             out[:, i0:i1] = torch.bmm(W, probs[:, :e])
             weights.append(W)
         ctx.scale, ctx.causal, ctx.block = scale, causal, block
-        ctx.save_for_backward(probs, q, k, prior, *weights)  # q, k in mm_dtype
+        ctx.save_for_backward(probs, q, None if ctx.keys_are_queries else k, prior, *weights)  # q, k in mm_dtype
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         probs, q, k, prior, *weights = ctx.saved_tensors
+        if ctx.keys_are_queries:
+            k = q
         need_probs, need_q, need_k, need_prior, need_bias = ctx.needs_input_grad[:5]
+        if ctx.keys_are_queries:
+            need_k = need_q  # the keys' gradient is part of the queries'
         B, S, E = probs.shape
+        blocks = _blocks(S, ctx.causal, ctx.block)
         grad_out = grad_out.contiguous()
         d_probs = torch.zeros_like(probs) if need_probs else None
-        d_q = torch.zeros_like(q, dtype=ctx.q_dtype) if need_q else None
-        d_k = torch.zeros_like(k, dtype=ctx.k_dtype) if need_k else None
         d_prior = torch.zeros_like(prior) if need_prior else None
         d_bias = probs.new_zeros(B, S) if need_bias else None
-        for (i0, i1, e), W in zip(_blocks(S, ctx.causal, ctx.block), weights):
+        # the score gradients dL of every block, in mm_dtype, laid out [B, query, key]: each key
+        # block's gradient is then one product over the queries that see it (no sum over blocks);
+        # only [i0:i1, :e] of each query block is written, and only that is read
+        d_scores = probs.new_empty(B, S, S, dtype=q.dtype) if (need_q or need_k) else None
+        d_q = q.new_empty(q.shape, dtype=ctx.q_dtype) if need_q else None
+        for (i0, i1, e), W in zip(blocks, weights):
             g = grad_out[:, i0:i1]
             if need_probs:
                 d_probs[:, :e] += torch.bmm(W.transpose(1, 2), g)
             dL = torch.bmm(g, probs[:, :e].transpose(1, 2))  # d/dW
-            dL.sub_((dL * W).sum(-1, keepdim=True)).mul_(W)  # softmax backward
-            if need_q or need_k:
-                dL_mm = dL.to(k.dtype)
+            dL.sub_((dL * W).sum(-1, keepdim=True)).mul_(W)  # softmax backward (0 where W is 0)
+            if d_scores is not None:
+                d_scores[:, i0:i1, :e] = dL
             if need_q:
-                d_q[:, i0:i1] = torch.bmm(dL_mm, k[:, :e]).float().mul_(ctx.scale)
-            if need_k:
-                d_k[:, :e] += torch.bmm(dL_mm.transpose(1, 2), q[:, i0:i1]).float().mul_(ctx.scale)
+                d_q[:, i0:i1] = torch.bmm(d_scores[:, i0:i1, :e], k[:, :e])
             if need_prior:
                 p = prior[:, i0:i1, :e]
                 d_prior[:, i0:i1, :e] = torch.where(p > 0, dL / p, torch.zeros_like(dL))
             if need_bias:
                 d_bias[:, :e] += dL.sum(1)
+        d_k = None
+        if need_k:
+            if not ctx.keys_are_queries:
+                d_k = k.new_empty(k.shape, dtype=ctx.k_dtype)
+            for j0, j1, _ in blocks:
+                r0 = j0 if ctx.causal else 0  # the queries that see keys j0:j1
+                part = torch.bmm(d_scores[:, r0:, j0:j1].transpose(1, 2), q[:, r0:])
+                if ctx.keys_are_queries:
+                    d_q[:, j0:j1] += part
+                else:
+                    d_k[:, j0:j1] = part
+        for t in (d_q, d_k):
+            if t is not None and ctx.scale != 1.0:
+                t.mul_(ctx.scale)
         return d_probs, d_q, d_k, d_prior, d_bias, None, None, None, None, None
 
 
@@ -200,7 +223,8 @@ def mix_over_sequence(probs: torch.Tensor, q: Optional[torch.Tensor] = None, k: 
     """The token-graph mixing step, ``P = softmax_j(L_ij) @ probs`` within each sequence, where
     ``L_ij = scale * q_i . k_j + log prior_ij + key_bias_j``.
 
-    probs ``[B, S, E]``; q, k ``[B, S, D]`` or None; prior ``[B, S, S]`` probabilities or None
+    probs ``[B, S, E]``; q, k ``[B, S, D]`` or None (k None with q given: the keys are the
+    queries, as in self-similarity); prior ``[B, S, S]`` probabilities or None
     (a zero prior excludes the key); key_bias ``[B, S]`` or None; padding_mask ``[B, S]`` (True =
     real; padded keys excluded, a token always sees itself); causal: keys after the query
     excluded (and never computed). fp32; gradients flow to every tensor input that needs them.
@@ -214,7 +238,7 @@ def mix_over_sequence(probs: torch.Tensor, q: Optional[torch.Tensor] = None, k: 
     if GRAPH_OBSERVERS:
         with torch.no_grad():
             for observe in GRAPH_OBSERVERS:
-                observe(probs=probs, q=q, k=k, scale=float(scale), prior=prior, key_bias=key_bias, key_mask=km,
+                observe(probs=probs, q=q, k=q if k is None else k, scale=float(scale), prior=prior, key_bias=key_bias, key_mask=km,
                         causal=bool(causal), mixed=mixed)
     return mixed
 
@@ -280,7 +304,8 @@ class SimilarityRouter(TokenGraphRouter):
             q = u if self.similarity_weight is None else u @ self.similarity_weight.float()
             if self.detach_graph:
                 q = q.detach()
-            mixed = mix_over_sequence(base.probs.view(B, S, -1), q, u, scale=1.0 / self.temperature,
+            keys = None if self.similarity_weight is None else u  # None: the keys are the queries (cast once)
+            mixed = mix_over_sequence(base.probs.view(B, S, -1), q, keys, scale=1.0 / self.temperature,
                                       padding_mask=inputs.padding_mask, causal=inputs.causal, mm_dtype=self.graph_dtype)
         return self.finish(base, mixed.reshape(B * S, -1), {})
 
@@ -350,6 +375,31 @@ def lowest_entropy_head_from_scores(queries: torch.Tensor, keys: torch.Tensor, p
     return mean.argmin(-1)
 
 
+class _HeadOfEachSequence(torch.autograd.Function):
+    """``t[b, head[b]]`` for every sequence ``b`` (``t`` ``[B, H, ...]``). The gradient is a plain
+    scatter: each (sequence, head) pair is read once, so nothing accumulates (autograd's advanced
+    indexing takes its slow accumulating path for this)."""
+
+    @staticmethod
+    def forward(ctx, t, head):
+        ctx.shape, ctx.dtype = t.shape, t.dtype
+        ctx.save_for_backward(head)
+        return t[torch.arange(t.shape[0], device=t.device), head]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        head, = ctx.saved_tensors
+        d = grad.new_zeros(ctx.shape, dtype=ctx.dtype)
+        d[torch.arange(grad.shape[0], device=grad.device), head] = grad
+        return d, None
+
+
+def head_of_each_sequence(t: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """``[B, ...]``: sequence b's slice ``t[b, head[b]]`` of ``t`` ``[B, H, ...]``."""
+    return _HeadOfEachSequence.apply(t, head)
+
+
 @register_router("attention")
 class AttentionRouter(TokenGraphRouter):
     """Attention-aware ("A^2") routing: ``P = A^P_{h*} R`` per sequence, then top-k, where h* is
@@ -401,11 +451,11 @@ class AttentionRouter(TokenGraphRouter):
         if H % Hkv or w_out.shape[-1] != H * dh or values.shape[0] != B or values.shape[2] != S:
             raise ValueError(f"router 'attention': values {tuple(values.shape)} / out_weight "
                              f"{tuple(w_out.shape)} do not fit {H} heads and batch_shape ({B}, {S})")
-        rows = torch.arange(B, device=head.device)
         # u_i . v'_j = (W_h^T u_i) . v_j with W_h the head's [D, dh] slice of W_O: the dot
         # products run in d_head dimensions, not d_model
-        k = values[rows, head // (H // Hkv)].float()  # v_{h*, j}: [B, S, dh]
-        w = w_out.float().view(w_out.shape[0], H, dh).permute(1, 0, 2)[head]  # W_{h*}: [B, D, dh]
+        k = head_of_each_sequence(values, head // (H // Hkv)).float()  # v_{h*, j}: [B, S, dh]
+        # W_{h*}: [B, D, dh] (index_select: its gradient sums the sequences that chose one head)
+        w = w_out.float().view(w_out.shape[0], H, dh).index_select(1, head).permute(1, 0, 2)
         scale = (1.0 / H) if self.output_scale is None else float(self.output_scale)
         q = torch.bmm(out.float().view(B, S, -1), w) * (scale / self.sigma ** 2)
         # log N(u_i | v'_j, sigma^2) = u_i.v'_j / sigma^2 - |v'_j|^2 / 2 sigma^2 + (row constant, cancels)
@@ -419,7 +469,7 @@ class AttentionRouter(TokenGraphRouter):
         H = A.shape[1]
         value_path = self._value_path(inputs.attention)
         head = lowest_entropy_head(A, inputs.padding_mask, inputs.causal)
-        a = A[torch.arange(B, device=A.device), head].float()  # [B, S, S]
+        a = head_of_each_sequence(A, head).float()  # [B, S, S]
         q = k = key_bias = None
         if value_path is not None:
             q, k, key_bias = self._likelihood_terms(value_path, head, H, B, S)
@@ -438,9 +488,8 @@ class AttentionRouter(TokenGraphRouter):
         H, dh = queries.shape[1], queries.shape[-1]
         value_path = self._value_path(inputs.attention)
         head = lowest_entropy_head_from_scores(queries, keys, inputs.padding_mask, inputs.causal, mm_dtype=self.graph_dtype)
-        rows = torch.arange(B, device=queries.device)
-        q = queries[rows, head].float() * (1.0 / math.sqrt(dh))  # q_{h*}: [B, S, dh]
-        k = keys[rows, head // (H // keys.shape[1])].float()
+        q = head_of_each_sequence(queries, head).float() * (1.0 / math.sqrt(dh))  # q_{h*}: [B, S, dh]
+        k = head_of_each_sequence(keys, head // (H // keys.shape[1])).float()
         key_bias = None
         if value_path is not None:
             q_l, k_l, key_bias = self._likelihood_terms(value_path, head, H, B, S)
