@@ -330,10 +330,12 @@ def lowest_entropy_head(attn_probs: torch.Tensor, padding_mask: Optional[torch.T
     return mean.argmin(-1)
 
 
-# Score elements per block of the entropy scan: the scan runs several elementwise passes over each
-# [H, rows, keys] block, so a block that stays in the core's cache (1 MiB of fp32 here) beats one big
-# batched block (1.7x at 8 heads, S = 512 on an AVX-512 EPYC).
-ENTROPY_BLOCK_ELEMENTS = 1 << 18
+# Score elements per block of the entropy scan (fp32): 128 query rows of 8 heads over 512 keys;
+# more heads or keys get fewer rows (at least 16), so a block stays a few MiB.
+ENTROPY_BLOCK_ELEMENTS = 1 << 19
+# fill for the keys a query may not use in the scan: softmax gives them exactly 0 and 0 * fill = 0
+# (an infinite fill would make p * s NaN)
+_SCAN_MASKED = torch.finfo(torch.float32).min
 
 
 @torch.no_grad()
@@ -343,9 +345,12 @@ def lowest_entropy_head_from_scores(queries: torch.Tensor, keys: torch.Tensor, p
     """:func:`lowest_entropy_head` for attention that was never materialised: the rows of
     ``softmax(q k^T / sqrt(d_head))`` (same masks as the model's attention) are formed one
     sequence and one query block at a time (``block`` rows; default: as many as fit
-    :data:`ENTROPY_BLOCK_ELEMENTS`) and reduced to their entropy ``logsumexp(s) - sum_j p_j s_j``.
-    queries ``[B, H, S, dh]``, keys ``[B, H_kv, S, dh]`` (GQA: ``H_kv`` divides ``H``); the score
-    products in ``mm_dtype``, the rest fp32."""
+    :data:`ENTROPY_BLOCK_ELEMENTS`) and reduced to their entropy. With ``p`` the row's softmax
+    (one fused kernel), ``m`` its largest score and ``p_max`` its largest weight,
+    ``log Z = m - log p_max`` and the entropy is ``log Z - sum_j p_j s_j``: one exponential per
+    score and no logarithm but one per row (``p_max >= 1 / keys``, so its log is well
+    conditioned). queries ``[B, H, S, dh]``, keys ``[B, H_kv, S, dh]`` (GQA: ``H_kv`` divides
+    ``H``); the score products in ``mm_dtype``, the rest fp32."""
     B, H, S, dh = queries.shape
     groups = H // keys.shape[1]
     if block is None:
@@ -353,20 +358,16 @@ def lowest_entropy_head_from_scores(queries: torch.Tensor, keys: torch.Tensor, p
     km = None if padding_mask is None else padding_mask.to(device=queries.device, dtype=torch.bool)
     ent = queries.new_zeros(B, H, S, dtype=torch.float32)
     for b in range(B):
-        q = queries[b:b + 1].to(mm_dtype)
+        q = (queries[b:b + 1].float() * (1.0 / math.sqrt(dh))).to(mm_dtype)
         k = keys[b:b + 1].to(mm_dtype)
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
         mask = None if km is None else km[b:b + 1]
         for i0, i1, e in _blocks(S, causal, block):
-            s = torch.matmul(q[:, :, i0:i1], k[:, :, :e].transpose(-1, -2)).float().mul_(1.0 / math.sqrt(dh))
-            _mask_block_(s, i0, causal, mask, float("-inf"))
-            # shifted by the row max and floored (masked keys: weight e^-50, nothing at fp32 precision):
-            # entropy = log Z - sum_j p_j s_j / Z with p = exp(s), Z = sum_j p_j
-            s.sub_(s.amax(-1, keepdim=True)).clamp_min_(EXP_FLOOR)
-            p = s.exp()
-            z = p.sum(-1)
-            ent[b:b + 1, :, i0:i1] = z.log() - (p.mul_(s)).sum(-1) / z
+            s = torch.matmul(q[:, :, i0:i1], k[:, :, :e].transpose(-1, -2)).float()
+            _mask_block_(s, i0, causal, mask, _SCAN_MASKED)
+            p = torch.softmax(s, -1)
+            ent[b:b + 1, :, i0:i1] = s.amax(-1).sub_(p.amax(-1).log_()).sub_(p.mul_(s).sum(-1))
     if km is None:
         mean = ent.mean(-1)
     else:
