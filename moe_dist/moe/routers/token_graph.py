@@ -420,7 +420,8 @@ class AttentionRouter(TokenGraphRouter):
 
     sigma: likelihood std (paper default 1). likelihood: False uses ``A_{h*}`` alone.
     output_scale: factor on the attention output used as u (default 1/H, the digest's reading).
-    Other options as for ``similarity`` (graph_dtype also for the entropy scan's scores);
+    Other options as for ``similarity`` (graph_dtype also for the entropy scan's scores and the
+    likelihood's ``W_h^T u`` products);
     detach_graph stops gradients into the attention, v' and u.
     """
 
@@ -458,7 +459,9 @@ class AttentionRouter(TokenGraphRouter):
         # W_{h*}: [B, D, dh] (index_select: its gradient sums the sequences that chose one head)
         w = w_out.float().view(w_out.shape[0], H, dh).index_select(1, head).permute(1, 0, 2)
         scale = (1.0 / H) if self.output_scale is None else float(self.output_scale)
-        q = torch.bmm(out.float().view(B, S, -1), w) * (scale / self.sigma ** 2)
+        # W_h^T u_i, which the mixing step multiplies in graph_dtype: in graph_dtype as well
+        mm = self.graph_dtype
+        q = torch.bmm(out.view(B, S, -1).to(mm), w.to(mm)).float() * (scale / self.sigma ** 2)
         # log N(u_i | v'_j, sigma^2) = u_i.v'_j / sigma^2 - |v'_j|^2 / 2 sigma^2 + (row constant, cancels)
         v_sq = (torch.bmm(k, w.transpose(1, 2) @ w) * k).sum(-1)  # |W_h v_j|^2 via the [dh, dh] Gram
         return q, k, v_sq / (-2 * self.sigma ** 2)
