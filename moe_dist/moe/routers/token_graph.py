@@ -14,6 +14,7 @@ never mixes with later tokens); the attention-aware router also its ``attention`
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -78,13 +79,26 @@ def _softmax_(L: torch.Tensor, i0: int, causal: bool, key_mask: Optional[torch.T
     return L.div_(L.sum(-1, keepdim=True))
 
 
+@functools.lru_cache(maxsize=32)
+def _causal_block(b: int, value: float, device: torch.device) -> torch.Tensor:
+    """``[b, b]`` fp32 update for the keys after each query of a diagonal block: ``value`` there and
+    0 elsewhere, to add; for ``value = 0``, 0 there and 1 elsewhere, to multiply."""
+    above = torch.ones(b, b, dtype=torch.bool, device=device).triu(1)
+    if value == 0.0:
+        return (~above).to(torch.float32)
+    return torch.zeros(b, b, device=device).masked_fill_(above, value)
+
+
 def _mask_block_(L: torch.Tensor, i0: int, causal: bool, key_mask: Optional[torch.Tensor], value: float) -> torch.Tensor:
     """Fill, in place, the scores ``L`` ``[B, (H,) b, e]`` of queries ``i0:i0+b`` a query may not
     use: keys after it (causal) and padded keys (``key_mask`` ``[B, S]``, True = real); a token
     always sees itself."""
     b, e = L.shape[-2], L.shape[-1]
-    if causal:
-        L[..., i0:i0 + b].masked_fill_(torch.ones(b, b, dtype=torch.bool, device=L.device).triu(1), value)
+    if causal:  # an add or a multiply by a cached [b, b] block: several times faster than masked_fill_
+        if value == 0.0:
+            L[..., i0:i0 + b].mul_(_causal_block(b, 0.0, L.device))
+        else:  # value + a score is value (-inf), or rounds to it (a finite value far beyond the scores)
+            L[..., i0:i0 + b].add_(_causal_block(b, value, L.device))
     if key_mask is not None:
         rows = torch.arange(b, device=L.device)
         allowed = key_mask[:, None, :e].expand(key_mask.shape[0], b, e).clone()
