@@ -173,7 +173,7 @@ class _GraphMix(torch.autograd.Function):
         # block's gradient is then one product over the queries that see it (no sum over blocks);
         # only [i0:i1, :e] of each query block is written, and only that is read
         d_scores = probs.new_empty(B, S, S, dtype=q.dtype) if (need_q or need_k) else None
-        d_q = q.new_empty(q.shape, dtype=ctx.q_dtype) if need_q else None
+        d_q = q.new_empty(q.shape, dtype=torch.float32) if need_q else None  # cast to q's dtype at the end
         for (i0, i1, e), W in zip(blocks, weights):
             g = grad_out[:, i0:i1]
             if need_probs:
@@ -203,6 +203,8 @@ class _GraphMix(torch.autograd.Function):
         for t in (d_q, d_k):
             if t is not None and ctx.scale != 1.0:
                 t.mul_(ctx.scale)
+        if d_q is not None:
+            d_q = d_q.to(ctx.q_dtype)
         return d_probs, d_q, d_k, d_prior, d_bias, None, None, None, None, None
 
 
@@ -310,7 +312,9 @@ class SimilarityRouter(TokenGraphRouter):
         B, S = sequence_shape(x, inputs, "similarity")
         base = self.base_routing(x, ctx, inputs)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            u = x.float().view(B, S, -1)
+            # plain dot products: u in the layer's dtype, cast once to graph_dtype by the mixing step
+            plain = self.similarity == "dot" and self.similarity_weight is None
+            u = x.view(B, S, -1) if plain else x.float().view(B, S, -1)
             if self.detach_graph:
                 u = u.detach()
             if self.similarity == "cosine":
