@@ -204,8 +204,11 @@ def test_similarity_options():
     torch.testing.assert_close(base_aux(x, CTX, inputs).probs, fixed.base(x, CTX, inputs).probs)
 
 
-@pytest.mark.parametrize("sigma,likelihood,Hkv,pad", [(1.0, True, 3, False), (0.7, True, 1, True), (1.0, False, 3, True)])
-def test_attention_matches_digest_formulas(sigma, likelihood, Hkv, pad):
+@pytest.mark.parametrize("sigma,likelihood,Hkv,pad,shared", [(1.0, True, 3, False, False), (0.7, True, 1, True, False),
+                                                             (1.0, False, 3, True, False), (1.0, True, 3, False, True)])
+def test_attention_matches_digest_formulas(sigma, likelihood, Hkv, pad, shared):
+    """``shared``: both sequences have the same attention, so they pick the same head and W_O's
+    slice for that head gets the sum of both sequences' gradients."""
     torch.manual_seed(2)
     B, S, H, dh, D = 2, 5, 3, 4, 6
     router = build_router("attention", D, 4, K, sigma=sigma, likelihood=likelihood)
@@ -214,12 +217,19 @@ def test_attention_matches_digest_formulas(sigma, likelihood, Hkv, pad):
         pm = torch.ones(B, S, dtype=torch.bool)
         pm[1, -1] = False
     attn = attention_inputs(B, S, H, Hkv, dh, D, seed=3, padding_mask=pm, scale=0.6)
+    if shared:
+        with torch.no_grad():
+            for name, t in attn.items():
+                if name != "out_weight":
+                    t[1] = t[0]
     x = torch.randn(B * S, D, requires_grad=True)
     r = router(x, CTX, inputs_for(B, S, attn, pm))
     P = attention_reference(base_probs(router, x).view(B, S, -1), attn, sigma, 1.0 / H, True, pm, likelihood)
     torch.testing.assert_close(r.probs.double(), P.view(B * S, -1), rtol=1e-5, atol=1e-6)
     ids = P.view(B * S, -1).topk(K, -1).indices
     assert torch.equal(r.expert_ids, ids)
+    if shared:
+        assert int(r.extras["selected_heads"].max()) == B
     # gradients into the base router's input, the attention probabilities and the value path
     c = torch.randn(B * S, K, dtype=torch.float64)
     leaves = [x, *attn.values()]
