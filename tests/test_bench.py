@@ -119,7 +119,7 @@ def test_router_alone_benchmark_reports_each_router_against_topk():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "moe_dist.bench.router", "--json", "--tokens", "128", "--seq-len", "32",
                            "--d-model", "32", "--d-ff", "64", "--experts", "4", "--heads", "4", "--kv-heads", "2",
-                           "--router-repeats", "3", "--layer-repeats", "1", "--threads", "1"],
+                           "--router-repeats", "3", "--layer-repeats", "1", "--threads", "1", "--parts"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = {r["router"]: r for r in map(json.loads, proc.stdout.splitlines())}
@@ -128,6 +128,14 @@ def test_router_alone_benchmark_reports_each_router_against_topk():
         assert r["router_ms"] > 0 and r["topk_layer_ms"] > 0
         assert abs(r["overhead"] - r["extra_ms"] / r["topk_layer_ms"]) < 1e-9
         assert f"{name}: alone" in proc.stderr
+        assert r["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    # --parts: the attention router alone scans entropies; both token-graph routers mix; symphony does neither
+    parts = {name: r["parts_ms"] for name, r in records.items()}
+    assert parts["attention"]["entropy scan"] > 0 and parts["similarity"]["entropy scan"] == 0
+    assert all(parts[name]["mixing forward"] > 0 and parts[name]["mixing backward"] > 0
+               for name in ("similarity", "attention"))
+    assert not any(parts["symphony"].values())
+    assert proc.stderr.count("profiled parts per step:") == 2
 
 
 def test_training_benchmark_end_to_end(tmp_path):

@@ -18,11 +18,29 @@ import sys
 import torch
 
 from ..dist import ParallelGroups
+from ..moe.routers.token_graph import ENTROPY_SCAN_RANGE
 from .cli_args import add_size_arguments, check_routers, sizes_from_args
 from .impls import MoEDistImpl, _clear_grads
 from .report import ROUTER_TARGETS
 from .timing import median, timed
 from .workload import DTYPES, Workload
+
+
+# profiler events of the token-graph routers' parts -> their names in the report
+PARTS = {ENTROPY_SCAN_RANGE: "entropy scan", "_GraphMix": "mixing forward", "_GraphMixBackward": "mixing backward"}
+
+
+def part_times(step, rounds: int = 5) -> dict:
+    """Milliseconds per step in each of :data:`PARTS` (torch.profiler; 0 for a part the router
+    does not run). The profiler adds a little to every op, so these are shares, not timings."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(rounds):
+            step()
+    totals = {name: 0.0 for name in PARTS.values()}
+    for event in prof.key_averages():
+        if event.key in PARTS:
+            totals[PARTS[event.key]] += event.cpu_time_total / rounds / 1e3
+    return totals
 
 
 class RouterStep:
@@ -59,6 +77,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="torch device type (cpu, cuda, ...)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON object per router on stdout")
+    p.add_argument("--parts", action="store_true",
+                   help="also profile each router's token-graph parts (entropy scan, mixing forward and backward)")
     return p
 
 
@@ -77,7 +97,8 @@ def main(argv=None) -> int:
     grad_gates = torch.randn(args.tokens, args.top_k, generator=gen).to(device)
     steps = {name: RouterStep(impl, grad_gates) for name, impl in impls.items()}
     print(f"router benchmark: {sizes}, {args.dtype}, {args.tokens} tokens in sequences of {args.seq_len}, "
-          f"{torch.get_num_threads()} thread(s)", file=sys.stderr)
+          f"{torch.get_num_threads()} thread(s), CPU capability {torch.backends.cpu.get_cpu_capability()}",
+          file=sys.stderr)
 
     impls["topk"].step()  # warm-up, then the denominator
     layer_s = median([timed(impls["topk"].step, device)[0] for _ in range(args.layer_repeats)])
@@ -97,11 +118,17 @@ def main(argv=None) -> int:
         rec = {"router": name, "router_ms": 1e3 * median(times[name]), "topk_router_ms": 1e3 * median(base),
                "extra_ms": 1e3 * extra, "topk_layer_ms": 1e3 * layer_s, "overhead": share,
                "seq_len": args.seq_len, "tokens": args.tokens, "dtype": args.dtype, "d_model": sizes.d_model, "d_ff": sizes.d_ff,
-               "heads": sizes.heads, "kv_heads": sizes.kv_heads or sizes.heads, "threads": torch.get_num_threads()}
+               "heads": sizes.heads, "kv_heads": sizes.kv_heads or sizes.heads, "threads": torch.get_num_threads(),
+               "cpu_capability": torch.backends.cpu.get_cpu_capability()}
         limit = ROUTER_TARGETS.get(name)
         verdict = "" if limit is None else (" met " if 1 + share <= limit else " MISS") + f" (<= {limit - 1:+.0%})"
         print(f"{name:>11}: alone {rec['router_ms']:.2f} ms, extra over topk {rec['extra_ms']:.2f} ms = "
               f"{share:+.1%} of the topk layer step{verdict}", file=sys.stderr)
+        if args.parts:
+            rec["parts_ms"] = part_times(steps[name])
+            if any(rec["parts_ms"].values()):
+                print(" " * 13 + "profiled parts per step: " + ", ".join(f"{part} {ms:.1f} ms"
+                                                                  for part, ms in rec["parts_ms"].items()), file=sys.stderr)
         if args.json:
             print(json.dumps(rec), flush=True)
     return 0

@@ -369,6 +369,14 @@ def lowest_entropy_head_from_scores(queries: torch.Tensor, keys: torch.Tensor, p
     score and no logarithm but one per row (``p_max >= 1 / keys``, so its log is well
     conditioned). queries ``[B, H, S, dh]``, keys ``[B, H_kv, S, dh]`` (GQA: ``H_kv`` divides
     ``H``); the score products in ``mm_dtype``, the rest fp32."""
+    with torch.profiler.record_function(ENTROPY_SCAN_RANGE):  # a named range for profilers (bench.router --parts)
+        return _lowest_entropy_head_from_scores(queries, keys, padding_mask, causal, block, mm_dtype)
+
+
+ENTROPY_SCAN_RANGE = "moe_dist.entropy_scan"
+
+
+def _lowest_entropy_head_from_scores(queries, keys, padding_mask, causal, block, mm_dtype):
     B, H, S, dh = queries.shape
     groups = H // keys.shape[1]
     if block is None:
