@@ -151,13 +151,14 @@ class _GraphMix(torch.autograd.Function):
             out[:, i0:i1] = torch.bmm(W, probs[:, :e])
             weights.append(W)
         ctx.scale, ctx.causal, ctx.block = scale, causal, block
-        ctx.save_for_backward(probs, q, None if ctx.keys_are_queries else k, prior, *weights)  # q, k in mm_dtype
+        # q, k in mm_dtype; out for the softmax backward's row terms
+        ctx.save_for_backward(probs, q, None if ctx.keys_are_queries else k, prior, out, *weights)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        probs, q, k, prior, *weights = ctx.saved_tensors
+        probs, q, k, prior, out, *weights = ctx.saved_tensors
         if ctx.keys_are_queries:
             k = q
         need_probs, need_q, need_k, need_prior, need_bias = ctx.needs_input_grad[:5]
@@ -174,14 +175,23 @@ class _GraphMix(torch.autograd.Function):
         # only [i0:i1, :e] of each query block is written, and only that is read
         d_scores = probs.new_empty(B, S, S, dtype=q.dtype) if (need_q or need_k) else None
         d_q = q.new_empty(q.shape, dtype=torch.float32) if need_q else None  # cast to q's dtype at the end
+        # softmax backward: dL_ij = W_ij (dW_ij - sum_k W_ik dW_ik) with dW = g R^T, and the row
+        # term sum_k W_ik (g_i . R_k) = g_i . out_i (an [S, E] product instead of an [S, S] pass)
+        row_terms = (grad_out * out).sum(-1, keepdim=True)
+        need_dL = need_prior or need_bias  # the score gradients in fp32; else only in d_scores
         for (i0, i1, e), W in zip(blocks, weights):
             g = grad_out[:, i0:i1]
             if need_probs:
                 d_probs[:, :e] += torch.bmm(W.transpose(1, 2), g)
-            dL = torch.bmm(g, probs[:, :e].transpose(1, 2))  # d/dW
-            dL.sub_((dL * W).sum(-1, keepdim=True)).mul_(W)  # softmax backward (0 where W is 0)
+            if not (need_dL or d_scores is not None):
+                continue
+            dW = torch.bmm(g, probs[:, :e].transpose(1, 2)).sub_(row_terms[:, i0:i1])
+            dL = dW.mul_(W) if need_dL else None  # 0 where W is 0
             if d_scores is not None:
-                d_scores[:, i0:i1, :e] = dL
+                if dL is None:  # the product written straight into the mm_dtype buffer
+                    torch.mul(dW, W, out=d_scores[:, i0:i1, :e])
+                else:
+                    d_scores[:, i0:i1, :e] = dL
             if need_q:
                 d_q[:, i0:i1] = torch.bmm(d_scores[:, i0:i1, :e], k[:, :e])
             if need_prior:
