@@ -79,14 +79,21 @@ def _softmax_(L: torch.Tensor, i0: int, causal: bool, key_mask: Optional[torch.T
     return L.div_(L.sum(-1, keepdim=True))
 
 
-@functools.lru_cache(maxsize=32)
 def _causal_block(b: int, value: float, device: torch.device) -> torch.Tensor:
     """``[b, b]`` fp32 update for the keys after each query of a diagonal block: ``value`` there and
-    0 elsewhere, to add; for ``value = 0``, 0 there and 1 elsewhere, to multiply."""
+    0 elsewhere, to add; for ``value = 0``, 0 there and 1 elsewhere, to multiply. Cached for the
+    blocks of the mixing step and the scan; a whole sequence's (dense_graph_weights) is not kept."""
+    return _cached_causal_block(b, value, device) if b <= BLOCK else _new_causal_block(b, value, device)
+
+
+def _new_causal_block(b: int, value: float, device: torch.device) -> torch.Tensor:
     above = torch.ones(b, b, dtype=torch.bool, device=device).triu(1)
     if value == 0.0:
         return (~above).to(torch.float32)
     return torch.zeros(b, b, device=device).masked_fill_(above, value)
+
+
+_cached_causal_block = functools.lru_cache(maxsize=32)(_new_causal_block)
 
 
 def _mask_block_(L: torch.Tensor, i0: int, causal: bool, key_mask: Optional[torch.Tensor], value: float) -> torch.Tensor:
@@ -364,6 +371,8 @@ def lowest_entropy_head(attn_probs: torch.Tensor, padding_mask: Optional[torch.T
 # Score elements per block of the entropy scan (fp32): 128 query rows of 8 heads over 512 keys;
 # more heads or keys get fewer rows (at least 16), so a block stays a few MiB.
 ENTROPY_BLOCK_ELEMENTS = 1 << 19
+# the scan's name in profiles (python -m moe_dist.bench.router --parts)
+ENTROPY_SCAN_RANGE = "moe_dist.entropy_scan"
 # fill for the keys a query may not use in the scan: softmax gives them exactly 0 and 0 * fill = 0
 # (an infinite fill would make p * s NaN)
 _SCAN_MASKED = torch.finfo(torch.float32).min
@@ -384,9 +393,6 @@ def lowest_entropy_head_from_scores(queries: torch.Tensor, keys: torch.Tensor, p
     ``H``); the score products in ``mm_dtype``, the rest fp32."""
     with torch.profiler.record_function(ENTROPY_SCAN_RANGE):  # a named range for profilers (bench.router --parts)
         return _lowest_entropy_head_from_scores(queries, keys, padding_mask, causal, block, mm_dtype)
-
-
-ENTROPY_SCAN_RANGE = "moe_dist.entropy_scan"
 
 
 def _lowest_entropy_head_from_scores(queries, keys, padding_mask, causal, block, mm_dtype):
