@@ -166,11 +166,9 @@ class _GraphMix(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         probs, q, k, prior, out, *weights = ctx.saved_tensors
-        if ctx.keys_are_queries:
-            k = q
         need_probs, need_q, need_k, need_prior, need_bias = ctx.needs_input_grad[:5]
         if ctx.keys_are_queries:
-            need_k = need_q  # the keys' gradient is part of the queries'
+            k, need_k = q, need_q  # the keys' gradient is part of the queries'
         B, S, E = probs.shape
         blocks = _blocks(S, ctx.causal, ctx.block)
         grad_out = grad_out.contiguous()
