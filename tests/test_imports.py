@@ -95,7 +95,7 @@ LAYERS = (
     ("moe_dist.model",),
     ("moe_dist.moe",),
     ("moe_dist.dist",),
-    ("moe_dist.checks",),
+    ("moe_dist.checks", "moe_dist.safe_dcp"),
     ("moe_dist.errors", "moe_dist.hardware"),
 )
 

@@ -52,14 +52,13 @@ def load_our_model(path: str, overrides: Iterable[str] = ()):
     """``(model, cfg, weights path)``: the full model on one process, weights loaded."""
     from ..model import build_model
     from ..model.init import materialize
-    from ..train.checkpoint import load_checkpoint
+    from ..train.checkpoint import META, load_checkpoint, read_meta
     from ..weights import load_model_weights
 
     config, kind, weights = locate(path)
     cfg = load_config(config, overrides)
     if cfg.model.vocab_size is None:
-        meta = os.path.join(weights, "meta.json")
-        vocab = json.load(open(meta, encoding="utf-8")).get("vocab_size") if os.path.exists(meta) else None
+        vocab = read_meta(weights).get("vocab_size") if os.path.exists(os.path.join(weights, META)) else None
         if vocab is None:
             raise HFFormatError(f"{config}: model.vocab_size is null and the checkpoint does not record it")
         cfg.model.vocab_size = int(vocab)

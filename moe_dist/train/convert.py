@@ -28,7 +28,8 @@ import torch
 
 from ..config import config_from_dict, load_config, save_config
 from ..config.load import config_to_dict
-from .checkpoint import META, CheckpointError, config_sha256, latest_checkpoint, load_checkpoint, read_manifest
+from .checkpoint import (META, CheckpointError, config_sha256, latest_checkpoint, load_checkpoint, read_manifest,
+                         read_meta)
 from ..errors import MissingInputError, UsageError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -73,8 +74,7 @@ def consolidate(checkpoint: str, out_dir: str, dtype: str = "auto", force: bool 
         raise UsageError(f"--dtype {dtype!r}; allowed: auto, {', '.join(DTYPES)}")
     path = resolve_checkpoint(checkpoint)
     manifest = read_manifest(path)
-    with open(os.path.join(path, META), encoding="utf-8") as f:
-        meta = json.load(f)
+    meta = read_meta(path)
     out_dir = os.path.normpath(out_dir)
     if os.path.exists(out_dir) and os.listdir(out_dir) and not force:
         raise UsageError(f"--out {out_dir!r} exists and is not empty; choose another directory or pass --force "
