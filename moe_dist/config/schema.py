@@ -232,6 +232,9 @@ class TrainConfig:
     grad_clip: Optional[float] = knob(1.0, "clip the global gradient norm to this (null = no clipping)", gt=0)
     dtype: Literal["fp32", "bf16"] = knob("fp32", "bf16 = autocast matmuls to bfloat16 (fp32 master weights; FSDP2 gathers "
                                                  "bf16 copies and reduces gradients in fp32; router math stays fp32)")
+    bf16_on_slow_cpu: Literal["fp32", "bf16"] = knob("fp32", "train.dtype=bf16 on a CPU whose bf16 matmuls are "
+                                                     "measured 4x+ slower than fp32 (no AVX-512 bf16 / AMX): fp32 "
+                                                     "runs it as fp32 (said at start-up), bf16 keeps bf16")
     activation_checkpointing: bool = knob(False, "recompute each block in backward (non-reentrant)")
     max_nonfinite_steps: int = knob(5, "stop after this many consecutive steps whose loss or gradient norm is not "
                                     "finite (each such step is skipped: not applied, marked in metrics.jsonl)", min=1)

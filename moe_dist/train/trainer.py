@@ -27,7 +27,7 @@ from ..diagnostics import RoutingDiagnostics, format_routing_summary, routing_su
 from ..dist.bootstrap import Runtime, init_distributed, shutdown
 from ..errors import CheckpointError, MissingInputError
 from ..exits import JobStopped
-from ..hardware import peak_rss_bytes, slow_bf16_note
+from ..hardware import bf16_choice, peak_rss_bytes
 from ..model import count_parameters
 from ..parallel.kernel_choice import agree_expert_kernels
 from ..moe import collect_aux_loss, moe_layers
@@ -76,6 +76,9 @@ def setup_runtime(cfg: Config, rt: Optional[Runtime] = None) -> Runtime:
                               device=cfg.run.device, timeout_s=cfg.parallel.timeout_s)
     cfg.check_world(rt.world_size)
     torch.set_num_threads(thread_choice(cfg.run.threads, rt.launch.local_world_size)[0])
+    cfg.train.dtype, note = bf16_choice(rt.device, cfg.train.dtype, cfg.train.bf16_on_slow_cpu)
+    if note and rt.is_main:
+        print(note, flush=True)
     return rt
 
 
@@ -347,9 +350,6 @@ class Trainer:
         small = small_corpus_note(self.data.train.count, cfg.train.global_batch, cfg.train.seq_len, steps)
         if small:
             self.log(small)
-        slow = slow_bf16_note(self.rt.device, cfg.train.dtype)
-        if slow:
-            self.log(slow)
         baseline = unigram_baseline(self.data, cfg.train.seq_len, cfg.eval)
         self._bar = self._progress()
         tokens_seen, last_val, row = self.step * cfg.train.global_batch * cfg.train.seq_len, None, {"loss": None}
