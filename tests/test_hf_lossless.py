@@ -259,6 +259,7 @@ def test_no_tokenizer_no_eval_until_one_is_named(tmp_path, capsys):
     # named at import time: recorded in config.yaml, evaluation needs nothing more
     named = str(tmp_path / "named")
     assert cli(["import", "--hf", src, "--out", named, f"data.tokenizer={tok}"]) == 0
+    assert json.load(open(os.path.join(named, "import.json")))["tokenizer"] == tok
     assert cli(["eval", "--checkpoint", named, *data]) == 0
 
 

@@ -136,7 +136,7 @@ def import_hf(hf_dir: str, out_dir: str, overrides: Iterable[str] = (), *, base:
             "expert_layout": "fused" if ckpt.fused else "per_expert",
             "notes": ckpt.spec.notes, "num_experts": cfg.model.moe.num_experts, "top_k": cfg.model.moe.top_k,
             "normalize_gates": cfg.model.moe.router_options["normalize"], "qk_norm": cfg.model.qk_norm,
-            "dtype": str(out_dtype).replace("torch.", ""), "weights": files, "tokenizer_files": copied,
+            "dtype": str(out_dtype).replace("torch.", ""), "weights": files, "tokenizer_files": copied, "tokenizer": cfg.data.tokenizer,
             "tokenizer_entries": n_tok, "total_params": counts["total"], "active_params": counts["active"],
             "source_config": kept_values(ckpt.spec.raw),
             "source_dtype": source_dtype(ckpt.spec.raw), "changed": changed,

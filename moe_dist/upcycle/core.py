@@ -219,7 +219,7 @@ def upcycle(dense_dir: str, out_dir: str, overrides: Iterable[str] = (), *, base
             "moe_layers": cfg.model.moe.layer_indices(cfg.model.n_layers), "num_experts": cfg.model.moe.num_experts,
             "top_k": cfg.model.moe.top_k, "granularity": granularity(cfg), "router": cfg.model.moe.router,
             "noise_std": noise_std, "seed": seed,
-            "dtype": str(out_dtype).replace("torch.", ""), "weights": files, "tokenizer_files": copied,
+            "dtype": str(out_dtype).replace("torch.", ""), "weights": files, "tokenizer_files": copied, "tokenizer": cfg.data.tokenizer,
             "tokenizer_entries": n_tok, "preserves_function": preserved,
             "total_params": counts["total"], "active_params": counts["active"],
             "source_config": kept_values(ckpt.spec.raw),

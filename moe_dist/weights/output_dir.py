@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import sys
-import tempfile
 from typing import Optional
 
 from ..errors import CheckpointError, ConfigError, UsageError, UserError
@@ -128,8 +128,13 @@ class OutputDirectory:
         self._check_target()
         parent, name = os.path.split(self.target)
         os.makedirs(parent, exist_ok=True)
-        self.path = tempfile.mkdtemp(prefix=f"{name}.partial-", dir=parent)
-        return self
+        while True:  # os.mkdir, not mkdtemp: the directory gets the umask's permissions, as the target would
+            self.path = os.path.join(parent, f"{name}.partial-{secrets.token_hex(4)}")
+            try:
+                os.mkdir(self.path)
+                return self
+            except FileExistsError:
+                continue
 
     def finish(self, record: dict) -> None:
         """Write the record (the completion marker): the last file of the directory."""
