@@ -166,6 +166,9 @@ def test_failed_upcycle_and_export_leave_their_targets(tmp_path, capsys):
     hf_out = str(tmp_path / "mixtral")
     assert cli(["export", "--checkpoint", up, "--format", "mixtral", "--out", hf_out]) == 0
     exported = _hashes(hf_out)
+    dense_cfg, written = (json.load(open(os.path.join(d, "config.json"))) for d in (dense, hf_out))
+    for key in ("bos_token_id", "eos_token_id", "max_position_embeddings"):  # kept from the dense source
+        assert key in dense_cfg and written[key] == dense_cfg[key], key
     capsys.readouterr()
     assert cli(["export", "--checkpoint", up, "--format", "olmoe", "--out", hf_out]) == 2  # OLMoE needs q/k norms
     _one_error_line(capsys, "model.qk_norm='none' cannot be exported to OLMoE", f"{hf_out} was left as it was")

@@ -30,11 +30,13 @@ def copy_tokenizer(src: str, dst: str) -> list[str]:
     return copied
 
 
-def adopt_tokenizer(src: str, dst: str, data_cfg, log: Callable[[str], None], final_dir: Optional[str] = None) -> list[str]:
+def adopt_tokenizer(src: str, dst: str, data_cfg, log: Callable[[str], None],
+                    final_dir: Optional[str] = None) -> list[str]:
     """Copy ``src``'s tokenizer files next to converted weights in ``dst`` (which becomes
     ``final_dir``, default ``dst``) and point ``data_cfg.tokenizer`` at the copy unless the config
     names one; warn when ``src`` has none: evaluating or training the model is then refused until
-    ``data.tokenizer`` names its tokenizer (:func:`moe_dist.weights.check_tokenizer_named`). Returns the copied file names."""
+    ``data.tokenizer`` names its tokenizer (:func:`moe_dist.weights.check_tokenizer_named`).
+    Returns the copied file names."""
     copied = copy_tokenizer(src, dst)
     tok = tokenizer_file(dst)
     if tok is not None and data_cfg.tokenizer is None:

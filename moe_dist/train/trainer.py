@@ -145,11 +145,11 @@ class Trainer:
 
     def _setup(self) -> None:
         cfg = self.cfg
+        check_weights_directory(cfg, cfg.ckpt.init_from)  # before anything is written
         self._take_run_dir()
         if self.is_main:
             os.makedirs(os.path.join(self.run_dir, "checkpoints"), exist_ok=True)
             os.makedirs(os.path.join(self.run_dir, "plots"), exist_ok=True)
-        check_weights_directory(cfg, cfg.ckpt.init_from)
         self.data = load_data(cfg, self.rt, self.log)
         vocab = resolve_vocab(cfg, self.data)
 
