@@ -45,21 +45,14 @@ def check_complete(directory: str, metadata: dict) -> None:
 
 
 def stored_writer(directory: str) -> Optional[str]:
-    """The command named by the metadata of the weights in ``directory`` (index, else
-    ``model.safetensors``), or None."""
-    index, single = os.path.join(directory, "model.safetensors.index.json"), os.path.join(directory, "model.safetensors")
-    try:
-        if os.path.isfile(index):
-            with open(index, encoding="utf-8") as f:
-                return writer_of(dict(json.load(f).get("metadata") or {}))
-        if os.path.isfile(single):
-            from safetensors import safe_open
+    """The command named by the metadata of the weights in ``directory``, or None (also for
+    unreadable or absent weights)."""
+    from .safetensors_io import SafetensorsCheckpoint
 
-            with safe_open(single, framework="pt") as f:
-                return writer_of(dict(f.metadata() or {}))
-    except Exception:  # unreadable weights name no writer
+    try:
+        return writer_of(SafetensorsCheckpoint(directory, require_complete=False).metadata())
+    except UserError:
         return None
-    return None
 
 
 def read_record(directory: str) -> tuple[Optional[str], Optional[dict]]:

@@ -25,9 +25,10 @@ INDEX = "model.safetensors.index.json"
 
 
 class SafetensorsCheckpoint:
-    """Lazy access to the tensors of a checkpoint directory by name."""
+    """Lazy access to the tensors of a checkpoint directory by name (``require_complete``: refuse an
+    output of ours whose completion record is missing, see :func:`.output_dir.check_complete`)."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, require_complete: bool = True):
         self.directory = directory
         self._index_metadata: Optional[dict] = None
         single, index = os.path.join(directory, SINGLE), os.path.join(directory, INDEX)
@@ -38,7 +39,8 @@ class SafetensorsCheckpoint:
         else:
             self.weight_map = self._fallback(directory)
         self._handles: dict[str, object] = {}
-        check_complete(directory, self.metadata())
+        if require_complete:
+            check_complete(directory, self.metadata())
 
     # ---- discovery ----------------------------------------------------------------------
     def _read_index(self, index: str) -> dict[str, str]:
