@@ -122,6 +122,66 @@ def test_failed_import_leaves_a_complete_import_byte_identical(tmp_path, capsys,
     assert json.load(open(os.path.join(out, "import.json")))["source"] == os.path.abspath(other)
 
 
+KILLED_IMPORT = """
+import os, signal, sys
+from moe_dist.weights import output_dir, safetensors_io
+from moe_dist.hf.importer import import_hf
+
+when, calls = sys.argv[3], []
+real = safetensors_io.save_file if when == "writing" else os.rename
+
+
+def killed(*args, **kwargs):  # the process dies here, as with kill -9: nothing of ours runs after
+    calls.append(args)
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(*args, **kwargs)
+
+
+if when == "writing":  # while the second weights file is written
+    safetensors_io.save_file = killed
+else:  # after the complete target was moved aside, before the new one is moved in
+    output_dir.os.rename = killed
+import_hf(sys.argv[1], sys.argv[2], max_shard_bytes=20_000, log=lambda _: None)
+"""
+
+
+@pytest.mark.parametrize("when", ["writing", "moving"])
+def test_killed_import_leaves_the_target_and_the_next_one_tidies(when, tmp_path, capsys):
+    import signal
+    import subprocess
+    import sys
+
+    good, _ = _source(tmp_path, "good")
+    other, _ = _source(tmp_path, "other", seed=1)
+    out = str(tmp_path / "out")
+    import_hf(good, out, log=_quiet)
+    before = _hashes(out)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-c", KILLED_IMPORT, other, out, when], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == -signal.SIGKILL, res.stderr
+    left = sorted(n for n in os.listdir(tmp_path) if n.startswith("out."))
+    assert [n.split("-")[0] for n in left] == (["out.partial"] if when == "writing" else ["out.partial", "out.replaced"])
+    if when == "writing":
+        assert _hashes(out) == before
+        from moe_dist.weights import SafetensorsCheckpoint
+
+        with pytest.raises(CheckpointError, match=r"incomplete `moe-dist import` output"):  # the partial directory
+            SafetensorsCheckpoint(str(tmp_path / left[0]))  # what every reader of weights opens
+    else:
+        assert not os.path.exists(out)  # killed between the two renames
+    # the next import into the same target (here one that fails): the dead writer's leftovers go, the target is back
+    ninth, _ = _source(tmp_path, "ninth", family="mixtral", seed=2)
+    _add_ninth_expert(ninth)
+    capsys.readouterr()
+    with pytest.raises(HFFormatError, match="does not explain"):
+        import_hf(ninth, out, log=_quiet)
+    assert _hashes(out) == before
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("out.")]
+    assert "left by a write that did not finish" in capsys.readouterr().out
+
+
 def test_readers_refuse_an_output_without_its_record(tmp_path, capsys):
     src, _ = _source(tmp_path, "src")
     out = str(tmp_path / "out")

@@ -1,10 +1,13 @@
 """Model directories written whole or not at all.
 
 The commands that write a model directory (``import``, ``upcycle``, ``convert``, ``export``)
-write it into ``<name>.partial-XXXXXXXX`` beside the target, their record file last
+write it into ``<name>.partial-<host>-<pid>-<random>`` beside the target, their record file last
 (:data:`RECORDS`: ``import.json``, ``upcycle.json``, ``convert.json``, ``export.json``; its
-presence is the completion marker), and only then move it into place. A failure removes the
-partial directory and leaves the target exactly as it was (or absent); the error says so.
+presence is the completion marker), and only then move it into place (an existing target is
+renamed to ``<name>.replaced-...`` first and removed after). A failure removes the partial
+directory and leaves the target exactly as it was (or absent); the error says so. What a killed
+writer of this host left is tidied by the next writer of the same target: its partial directory
+removed, and a target it had renamed aside but not replaced put back.
 
 Their weights name the command in the safetensors metadata (:data:`WRITTEN_BY`), so a reader
 (:func:`check_complete`, run by every :class:`~moe_dist.weights.SafetensorsCheckpoint`)
@@ -15,8 +18,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
+import socket
 import sys
 from typing import Optional
 
@@ -82,6 +87,21 @@ def check_tokenizer_named(directory: str, data_tokenizer: Optional[str]) -> None
                       "model; name the model's tokenizer with data.tokenizer=PATH (its tokenizer.model or tokenizer.json)")
 
 
+def _owner() -> str:
+    """``<host>-<pid>``: who writes a partial directory (so a later writer can tell it is dead)."""
+    return f"{re.sub(r'[^A-Za-z0-9.]', '_', socket.gethostname()) or 'host'}-{os.getpid()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 class OutputDirectory:
     """``with OutputDirectory(out, "import") as o:`` write into ``o.path``, end with
     ``o.finish(record)``; on leaving, the directory replaces ``out``.
@@ -95,7 +115,7 @@ class OutputDirectory:
         self.target = os.path.normpath(os.path.abspath(target))
         self.writer, self.record = writer, RECORDS[writer]
         self.replace_complete, self.force = replace_complete, force
-        self.path = ""
+        self.path = self._aside = ""
         self._finished = False
         self._existed = False
 
@@ -117,12 +137,33 @@ class OutputDirectory:
         hint = " or pass --force to replace it" if self.force is not None else " or remove it first"
         raise UsageError(f"--out {t!r} exists and is not empty{what}; choose another directory{hint}")
 
+    def _tidy(self, parent: str, name: str) -> None:
+        """Undo what writers of this target on this host that died (``kill -9``) left beside it."""
+        host = _owner().rsplit("-", 1)[0]
+        for kind in (".replaced-", ".partial-"):  # a target renamed aside first: it is put back
+            prefix = f"{name}{kind}{host}-"
+            for entry in sorted(os.listdir(parent)):
+                pid = entry[len(prefix):].split("-")[0] if entry.startswith(prefix) else ""
+                if not pid.isdigit() or _alive(int(pid)):
+                    continue
+                path = os.path.join(parent, entry)
+                if kind == ".replaced-" and not os.path.lexists(self.target):
+                    os.rename(path, self.target)
+                    print(f"moe-dist {self.writer}: put {entry} back as {name}: a write that did not finish had "
+                          "moved it aside", flush=True)
+                else:
+                    shutil.rmtree(path, ignore_errors=True)
+                    print(f"moe-dist {self.writer}: removed {entry}, left by a write that did not finish", flush=True)
+
     def __enter__(self) -> "OutputDirectory":
-        self._check_target()
         parent, name = os.path.split(self.target)
+        if os.path.isdir(parent):
+            self._tidy(parent, name)
+        self._check_target()
         os.makedirs(parent, exist_ok=True)
         while True:  # os.mkdir, not mkdtemp: the directory gets the umask's permissions, as the target would
-            self.path = os.path.join(parent, f"{name}.partial-{secrets.token_hex(4)}")
+            tag = f"{_owner()}-{secrets.token_hex(4)}"
+            self.path, self._aside = (os.path.join(parent, f"{name}{kind}{tag}") for kind in (".partial-", ".replaced-"))
             try:
                 os.mkdir(self.path)
                 return self
@@ -160,12 +201,11 @@ class OutputDirectory:
         if not os.path.exists(self.target):
             os.rename(self.path, self.target)
             return
-        old = self.path.replace(".partial-", ".replaced-")
-        os.rename(self.target, old)
+        os.rename(self.target, self._aside)
         try:
             os.rename(self.path, self.target)
         except BaseException:
-            os.rename(old, self.target)
+            os.rename(self._aside, self.target)
             shutil.rmtree(self.path, ignore_errors=True)
             raise
-        shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(self._aside, ignore_errors=True)
