@@ -23,6 +23,9 @@ def check_inputs(cfg: Config) -> None:
         raise MissingInputError(f"data.tokenizer={cfg.data.tokenizer!r} does not exist")
     if cfg.ckpt.init_from and not os.path.isdir(cfg.ckpt.init_from):
         raise MissingInputError(f"ckpt.init_from={cfg.ckpt.init_from!r}: no such directory")
+    from .model_setup import check_weights_directory
+
+    check_weights_directory(cfg, cfg.ckpt.init_from)
     if cfg.train.engine == "deepspeed" and cfg.deepspeed.config and not os.path.isfile(cfg.deepspeed.config):
         raise MissingInputError(f"deepspeed.config={cfg.deepspeed.config!r} does not exist")
 

@@ -35,7 +35,7 @@ from .checkpoint import TrainingCheckpoints, latest_checkpoint, load_checkpoint
 from .engines import create_engine
 from .evaluate import autocast, evaluate, format_report, unigram_baseline, validation_batches
 from .metrics import MetricsLogger, MoEStepStats, read_metrics
-from .model_setup import build_meta_model, is_weights_directory, weights_filler
+from .model_setup import build_meta_model, check_weights_directory, is_weights_directory, weights_filler
 from .optim import lr_at, set_lr
 from .parallelize import parallelize
 from .preemption import PreemptionHandler, stop_if_requested
@@ -148,6 +148,7 @@ class Trainer:
 
     def _setup(self) -> None:
         cfg = self.cfg
+        check_weights_directory(cfg, cfg.ckpt.init_from)  # before anything is written
         self._take_run_dir()
         if self.is_main:
             os.makedirs(os.path.join(self.run_dir, "checkpoints"), exist_ok=True)
@@ -474,6 +475,7 @@ def evaluate_run(cfg: Config, checkpoint: Optional[str] = None, rt: Optional[Run
         path = checkpoint or latest_checkpoint(cfg.run.dir)
         if path is None:
             raise MissingInputError(f"no complete checkpoint under {os.path.join(cfg.run.dir, 'checkpoints')} (run.dir)")
+        check_weights_directory(cfg, path)
         data = load_data(cfg, rt, log)
         vocab = resolve_vocab(cfg, data)
         model = build_meta_model(cfg, vocab)
