@@ -6,7 +6,7 @@ Exit codes (the same from one process, from ``moe-dist ... --nproc N`` and from 
     1    failed: an internal error (with its traceback), a collective that timed out, training that
          diverged (too many consecutive non-finite steps)
     2    bad input: configuration, data, checkpoint, command line (one line, printed once)
-    75   stopped by SIGTERM / SIGUSR1 after saving a checkpoint: requeue, ``resume=auto`` continues
+    75   stopped by SIGTERM / SIGUSR1 / SIGHUP after saving a checkpoint: requeue, ``resume=auto`` continues
     130  interrupted (Ctrl-C)
     128+N  a rank was killed by signal N (``--nproc`` only)
 

@@ -5,8 +5,8 @@ The launcher starts every rank itself (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 session of its own and tied to the launcher's life (``PR_SET_PDEATHSIG``: a launcher killed
 with SIGKILL takes its ranks with it). Then:
 
-* signals: SIGTERM, SIGUSR1 and SIGHUP are passed to every rank (the trainer checkpoints at
-  the next step and exits with 75); SIGINT (Ctrl-C) is passed on as SIGINT (ranks stop at
+* signals: SIGTERM, SIGUSR1 and SIGHUP are passed on, unchanged, to every rank (the trainer
+  checkpoints at the next step, exits with 75 and names the signal); SIGINT (Ctrl-C) is passed on as SIGINT (ranks stop at
   once, quietly), a second SIGINT kills them;
 * when a rank fails, the others get a few seconds to end on their own and are then killed:
   no rank is left waiting in a collective;
@@ -94,7 +94,7 @@ class LocalJob:
 
     def _on_stop_signal(self, signum, _frame) -> None:
         self.signalled = self.signalled or signal.Signals(signum).name
-        self._send(signal.SIGUSR1 if signum == signal.SIGHUP else signum)
+        self._send(signum)
 
     def _on_interrupt(self, _signum, _frame) -> None:
         self.interrupts += 1

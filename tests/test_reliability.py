@@ -92,14 +92,16 @@ def no_orphans(marker, timeout=10):
 LONG = ("train.steps=400", "run.print_every=1")
 
 
-def test_sigterm_to_the_launcher_checkpoints_and_exits_75(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_stop_signal_to_the_launcher_checkpoints_and_exits_75(tmp_path, sig):
     run = tmp_path / "run"
     job = Job(tmp_path, f"run.dir={run}", *LONG)
     job.wait_for("step 2/400")
-    os.kill(job.proc.pid, signal.SIGTERM)  # the launcher alone, as `kill <pid>` does
+    os.kill(job.proc.pid, sig)  # the launcher alone, as `kill <pid>` does
     assert job.wait() == 75, job.output()
     out = job.output()
-    assert "SIGTERM received: stopped after step" in out and "exit code 75" in out
+    assert f"{sig.name} received: stopped after step" in out and "exit code 75" in out, out
+    assert out.count(" received: stopped after step") == 1, out
     step = int(out.split("stopped after step ")[1].split("/")[0])
     assert os.path.exists(run / "checkpoints" / f"step_{step:06d}" / "COMPLETE")
     assert "Traceback" not in out

@@ -177,7 +177,7 @@ class Trainer:
         if self.checkpoints.resumed_from:
             self.engine.state_loaded()  # DeepSpeed: the loaded state into its ZeRO partitions
         self.metrics = MetricsLogger(self.run_dir if self.is_main else None, cfg.run.tensorboard)
-        self.preemption = PreemptionHandler(self.rt.device)  # SIGUSR1/SIGTERM: checkpoint and exit 75
+        self.preemption = PreemptionHandler(self.rt.device)  # SIGUSR1/SIGTERM/SIGHUP: checkpoint and exit 75
         self.nonfinite_in_a_row, self.skipped_steps = 0, 0
         if self.is_main:
             save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
