@@ -85,3 +85,21 @@ def test_errors_are_reported_before_launching(tmp_path, capsys):
     assert info.value.code == 2 and "invalid choice: 'bogus'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(["train", "--nproc", "two"])
+
+
+@pytest.mark.parametrize("layout", [["--nproc", "2"], ["parallel.ep=1"]], ids=["launcher", "one-rank"])
+def test_deepspeed_engine_without_deepspeed_is_refused_before_the_run_directory(tmp_path, layout):
+    # a DeepSpeed that cannot be imported (what `import deepspeed` gives without it, or a broken install)
+    (tmp_path / "fake" / "deepspeed").mkdir(parents=True)
+    (tmp_path / "fake" / "deepspeed" / "__init__.py").write_text('raise ImportError("DeepSpeed is broken here")\n')
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "fake"), ROOT, env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-m", "moe_dist.cli", "train", "--config", "configs/test.yaml", *layout,
+                          "train.engine=deepspeed", f"run.dir={run}", f"data.cache_dir={tmp_path / 'cache'}"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert res.stderr.splitlines() == ["moe-dist train: error: train.engine: 'deepspeed' needs DeepSpeed (pip install -e "
+                                       "'.[deepspeed]'): ImportError: DeepSpeed is broken here; allowed without it: "
+                                       "'native'"], res.stderr
+    assert not run.exists() and not (tmp_path / "cache").exists()

@@ -60,7 +60,7 @@ def preflight(args, world_size: int) -> int:
     def check() -> int:
         from .preflight import check_before_launch
 
-        check_before_launch(_config(args), world_size, resume=False)
+        check_before_launch(_config(args), world_size, training=False)
         return 0
 
     return user_errors("eval", check)
