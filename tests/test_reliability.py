@@ -280,3 +280,49 @@ def test_launch_scripts_keep_the_exit_code_of_a_user_error_and_the_lock(tmp_path
     assert res.returncode == 2, res.stdout + res.stderr
     assert f"moe-dist train: error: run.dir='{tmp_path / 'b'}' is in use by a live run (pid {os.getpid()} on host" \
         in res.stderr
+
+
+def _worker_rank(pid):
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+    return int(env[b"RANK"])
+
+
+def test_torchrun_script_reports_a_failure_in_the_jobs_own_words(tmp_path):
+    _, env = command()
+    env.update(PYTHON=sys.executable, NPROC_PER_NODE="2")
+    script = ["bash", os.path.join(ROOT, "launch", "torchrun.sh"), "configs/test.yaml",
+              f"data.cache_dir={tmp_path / 'cache'}", "run.progress=false", "run.plots=false", "run.tensorboard=false"]
+    # a user error: rank 0's one line, nothing of torchrun's (its ChildFailedError block, its log of the workers)
+    res = subprocess.run([*script, f"run.dir={tmp_path / 'a'}", "train.bogus=1"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moe-dist train: error: train.bogus: unknown config key; allowed "
+                                                   "keys in train: ["), res.stderr
+    assert res.stdout == ""
+    # a rank killed by the system: one line naming it, in place of torchrun's report
+    run = tmp_path / "b"
+    out, err = tmp_path / "b.out", tmp_path / "b.err"
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen([*script, f"run.dir={run}", *LONG], cwd=ROOT, env=env, stdout=o, stderr=e,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "step 2/400" not in out.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, out.read_text() + err.read_text()
+            time.sleep(0.1)
+        workers = [p for p in alive_with(str(run)) if "moe_dist.cli" in open(f"/proc/{p}/cmdline").read()
+                   and "moe_dist.torchrun_launch" in open(f"/proc/{_ppid(p)}/cmdline").read()]
+        rank1 = next(p for p in workers if _worker_rank(p) == 1)
+        os.kill(rank1, signal.SIGKILL)
+        assert proc.wait(120) == 1, out.read_text() + err.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    lines = err.read_text().splitlines()
+    assert (f"moe-dist train: rank 1 (pid {rank1}) was killed by SIGKILL (out of memory?); the job stopped. resume=auto "
+            "continues from the last complete checkpoint") in lines, err.read_text()
+    # rank 0 may have said that it lost its peer before torchrun stopped it: also one line, the job's own
+    assert len(lines) <= 2 and all(line.startswith("moe-dist train: ") for line in lines), err.read_text()
+    no_orphans(str(run))
