@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+from typing import Optional
 
 from .cmd_common import add_overrides_argument, run_config_path, user_errors
 from ..errors import MissingInputError, UsageError
@@ -48,11 +50,48 @@ def _config_path(args) -> str:
     return path
 
 
-def _config(args, *extra: str):
+def evaluation_ep(trained_ep: int, world_size: int) -> int:
+    """The expert-parallel size of an evaluation on ``world_size`` processes: the training's when it
+    divides them, else the largest size that divides both (1 on one process). Checkpoints are keyed
+    by global expert, so they load at any expert-parallel size."""
+    return math.gcd(trained_ep, world_size)
+
+
+def _sets_ep(overrides: list[str]) -> bool:
+    """Whether the user chose ``parallel.ep`` on the command line."""
+    from ..config import parse_override
+
+    for text in overrides:
+        key, value = parse_override(text)
+        if key == "parallel.ep" or (key == "parallel" and isinstance(value, dict) and "ep" in value):
+            return True
+    return False
+
+
+def _world_size() -> int:
+    """The number of processes of this evaluation: the process group's, else the launcher's environment's."""
+    import torch.distributed as dist
+
+    from ..dist.bootstrap import detect_launch
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return detect_launch().world_size
+
+
+def _config(args, *extra: str, world_size: Optional[int] = None):
+    """The config of what is evaluated, with the overrides; ``parallel.ep`` fits the evaluation's
+    processes (:func:`evaluation_ep`) unless the command line sets it."""
     from ..config import load_config
 
     run_dir = [f"run.dir={args.run_dir}"] if args.run_dir else []
-    return load_config(_config_path(args), [*run_dir, *args.overrides, *extra])
+    overrides = [*run_dir, *args.overrides, *extra]
+    cfg = load_config(_config_path(args), overrides)
+    if not _sets_ep(overrides):
+        ep = evaluation_ep(cfg.parallel.ep, world_size or _world_size())
+        if ep != cfg.parallel.ep:
+            cfg = load_config(_config_path(args), [*overrides, f"parallel.ep={ep}"])
+    return cfg
 
 
 def preflight(args, world_size: int) -> int:
@@ -60,7 +99,7 @@ def preflight(args, world_size: int) -> int:
     def check() -> int:
         from .preflight import check_before_launch
 
-        check_before_launch(_config(args), world_size, training=False)
+        check_before_launch(_config(args, world_size=world_size), world_size, training=False)
         return 0
 
     return user_errors("eval", check)
