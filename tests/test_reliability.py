@@ -3,6 +3,7 @@ signals, exit codes, a rank killed or stopped, the run-directory lock, non-finit
 disk and a damaged checkpoint (issue 18; the launcher's output, issue 19)."""
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -174,6 +175,49 @@ def test_a_second_run_on_a_live_run_directory_is_refused(tmp_path):
     first.wait()
     third = Job(tmp_path, f"run.dir={run}", "train.steps=2", name="third")
     assert third.wait() == 0, third.output()  # a dead run leaves no lock behind
+    no_orphans(str(run))
+
+
+def _complete_checkpoints(run):
+    return sorted(n for n in os.listdir(run / "checkpoints") if re.fullmatch(r"step_\d+", n))
+
+
+def test_eval_reads_a_training_run_that_neither_starts_nor_prunes_under_it(tmp_path):
+    from moe_dist.train.run_lock import RunDirReadLock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    reader = RunDirReadLock(str(run))  # what `moe-dist eval` holds while it reads
+    assert reader.acquire(wait_s=0) is None
+    refused = Job(tmp_path, f"run.dir={run}", "train.steps=2", name="refused")
+    assert refused.wait() == 2, refused.output()
+    err = refused.err.read_text().strip()
+    assert err.startswith(f"moe-dist train: error: run.dir='{run}' is being read by `moe-dist eval` (pid {os.getpid()} "
+                          "on host ") and "\n" not in err, refused.output()
+    assert set(os.listdir(run)) == {"read.lock", "run.lock"}  # nothing else made, moved or removed
+    reader.release()
+
+    job = Job(tmp_path, f"run.dir={run}", *LONG, "ckpt.every=1", "ckpt.keep=1", name="train")
+    job.wait_for("step 3/400")
+    assert reader.acquire(wait_s=30) is None  # readers come in while the run trains
+    job.wait_for("older checkpoints kept for now (ckpt.keep=1): `moe-dist eval` is reading the run directory")
+    _, env = command()
+    res = subprocess.run([sys.executable, "-m", "moe_dist.cli", "eval", "--run-dir", str(run)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr  # a real eval beside the training and the other reader
+    result = json.load(open(run / "eval.json"))
+    assert result["step"] >= 3 and (result["world_size"], result["ep"]) == (1, 1)
+    assert len(_complete_checkpoints(run)) >= 2  # ckpt.keep=1, but nothing was removed under the readers
+    assert job.proc.poll() is None  # the training went on
+    pruned = job.out.read_text().count("checkpoint: removed")
+    reader.release()
+    deadline = time.monotonic() + 60
+    while job.out.read_text().count("checkpoint: removed") == pruned and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert job.out.read_text().count("checkpoint: removed") > pruned, job.output()  # the next save prunes again
+    os.kill(job.proc.pid, signal.SIGTERM)
+    assert job.wait() == 75, job.output()
+    assert "Traceback" not in job.output()
     no_orphans(str(run))
 
 

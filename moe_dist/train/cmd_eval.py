@@ -1,6 +1,7 @@
 """``moe-dist eval``: validation perplexity of a run's checkpoint next to a unigram baseline."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -124,34 +125,51 @@ def _write_json(path, result) -> None:
             json.dump(result, f, indent=2)
 
 
+@contextlib.contextmanager
+def _reading(run_dir: Optional[str], rt):
+    """Hold the run directory's read lock while the ranks read it (rank 0 takes it for all): a run
+    may train there meanwhile, but none starts, resumes or prunes checkpoints (see run_lock)."""
+    from .checkpoint.collective import broadcast
+    from .run_lock import RunDirReadLock
+
+    lock = RunDirReadLock(run_dir) if run_dir and rt.is_main else None
+    refusal = broadcast(lock.acquire() if lock else None, None)
+    if refusal:
+        raise UsageError(refusal)
+    try:
+        yield
+    finally:
+        if lock:
+            lock.release()
+
+
 def run(args) -> int:
     def go() -> int:
-        from .trainer import evaluate_run
+        from .trainer import evaluate_run, setup_runtime, shutdown
 
         write = bool(args.run_dir)  # a bare model directory is only read
-        if not args.k:
-            _write_json(args.json, evaluate_run(_config(args), args.checkpoint, write_json=write))
-            return 0
-        ks = _k_values(args.k)
         cfg = _config(args)
-        if "eval_k" not in _router_option_names(cfg.model.moe.router):
+        ks = _k_values(args.k) if args.k else None
+        if ks and "eval_k" not in _router_option_names(cfg.model.moe.router):
             raise UsageError(f"--k: router {cfg.model.moe.router!r} has no inference k (routers with one: topk, noisy_topk, hyper, smoe_dropout)")
-        from .trainer import setup_runtime, shutdown
-
         rt = setup_runtime(cfg)
         try:
-            results = []
-            for k in ks:
-                cfg_k = _config(args, f"model.moe.router_options.eval_k={k}")
-                results.append({"k": k, **evaluate_run(cfg_k, args.checkpoint, rt, write_json=write)})
-            if rt.is_main and write:
-                with open(os.path.join(args.run_dir, "eval_k.json"), "w", encoding="utf-8") as f:
-                    json.dump(results, f, indent=2)
-            _write_json(args.json, results)
-            if rt.is_main:
-                print("k  val_ppl  (unigram_ppl)")
-                for r in results:
-                    print(f"{r['k']:<2} {r['val_ppl']:8.2f}  ({r['unigram_ppl']:.2f})")
+            with _reading(args.run_dir, rt):
+                if ks is None:
+                    _write_json(args.json, evaluate_run(cfg, args.checkpoint, rt, write_json=write))
+                    return 0
+                results = []
+                for k in ks:
+                    cfg_k = _config(args, f"model.moe.router_options.eval_k={k}")
+                    results.append({"k": k, **evaluate_run(cfg_k, args.checkpoint, rt, write_json=write)})
+                if rt.is_main and write:
+                    with open(os.path.join(args.run_dir, "eval_k.json"), "w", encoding="utf-8") as f:
+                        json.dump(results, f, indent=2)
+                _write_json(args.json, results)
+                if rt.is_main:
+                    print("k  val_ppl  (unigram_ppl)")
+                    for r in results:
+                        print(f"{r['k']:<2} {r['val_ppl']:8.2f}  ({r['unigram_ppl']:.2f})")
         finally:
             shutdown(rt)
         return 0

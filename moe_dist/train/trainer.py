@@ -182,6 +182,7 @@ class Trainer:
         if self.is_main:
             save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
             self._write_run_info()
+            self.lock.admit_readers()  # the directory is tidied: `moe-dist eval` may read it while we train
 
     def _agree_expert_kernels(self) -> None:
         """``model.moe.expert_kernel: auto``: one kernel per expert shape, timed on every rank and
