@@ -6,7 +6,7 @@ Exit codes (the same from one process, from ``moe-dist ... --nproc N`` and from 
     1    failed: an internal error (with its traceback), a collective that timed out, training that
          diverged (too many consecutive non-finite steps)
     2    bad input: configuration, data, checkpoint, command line (one line, printed once)
-    75   stopped by SIGTERM / SIGUSR1 after saving a checkpoint: requeue, ``resume=auto`` continues
+    75   stopped by SIGTERM / SIGUSR1 / SIGHUP after saving a checkpoint: requeue, ``resume=auto`` continues
     130  interrupted (Ctrl-C)
     128+N  a rank was killed by signal N (``--nproc`` only)
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import traceback
 from typing import Callable, Optional
@@ -122,6 +123,15 @@ def run_process(command: str, fn: Callable[[], int]) -> int:
         if status_dir:
             write_report(status_dir, rank, {"rank": rank, "pid": os.getpid(), "code": code, "kind": kind,
                                             "line": line, "traceback": trace})
+
+
+def killed_line(command: str, rank: int, pid: int, signum: int) -> str:
+    """One line for a rank that a signal killed (it could not report: SIGKILL is often the
+    out-of-memory killer)."""
+    name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else f"signal {signum}"
+    cause = " (out of memory?)" if signum == signal.SIGKILL else ""
+    return (f"moe-dist {command}: rank {rank} (pid {pid}) was killed by {name}{cause}; the job stopped. resume=auto "
+            "continues from the last complete checkpoint")
 
 
 def job_exit_code(codes: list[int], launcher_rc: int) -> int:

@@ -3,8 +3,9 @@ reported once, in about a second, instead of by every rank after the launch.
 
 Every config key: the schema and cross-field rules (``load_config``), the world-size rules,
 ``resume`` (auto, none, or a directory holding a checkpoint), the router and layer options (the
-model is built on the meta device: no memory), and the paths the run reads (``data.corpus``,
-``data.tokenizer``, ``ckpt.init_from``, ``deepspeed.config``).
+model is built on the meta device: no memory), the paths the run reads (``data.corpus``,
+``data.tokenizer``, ``ckpt.init_from``, ``deepspeed.config``) and the engine (``train.engine:
+deepspeed`` needs DeepSpeed importable).
 """
 from __future__ import annotations
 
@@ -37,6 +38,17 @@ def check_model(cfg: Config) -> None:
     build_meta_model(cfg, cfg.model.vocab_size or cfg.data.vocab_size)
 
 
+def check_engine(cfg: Config) -> None:
+    """``train.engine: deepspeed`` needs DeepSpeed importable (here, before any rank starts or a run
+    directory is made, instead of in every rank after the launch)."""
+    if cfg.train.engine != "deepspeed":
+        return
+    from ..dist.bootstrap import device_type
+    from .engines.deepspeed import require_deepspeed
+
+    require_deepspeed(device_type(cfg.run.device))
+
+
 def check_resume(cfg: Config) -> None:
     from .checkpoint.resume import resolve_resume
 
@@ -45,10 +57,13 @@ def check_resume(cfg: Config) -> None:
         raise ConfigError(error)
 
 
-def check_before_launch(cfg: Config, world_size: int, *, resume: bool = True) -> None:
-    """Raise a :class:`~moe_dist.errors.UserError` for the first problem found."""
+def check_before_launch(cfg: Config, world_size: int, *, training: bool = True) -> None:
+    """Raise a :class:`~moe_dist.errors.UserError` for the first problem found. ``training``: also
+    what only training needs (``resume``, the engine); evaluation reads a checkpoint with neither."""
     cfg.check_world(world_size)
-    if resume:
+    if training:
         check_resume(cfg)
     check_model(cfg)
     check_inputs(cfg)
+    if training:
+        check_engine(cfg)

@@ -181,11 +181,12 @@ class Trainer:
         if self.checkpoints.resumed_from:
             self.engine.state_loaded()  # DeepSpeed: the loaded state into its ZeRO partitions
         self.metrics = MetricsLogger(self.run_dir if self.is_main else None, cfg.run.tensorboard)
-        self.preemption = PreemptionHandler(self.rt.device)  # SIGUSR1/SIGTERM: checkpoint and exit 75
+        self.preemption = PreemptionHandler(self.rt.device)  # SIGUSR1/SIGTERM/SIGHUP: checkpoint and exit 75
         self.nonfinite_in_a_row, self.skipped_steps = 0, 0
         if self.is_main:
             save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
             self._write_run_info()
+            self.lock.admit_readers()  # the directory is tidied: `moe-dist eval` may read it while we train
 
     def _agree_expert_kernels(self) -> None:
         """``model.moe.expert_kernel: auto``: one kernel per expert shape, timed on every rank and

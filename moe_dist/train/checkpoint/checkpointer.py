@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from ...dist.groups import new_group
 from ...exits import JobStopped
+from ..run_lock import readers_excluded
 from .collective import agree, all_gather, collectively, distributed, quiet_single_process
 from .files import (FORMAT, FORMAT_VERSION, MARKER, META, CheckpointError, DamagedCheckpoint, SafeFileSystemReader,
                     check_files, corrupted_error, data_files, file_record, partial_dir, prune, publish, read_manifest,
@@ -231,7 +232,12 @@ class Checkpointer:
                             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
                 write_json_durably(os.path.join(partial, MARKER), manifest)
                 publish(partial, final)
-                prune(self.run_dir, self.keep, self.log)
+                with readers_excluded(self.run_dir) as alone:  # never delete what `moe-dist eval` is reading
+                    if alone:
+                        prune(self.run_dir, self.keep, self.log)
+                    elif self.keep:
+                        self.log(f"checkpoint: older checkpoints kept for now (ckpt.keep={self.keep}): `moe-dist eval` "
+                                 "is reading the run directory")
             except (OSError, CheckpointError) as e:
                 error = str(e)
         agree(error, self.group)
