@@ -4,7 +4,8 @@ reported once, in about a second, instead of by every rank after the launch.
 Every config key: the schema and cross-field rules (``load_config``), the world-size rules,
 ``resume`` (auto, none, or a directory holding a checkpoint), the router and layer options (the
 model is built on the meta device: no memory), and the paths the run reads (``data.corpus``,
-``data.tokenizer``, ``ckpt.init_from``, ``deepspeed.config``).
+``data.tokenizer``, ``ckpt.init_from``, ``deepspeed.config``), and the packages the config asks for
+(``log.wandb``).
 """
 from __future__ import annotations
 
@@ -44,7 +45,10 @@ def check_resume(cfg: Config) -> None:
 
 def check_before_launch(cfg: Config, world_size: int, *, resume: bool = True) -> None:
     """Raise a :class:`~moe_dist.errors.UserError` for the first problem found."""
+    from .tracking import check_tracking
+
     cfg.check_world(world_size)
+    check_tracking(cfg)
     if resume:
         check_resume(cfg)
     check_model(cfg)
