@@ -137,6 +137,18 @@ class WandbTracker:
                               "offline (log.wandb_mode=offline or WANDB_MODE=offline) and `wandb sync` later") from None
         return cls(run, run_dir, int(state["last_step"]))
 
+    def describe(self, step: int) -> str:
+        """One line for the run's log: where the W&B run goes and, when this run starts at ``step``
+        below the last step sent, which steps it will not send again."""
+        where = (f"offline in {self.run.settings.sync_dir} (upload later: wandb sync {self.run.settings.sync_dir})"
+                 if self.run.offline else self.run.url or "online")
+        text = f"wandb: run {self.run.id}, {where}"
+        if self.last_step:
+            text += f"; continued after step {self.last_step}"
+        if self.last_step > step:
+            text += f" (steps {step + 1}..{self.last_step} replayed now are not sent again)"
+        return text
+
     def log(self, row: dict) -> None:
         """Send a metrics.jsonl row at its step, unless W&B already has that step."""
         step = int(row["step"])

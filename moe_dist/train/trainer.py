@@ -186,6 +186,8 @@ class Trainer:
         if self.is_main:
             save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
             self._write_run_info()
+            if self.tracker is not None:
+                self.log(self.tracker.describe(self.step))
 
     def _agree_expert_kernels(self) -> None:
         """``model.moe.expert_kernel: auto``: one kernel per expert shape, timed on every rank and
