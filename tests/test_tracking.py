@@ -198,6 +198,25 @@ def test_a_new_timeline_starts_a_new_run_and_a_resume_continues_it(offline):
         tracker.finish()
 
 
+def test_a_preempted_run_ends_preempting_with_exit_code_75(offline):
+    """A run stopped by SIGTERM/SIGUSR1 after its checkpoint: the W&B run is marked preempting and
+    ends with the process's exit code; the last step sent is kept for the requeued run."""
+    from moe_dist.train.preemption import Preempted
+    from moe_dist.train.tracking import WandbTracker, read_state
+
+    run_dir = offline / "run"
+    os.makedirs(run_dir)
+    cfg = load_config("configs/test.yaml", [f"run.dir={run_dir}", "log.wandb=true"])
+    tracker = WandbTracker.start(cfg, new_timeline=True)
+    tracker.log({"step": 1, "loss": 5.0, "moe": {}})
+    tracker.finish(Preempted(1, "SIGTERM"))
+    (records,) = wandb_runs(run_dir, offline_env(offline), offline)
+    assert [r["type"] for r in records].count("preempting") == 1
+    assert [r["exit"]["exit_code"] for r in records if r["type"] == "exit"] == [75]
+    assert history(records)[1]["train/loss"] == 5.0
+    assert read_state(str(run_dir))["last_step"] == 1
+
+
 def test_refused_before_launch_without_the_package(tmp_path):
     """`moe-dist train --nproc 2 log.wandb=true` where wandb cannot be imported: one line naming the key
     and the install command, exit 2, and no rank started (run.dir untouched)."""

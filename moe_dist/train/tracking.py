@@ -29,7 +29,7 @@ from typing import Any, Optional
 from ..config import Config
 from ..config.load import config_to_dict
 from ..errors import ConfigError
-from ..exits import EXIT_FAILED, EXIT_PREEMPTED
+from ..exits import EXIT_PREEMPTED, exit_code_of
 from .metrics import layer_tag, max_load_ratio, scalar_tag
 
 STATE_FILE = "wandb_run.json"
@@ -115,7 +115,6 @@ class WandbTracker:
         self.run = run
         self.run_dir = run_dir
         self.last_step = last_step
-        self.replayed = 0  # rows not sent: their step was already sent before a resume
 
     @classmethod
     def start(cls, cfg: Config, new_timeline: bool) -> "WandbTracker":
@@ -152,8 +151,7 @@ class WandbTracker:
     def log(self, row: dict) -> None:
         """Send a metrics.jsonl row at its step, unless W&B already has that step."""
         step = int(row["step"])
-        if step <= self.last_step:
-            self.replayed += 1
+        if step <= self.last_step:  # replayed after a resume: W&B has this step
             return
         self.last_step = step
         write_state(self.run_dir, {"id": self.run.id, "last_step": step})  # before sending: never twice
@@ -167,10 +165,7 @@ class WandbTracker:
         """End the W&B run: finished, or failed / preempting with the exit code ``error`` ends the process with."""
         if self.run is None:
             return
-        code = 0 if error is None else getattr(error, "exit_code", None)
-        if isinstance(error, SystemExit):
-            code = error.code if isinstance(error.code, int) else EXIT_FAILED
-        code = EXIT_FAILED if code is None else code
+        code = exit_code_of(error)
         if code == EXIT_PREEMPTED:
             self.run.mark_preempting()
         run, self.run = self.run, None
