@@ -176,17 +176,20 @@ def test_resume_continues_the_same_run_without_duplicated_steps(two_runs):
     assert summary["val_loss"] == pytest.approx(json.load(open(d / "summary.json"))["val_loss"])
 
 
-def test_a_new_timeline_starts_a_new_run_and_a_resume_continues_it(offline):
-    """resume=none: a new W&B run (new id in run.dir/wandb_run.json); otherwise the kept id and last step."""
+def test_a_new_timeline_starts_a_new_run_and_a_resume_continues_it(offline, monkeypatch):
+    """resume=none: a new W&B run (new id in run.dir/wandb_run.json); otherwise the kept id and last
+    step. log.wandb_mode, when set, wins over WANDB_MODE (here: disabled, which would write nothing)."""
     from moe_dist.train.tracking import WandbTracker, read_state, write_state
 
+    monkeypatch.setenv("WANDB_MODE", "disabled")
     run_dir = offline / "run"
     os.makedirs(run_dir)
-    cfg = load_config("configs/test.yaml", [f"run.dir={run_dir}", "log.wandb=true"])
+    cfg = load_config("configs/test.yaml", [f"run.dir={run_dir}", "log.wandb=true", "log.wandb_mode=offline"])
     write_state(str(run_dir), {"id": "kept0001", "last_step": 7})
     tracker = WandbTracker.start(cfg, new_timeline=False)
     try:
         assert (tracker.run.id, tracker.last_step) == ("kept0001", 7)
+        assert tracker.run.offline and glob.glob(str(run_dir / "wandb" / "offline-run-*-kept0001"))
         assert tracker.describe(3).endswith("continued after step 7 (steps 4..7 replayed now are not sent again)")
     finally:
         tracker.finish()
