@@ -32,10 +32,14 @@ def offline_env(tmp) -> dict:
 
 @pytest.fixture
 def offline(tmp_path, monkeypatch):
+    """W&B in this process, offline; wandb reads the environment once per process (its settings
+    singleton), so it is torn down before and after: each test sees its own environment."""
     for key, value in offline_env(tmp_path).items():
         if key.startswith("WANDB_"):
             monkeypatch.setenv(key, value)
-    return tmp_path
+    wandb.teardown()
+    yield tmp_path
+    wandb.teardown()
 
 
 def moe_dist(env, *args, timeout=400):
@@ -182,6 +186,7 @@ def test_a_new_timeline_starts_a_new_run_and_a_resume_continues_it(offline, monk
     from moe_dist.train.tracking import WandbTracker, read_state, write_state
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
+    wandb.teardown()  # read the environment again
     run_dir = offline / "run"
     os.makedirs(run_dir)
     cfg = load_config("configs/test.yaml", [f"run.dir={run_dir}", "log.wandb=true", "log.wandb_mode=offline"])
