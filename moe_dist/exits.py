@@ -27,6 +27,8 @@ import sys
 import traceback
 from typing import Callable, Optional
 
+from .errors import UserError
+
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -85,6 +87,20 @@ def _collective_failure(exc: BaseException, rank: int, command: str) -> Optional
     return ("timeout" if info.timed_out else "peer_lost"), line
 
 
+def exit_code_of(exc: Optional[BaseException]) -> int:
+    """The exit code a process ends with when ``exc`` ends it (None: it is done): a SystemExit's own
+    code (75 for a preemption), a JobStopped's, 2 for a user error, 130 for Ctrl-C, otherwise 1."""
+    if exc is None:
+        return EXIT_OK
+    if isinstance(exc, SystemExit):
+        return exc.code if isinstance(exc.code, int) else (EXIT_OK if exc.code is None else EXIT_FAILED)
+    if isinstance(exc, JobStopped):
+        return exc.exit_code
+    if isinstance(exc, UserError):
+        return EXIT_USAGE
+    return EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else EXIT_FAILED
+
+
 def run_process(command: str, fn: Callable[[], int]) -> int:
     """Run one process's command ``fn`` and return its exit code (``SystemExit`` passes through
     with its code). Reports to the local launcher when ``MOE_DIST_REPORT_DIR`` is set."""
@@ -96,16 +112,16 @@ def run_process(command: str, fn: Callable[[], int]) -> int:
         kind = KINDS.get(code, "error")
         return code
     except SystemExit as e:  # Preempted (75) and friends: their code, unchanged
-        code = e.code if isinstance(e.code, int) else (EXIT_OK if e.code is None else EXIT_FAILED)
+        code = exit_code_of(e)
         kind = KINDS.get(code, "error")
         raise
     except JobStopped as e:
-        code, kind, line = e.exit_code, "stopped", f"moe-dist {command}: {e}"
+        code, kind, line = exit_code_of(e), "stopped", f"moe-dist {command}: {e}"
         if not report_dir and rank == 0:
             print(line, file=sys.stderr, flush=True)
         return code
-    except KeyboardInterrupt:
-        code, kind = EXIT_INTERRUPTED, "interrupted"
+    except KeyboardInterrupt as e:
+        code, kind = exit_code_of(e), "interrupted"
         line = f"moe-dist {command}: interrupted"
         if not report_dir and rank == 0:
             print(line, file=sys.stderr, flush=True)

@@ -284,6 +284,26 @@ class DeepSpeedConfig:
 
 
 @dataclass
+class LogConfig:
+    """Experiment tracking beside metrics.jsonl and TensorBoard (Weights & Biases; needs the wandb extra)."""
+
+    wandb: bool = knob(False, "log every metrics.jsonl row, the expert load, routing fluctuation, expert bias, the "
+                       "config and the end-of-run summary to Weights & Biases from rank 0 (the run id is kept in "
+                       "run.dir/wandb_run.json: a resumed or requeued run continues the same W&B run)")
+    wandb_project: str = knob("moe_dist", "W&B project")
+    wandb_entity: Optional[str] = knob(None, "W&B entity (user or team; null = the account's default)")
+    wandb_name: Optional[str] = knob(None, "W&B run name (null = the name of run.dir)")
+    wandb_tags: list[str] = knob([], "W&B run tags")
+    wandb_mode: Optional[Literal["online", "offline"]] = knob(None, "online, or offline (written under "
+                                                              "run.dir/wandb for `wandb sync`); null = the "
+                                                              "WANDB_MODE environment variable, else online")
+
+    def check(self) -> None:
+        if self.wandb and not self.wandb_project:
+            _fail("log.wandb_project", "empty; allowed: a W&B project name")
+
+
+@dataclass
 class Config:
     """A whole moe_dist run."""
 
@@ -295,6 +315,7 @@ class Config:
     eval: EvalConfig = section(EvalConfig)
     ckpt: CkptConfig = section(CkptConfig)
     deepspeed: DeepSpeedConfig = section(DeepSpeedConfig)
+    log: LogConfig = section(LogConfig)
     resume: str = knob("none", "continue training from a checkpoint: auto (the latest complete one in "
                        "run.dir/checkpoints; step 0 if there is none), a checkpoint directory, a run directory "
                        "(its latest), or none")
@@ -307,6 +328,7 @@ class Config:
         self.model.check()
         self.data.check()
         self.train.check()
+        self.log.check()
         if self.model.moe.num_experts % self.parallel.ep:
             _fail("parallel.ep", f"{self.parallel.ep} must divide model.moe.num_experts={self.model.moe.num_experts}")
 

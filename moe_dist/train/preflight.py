@@ -4,8 +4,8 @@ reported once, in about a second, instead of by every rank after the launch.
 Every config key: the schema and cross-field rules (``load_config``), the world-size rules,
 ``resume`` (auto, none, or a directory holding a checkpoint), the router and layer options (the
 model is built on the meta device: no memory), the paths the run reads (``data.corpus``,
-``data.tokenizer``, ``ckpt.init_from``, ``deepspeed.config``) and the engine (``train.engine:
-deepspeed`` needs DeepSpeed importable).
+``data.tokenizer``, ``ckpt.init_from``, ``deepspeed.config``), the engine (``train.engine:
+deepspeed`` needs DeepSpeed importable) and the packages the config asks for (``log.wandb``).
 """
 from __future__ import annotations
 
@@ -59,9 +59,13 @@ def check_resume(cfg: Config) -> None:
 
 def check_before_launch(cfg: Config, world_size: int, *, training: bool = True) -> None:
     """Raise a :class:`~moe_dist.errors.UserError` for the first problem found. ``training``: also
-    what only training needs (``resume``, the engine); evaluation reads a checkpoint with neither."""
+    what only training needs (``resume``, the engine, ``log.wandb``); evaluation reads a checkpoint
+    with none of them."""
+    from .tracking import check_tracking
+
     cfg.check_world(world_size)
     if training:
+        check_tracking(cfg)
         check_resume(cfg)
     check_model(cfg)
     check_inputs(cfg)

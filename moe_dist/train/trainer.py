@@ -40,6 +40,7 @@ from .optim import lr_at, set_lr
 from .parallelize import parallelize
 from .preemption import PreemptionHandler, stop_if_requested
 from .run_lock import RunDirLock
+from .tracking import check_tracking, start_tracking
 
 
 class TrainingDiverged(JobStopped):
@@ -149,6 +150,7 @@ class Trainer:
     def _setup(self) -> None:
         cfg = self.cfg
         check_weights_directory(cfg, cfg.ckpt.init_from)  # before anything is written
+        check_tracking(cfg)  # every rank: log.wandb needs the wandb package
         self._take_run_dir()
         if self.is_main:
             os.makedirs(os.path.join(self.run_dir, "checkpoints"), exist_ok=True)
@@ -180,13 +182,17 @@ class Trainer:
         self.step = self.checkpoints.resume()  # resume=auto|<path>: model, optimizer, sampler, RNG; tidies the run dir
         if self.checkpoints.resumed_from:
             self.engine.state_loaded()  # DeepSpeed: the loaded state into its ZeRO partitions
-        self.metrics = MetricsLogger(self.run_dir if self.is_main else None, cfg.run.tensorboard)
+        # log.wandb: rank 0's W&B run, continued from run.dir unless resume=none starts a new timeline
+        self.tracker = start_tracking(cfg, self.is_main, new_timeline=cfg.resume == "none")
+        self.metrics = MetricsLogger(self.run_dir if self.is_main else None, cfg.run.tensorboard, self.tracker)
         self.preemption = PreemptionHandler(self.rt.device)  # SIGUSR1/SIGTERM/SIGHUP: checkpoint and exit 75
         self.nonfinite_in_a_row, self.skipped_steps = 0, 0
         if self.is_main:
             save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
             self._write_run_info()
             self.lock.admit_readers()  # the directory is tidied: `moe-dist eval` may read it while we train
+            if self.tracker is not None:
+                self.log(self.tracker.describe(self.step))
 
     def _agree_expert_kernels(self) -> None:
         """``model.moe.expert_kernel: auto``: one kernel per expert shape, timed on every rank and
@@ -417,7 +423,10 @@ class Trainer:
                 self.diagnostics.write_pngs(os.path.join(self.run_dir, "plots"), include=("fluctuation", "graph"))
             self.log(f"done: {self.step} steps in {wall:.0f}s; run directory {self.run_dir}")
             self.log(format_report(last_val, baseline))
-            self.log(format_routing_summary(routing_summary(read_metrics(os.path.join(self.run_dir, "metrics.jsonl")))))
+            routing = routing_summary(read_metrics(os.path.join(self.run_dir, "metrics.jsonl")))
+            if self.tracker is not None:
+                self.tracker.summary(summary, routing)
+            self.log(format_routing_summary(routing))
         return summary
 
     def close(self) -> None:
@@ -430,6 +439,8 @@ class Trainer:
                 if sys.exc_info()[0] is None:
                     raise
                 self.log(f"metrics: could not finish writing metrics.jsonl: {e}")  # the error in flight matters more
+            if self.tracker is not None:
+                self.tracker.finish(sys.exc_info()[1])  # the error in flight, if any, marks the W&B run
             if self._owns_runtime:
                 shutdown(self.rt)
         finally:
