@@ -243,9 +243,10 @@ def _meshes(groups: ParallelGroups, device: torch.device, world: int):
     """Name the existing groups as device meshes (no new communicators)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    dp_mesh = DeviceMesh.from_group(dist.group.WORLD, device.type, mesh_dim_names=("dp",))
-    layout = torch.arange(world).view(world // groups.ep_size, groups.ep_size)
-    mesh = DeviceMesh.from_group([groups.edp, groups.ep], device.type, mesh=layout, mesh_dim_names=("edp", "ep"))
+    with torch.device("cpu"):  # a mesh's rank table is host data, whatever the default device
+        dp_mesh = DeviceMesh.from_group(dist.group.WORLD, device.type, mesh_dim_names=("dp",))
+        layout = torch.arange(world).view(world // groups.ep_size, groups.ep_size)
+        mesh = DeviceMesh.from_group([groups.edp, groups.ep], device.type, mesh=layout, mesh_dim_names=("edp", "ep"))
     return dp_mesh, mesh
 
 

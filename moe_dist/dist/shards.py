@@ -45,7 +45,8 @@ def local_rows(t: torch.Tensor) -> LocalRows:
         if not (isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0)):
             raise RuntimeError(f"local_rows: internal error: placement {t.placements} is neither Shard(0) nor "
                                "Replicate (nothing in moe_dist shards a tensor otherwise)")
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    with torch.device("cpu"):  # shapes and offsets are host bookkeeping, whatever the default device
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     local = t._local_tensor  # the storage itself (to_local() may return an autograd view)
     if tuple(local.shape) != tuple(shape):  # FSDP2 keeps padded storage only outside the parameter view
         local = local[: shape[0]] if local.dim() else local

@@ -83,7 +83,7 @@ def normal_rows_(t: torch.Tensor, std: float, seed: int) -> None:
     for b in range(part.start // ROW_BLOCK, (part.stop - 1) // ROW_BLOCK + 1):
         b0, b1 = b * ROW_BLOCK, min((b + 1) * ROW_BLOCK, total)
         gen = torch.Generator().manual_seed(key(seed, f"rows{b}"))
-        block = torch.randn((b1 - b0,) + tail, generator=gen) * std
+        block = torch.randn((b1 - b0,) + tail, generator=gen, device=gen.device) * std
         lo, hi = max(b0, part.start), min(b1, part.stop)
         part.local[lo - part.start : hi - part.start].copy_(block[lo - b0 : hi - b0])
 

@@ -30,8 +30,8 @@ def host_ints(values: Sequence[int], device: torch.device, dtype: torch.dtype = 
     accelerator ``torch.tensor(values, device=...)`` copies from pageable memory and waits for the
     stream, so the values go through pinned memory with a non-blocking copy instead."""
     if device.type == "cpu":
-        return torch.tensor(values, dtype=dtype)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, device="cpu", pin_memory=True).to(device, non_blocking=True)
 
 
 def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
@@ -106,7 +106,7 @@ class GroupedExperts(nn.Module):
         for row, (g, _) in enumerate(held[0]):
             gen = torch.Generator().manual_seed(base_seed * 1009 + g)
             for (w, std), views in zip(weights, held):
-                views[row][1].copy_(torch.randn(tuple(w.shape[1:]), generator=gen) * std)
+                views[row][1].copy_(torch.randn(tuple(w.shape[1:]), generator=gen, device=gen.device) * std)
 
     @torch.no_grad()
     def load_dense(self, w_gate: torch.Tensor, w_down: torch.Tensor, w_up: Optional[torch.Tensor] = None,
@@ -131,7 +131,7 @@ class GroupedExperts(nn.Module):
                 for w, src in ((self.w1, w_gate[sl].t()), (self.w3, None if w_up is None else w_up[sl].t()),
                                (self.w2, w_down[:, sl].t() * G)):
                     if w is not None:
-                        noise = torch.randn(src.shape, generator=gen) * noise_std if noise_std else 0.0
+                        noise = torch.randn(src.shape, generator=gen, device=gen.device) * noise_std if noise_std else 0.0
                         w[i].copy_(src.to(w.dtype) + noise)
             return
         if tuple(w_gate.shape) != (self.d_ff, self.d_model) or tuple(w_down.shape) != (self.d_model, self.d_ff):
@@ -144,7 +144,7 @@ class GroupedExperts(nn.Module):
             if w is None:
                 continue
             for i in range(self.num_experts):
-                noise = torch.randn(src.shape, generator=gen) * noise_std if noise_std else 0.0
+                noise = torch.randn(src.shape, generator=gen, device=gen.device) * noise_std if noise_std else 0.0
                 w[i].copy_(src.to(w.dtype) + noise)
 
     # ---- kernels -------------------------------------------------------------------------

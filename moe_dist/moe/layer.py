@@ -317,7 +317,7 @@ def collect_aux_loss(model: nn.Module) -> torch.Tensor:
     """Sum of the weighted auxiliary losses of every MoE layer's last forward pass."""
     losses = [m.aux_loss for m in moe_layers(model) if m.aux_loss is not None]
     if not losses:
-        return torch.zeros(())
+        return torch.zeros((), device=next((p.device for p in model.parameters()), "cpu"))
     return torch.stack([l.float() for l in losses]).sum()
 
 

@@ -63,7 +63,7 @@ def _probe(experts: int, d_model: int, d_ff: int, activation: str, dtype: torch.
     probe = probe.to(dtype).to_empty(device=device)  # dtype set on the meta device: nothing allocated in fp32
     with torch.no_grad():
         for w in probe.expert_parameters():
-            w.copy_(torch.randn(w.shape, generator=gen, dtype=dtype) * 0.02)
+            w.copy_(torch.randn(w.shape, generator=gen, dtype=dtype, device=gen.device) * 0.02)
     return probe
 
 
@@ -85,7 +85,7 @@ def agree_expert_kernels(model: nn.Module, rows_per_rank: int, dtype: torch.dtyp
         if rows_per_rank >= MIN_ROWS:
             gen = torch.Generator().manual_seed(seed)
             probe = _probe(experts, d_model, d_ff, activation, dtype, device, gen)
-            x = torch.randn(rows_per_rank, d_model, generator=gen).to(device, dtype)
+            x = torch.randn(rows_per_rank, d_model, generator=gen, device=gen.device).to(device, dtype)
             counts = [rows_per_rank // experts + (1 if i < rows_per_rank % experts else 0) for i in range(experts)]
             local = tuner.time_kernels(probe, x, counts)
             del probe, x

@@ -74,7 +74,8 @@ class MoEStepStats:
             acc["rows"] += rows
             for key, mode in local.items():
                 if key in s.extras:  # a mean: weighted by this rank's router rows; a sum: as it is
-                    v = torch.as_tensor(s.extras[key]).detach().double().reshape(-1)
+                    v = s.extras[key]
+                    v = (v if torch.is_tensor(v) else torch.tensor(v, device="cpu")).detach().double().reshape(-1)
                     if v.numel() > 1:
                         acc["lists"].add(key)
                     v = v * (rows if mode == "mean" else 1)
@@ -92,7 +93,7 @@ class MoEStepStats:
         keys = [(i, k) for i in idxs for k in sorted(self._acc[i]["local"])]
         if not keys:
             return None
-        parts = [torch.tensor([float(self._acc[i]["rows"]) for i in idxs], dtype=torch.float64)]
+        parts = [torch.tensor([float(self._acc[i]["rows"]) for i in idxs], dtype=torch.float64, device="cpu")]
         parts += [self._acc[i]["local"][k] for i, k in keys]
         dev = device if device is not None else parts[-1].device
         return all_reduce_sum(torch.cat([p.to(dev) for p in parts]), group)

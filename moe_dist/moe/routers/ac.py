@@ -164,14 +164,14 @@ class AdaptiveClusteringRouter(Router):
         return w, {"ac_cluster_sizes": counts.detach(), "ac_small_clusters": (~valid).sum().float()}
 
     def route(self, x: torch.Tensor, ctx: RoutingContext, inputs: RouterInputs) -> Routing:
-        extras: dict = {"ac_active": torch.zeros(())}
+        extras: dict = {"ac_active": x.new_zeros((), dtype=torch.float32)}
         if self.active(ctx, inputs):
             labels = inputs.prev_top1.reshape(-1).to(device=x.device, dtype=torch.long)
             if labels.shape[0] != x.shape[0]:
                 raise ValueError(f"layer {ctx.layer_idx}: prev_top1 has {labels.shape[0]} labels for {x.shape[0]} tokens")
             w, stats = self.feature_weights(x, labels, ctx, inputs)
             self.last_weights = w
-            extras.update(stats, ac_active=torch.ones(()))
+            extras.update(stats, ac_active=x.new_ones((), dtype=torch.float32))
             router_input = x.float() * w.index_select(0, labels)
         else:
             router_input = x

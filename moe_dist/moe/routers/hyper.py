@@ -125,7 +125,9 @@ class FrozenRouter(Router):
     def verify_frozen(self, group: Optional[dist.ProcessGroup] = None, name: str = "") -> None:
         """Raise on every rank if any rank's frozen tensors differ (hash all-gather)."""
         group = _default_group(group)
-        digests = all_gather_tensor(torch.tensor([self.frozen_digest()], dtype=torch.int64), group).view(-1)
+        device = next((t.device for t in self.frozen_tensors()), torch.device("cpu"))  # where the group communicates
+        digest = torch.tensor([self.frozen_digest()], dtype=torch.int64, device=device)
+        digests = all_gather_tensor(digest, group).view(-1)
         differ = (digests != digests[0]).nonzero().view(-1).tolist()
         if differ:
             where = f" {name}" if name else ""
@@ -147,7 +149,7 @@ class FrozenRouter(Router):
         k = self.current_k(ctx)
         expert_ids, gates = select_topk(logits, probs, k, default_normalize(k, self.normalize), self.selection_bias())
         return Routing(expert_ids=expert_ids, gates=gates, probs=probs, logits=logits,
-                       extras={"k": torch.tensor(float(k))})
+                       extras={"k": logits.new_full((), float(k))})
 
 
 def _default_group(group):

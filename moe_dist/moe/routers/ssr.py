@@ -98,7 +98,7 @@ class SelectiveSinkhornRouter(Router):
     def route(self, x: torch.Tensor, ctx: RoutingContext, inputs: RouterInputs) -> Routing:
         logits = fp32_linear(x, self.weight)
         probs = torch.softmax(logits, dim=-1)
-        extras = {"sinkhorn_calls": torch.zeros(()), "sinkhorn_calls_total": self.sinkhorn_calls_total.detach().clone()}
+        extras = {"sinkhorn_calls": logits.new_zeros(()), "sinkhorn_calls_total": self.sinkhorn_calls_total.detach().clone()}
         if not self.training:  # inference: deterministic softmax top-k
             expert_ids, gates = select_topk(logits, probs, self.top_k, self.normalize)
             return Routing(expert_ids=expert_ids, gates=gates, probs=probs, logits=logits, extras=extras)
@@ -123,7 +123,7 @@ class SelectiveSinkhornRouter(Router):
         if not is_recomputing():
             self.sinkhorn_calls_total += 1
             self.sinkhorn_iters_total += result.iterations.to(self.sinkhorn_iters_total.device)
-        extras.update(sinkhorn_calls=torch.ones(()), sinkhorn_calls_total=self.sinkhorn_calls_total.detach().clone(),
+        extras.update(sinkhorn_calls=logits.new_ones(()), sinkhorn_calls_total=self.sinkhorn_calls_total.detach().clone(),
                       sinkhorn_iters=result.iterations.float(), sinkhorn_marginal_error=result.error)
         return Routing(expert_ids=expert_ids, gates=gates, probs=probs, logits=logits, extras=extras)
 

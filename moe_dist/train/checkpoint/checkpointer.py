@@ -28,7 +28,7 @@ import torch.nn as nn
 from ...dist.groups import new_group
 from ...exits import JobStopped
 from ..run_lock import readers_excluded
-from .collective import agree, all_gather, collectively, distributed, quiet_single_process
+from .collective import agree, all_gather, collectively, distributed, around_dcp
 from .files import (FORMAT, FORMAT_VERSION, MARKER, META, CheckpointError, DamagedCheckpoint, SafeFileSystemReader,
                     check_files, corrupted_error, data_files, file_record, partial_dir, prune, publish, read_manifest,
                     read_meta, shard, start_partial, step_dir, write_json_durably)
@@ -178,7 +178,7 @@ class Checkpointer:
                 error = f"cannot create {partial}: {e}"
         agree(error, self.group)
         if self.async_save:
-            with quiet_single_process():
+            with around_dcp():
                 future = dcp.async_save(state, checkpoint_id=partial, process_group=self.group, no_dist=not distributed())
             self._pending, self._error = (step, final), None
             self._thread = threading.Thread(target=self._finish_in_background,
@@ -186,7 +186,7 @@ class Checkpointer:
                                             name=f"checkpoint-step-{step}", daemon=True)
             self._thread.start()
         else:
-            with quiet_single_process():
+            with around_dcp():
                 dcp.save(state, checkpoint_id=partial, process_group=self.group, no_dist=not distributed())
             self._finish(partial, final, meta, manifest, expected)
         return final
@@ -306,7 +306,7 @@ class Checkpointer:
                 rng = {}
             collectively(lambda: _check_like(path, saved, rng), self.group)
             state.update(rng)
-        with quiet_single_process():
+        with around_dcp():
             try:
                 dcp.load(state, storage_reader=reader, process_group=self.group, no_dist=not distributed())
             except dcp.api.CheckpointException as e:

@@ -10,6 +10,7 @@ import contextlib
 import warnings
 from typing import Callable, Optional
 
+import torch
 import torch.distributed as dist
 
 from .files import CheckpointError, DamagedCheckpoint, IncompleteCheckpoint, UnsafeCheckpoint
@@ -27,9 +28,12 @@ def distributed() -> bool:
 
 
 @contextlib.contextmanager
-def quiet_single_process():
-    """DCP warns that it 'assumes a single process' when torch.distributed is not started: we mean it."""
-    with warnings.catch_warnings():
+def around_dcp():
+    """Around a DCP save or load. Its plan (shapes, offsets, deduplication) is host bookkeeping that
+    torch builds on the default device, so the CPU is made the default while it runs (the data still
+    goes to and from the tensors' own devices). And DCP warns that it 'assumes a single process'
+    when torch.distributed is not started: we mean it."""
+    with warnings.catch_warnings(), torch.device("cpu"):
         warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process")
         yield
 

@@ -1,5 +1,7 @@
 """Every process's random-number generator states as tensors, for a checkpoint.
 
+They are host state: every tensor here is made on the CPU explicitly, whatever the default device.
+
 Keys ``rng.rank_<r>.<generator>`` (torch CPU and accelerator, numpy, Python): each rank saves
 its own, and on load restores the states of the rank of the same index when the checkpoint
 has them. Nothing the training computes depends on them (the data order and the routing
@@ -28,11 +30,12 @@ def rng_state(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
         out[p + f"torch_{device.type}"] = torch.get_device_module(device.type).get_rng_state(device)
     _kind, keys, pos, has_gauss, gauss = np.random.get_state()
     out[p + "numpy_keys"] = torch.from_numpy(np.asarray(keys, dtype=np.int64))
-    out[p + "numpy_pos"] = torch.tensor([pos, has_gauss], dtype=torch.int64)
-    out[p + "numpy_gauss"] = torch.tensor([gauss], dtype=torch.float64)
+    out[p + "numpy_pos"] = torch.tensor([pos, has_gauss], dtype=torch.int64, device="cpu")
+    out[p + "numpy_gauss"] = torch.tensor([gauss], dtype=torch.float64, device="cpu")
     _version, internal, gauss_next = random.getstate()
-    out[p + "python_state"] = torch.tensor(internal, dtype=torch.int64)
-    out[p + "python_gauss"] = torch.tensor([gauss_next is not None, gauss_next or 0.0], dtype=torch.float64)
+    out[p + "python_state"] = torch.tensor(internal, dtype=torch.int64, device="cpu")
+    out[p + "python_gauss"] = torch.tensor([gauss_next is not None, gauss_next or 0.0], dtype=torch.float64,
+                                       device="cpu")
     return out
 
 
