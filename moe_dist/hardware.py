@@ -68,6 +68,39 @@ def slow_bf16_note(device: torch.device, dtype: str) -> Optional[str]:
             "bf16 elsewhere; train.dtype=fp32 (or --dtypes fp32) is the faster choice on this machine")
 
 
+def batch_to_device(batch, device: torch.device) -> torch.Tensor:
+    """A host batch (numpy array or CPU tensor) on ``device``. On a GPU it goes through pinned
+    memory with a non-blocking copy, so the host queues the copy and goes on (a copy from pageable
+    memory waits for it); on the CPU it is the same memory, not copied."""
+    t = torch.from_numpy(batch) if not torch.is_tensor(batch) else batch
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+CUDA_ALLOC_CONF = "expandable_segments:True"  # fewer fragmented blocks when MoE token counts change every step
+
+
+def default_allocator_settings(environ=None) -> None:
+    """Before CUDA allocates: PyTorch's caching allocator with expandable segments, unless the user
+    set ``PYTORCH_ALLOC_CONF`` or ``PYTORCH_CUDA_ALLOC_CONF`` (dropless MoE layers allocate buffers
+    of a different size every step, which fragments fixed segments)."""
+    import os
+
+    env = os.environ if environ is None else environ
+    if "PYTORCH_ALLOC_CONF" not in env and "PYTORCH_CUDA_ALLOC_CONF" not in env:
+        env["PYTORCH_ALLOC_CONF"] = CUDA_ALLOC_CONF
+
+
+def cuda_memory_gib(device: torch.device) -> dict[str, float]:
+    """This process's peak CUDA memory so far, allocated (tensors) and reserved (the allocator's
+    segments), in GiB; empty off CUDA. Reads the allocator's counters: no device synchronisation."""
+    if device.type != "cuda":
+        return {}
+    return {"cuda_peak_allocated_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3),
+            "cuda_peak_reserved_gib": round(torch.cuda.max_memory_reserved(device) / 2**30, 3)}
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident memory so far (Linux and macOS; 0 where unknown)."""
     try:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from .groups import ParallelGroups, build_parallel_groups, set_group_timeout
 from ..checks import check_choice
 from ..errors import ConfigError, UserError
+from ..hardware import default_allocator_settings
 
 DEFAULT_PORT = 29517
 
@@ -191,8 +192,9 @@ def pick_device(kind: str, local_rank: int) -> torch.device:
     if device_type(kind) == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("run.device='cuda' but torch sees no CUDA device; allowed here: 'cpu' or 'auto'")
+        default_allocator_settings()  # before anything is allocated on the device
         dev = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(dev)
+        torch.cuda.set_device(dev)  # before the process group: NCCL binds this rank to its own GPU
         return dev
     return torch.device("cpu")
 

@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..data import PreparedData, eval_batches, unigram_log_probs, unigram_perplexity
+from ..hardware import batch_to_device
 
 
 def autocast(device: torch.device, dtype: str):
@@ -30,7 +31,7 @@ def evaluate(model: nn.Module, batches: list[np.ndarray], device: torch.device, 
     total = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, tokens]
     try:
         for batch in batches:
-            x = torch.from_numpy(batch).to(device)
+            x = batch_to_device(batch, device)
             with autocast(device, dtype):
                 logits = model(x[:, :-1])
             total[0] += F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten(), reduction="sum").double()

@@ -27,7 +27,7 @@ from ..diagnostics import RoutingDiagnostics, format_routing_summary, routing_su
 from ..dist.bootstrap import Runtime, init_distributed, shutdown
 from ..errors import CheckpointError, MissingInputError
 from ..exits import JobStopped
-from ..hardware import bf16_choice, peak_rss_bytes
+from ..hardware import batch_to_device, bf16_choice, cuda_memory_gib, peak_rss_bytes
 from ..model import count_parameters
 from ..parallel.kernel_choice import agree_expert_kernels
 from ..moe import collect_aux_loss, moe_layers
@@ -255,7 +255,7 @@ class Trainer:
         for m, batch in enumerate(micro_batches):
             self._set_context(m)
             self.engine.set_gradient_sync(m == len(micro_batches) - 1)
-            x = torch.from_numpy(batch).to(dev)
+            x = batch_to_device(batch, dev)
             with autocast(dev, cfg.dtype):
                 logits = self.engine.forward(x[:, :-1])
             lm_sum = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten(), reduction="sum")
@@ -311,7 +311,7 @@ class Trainer:
         previous evaluation, per MoE layer (collective)."""
         if not self.val_batches:
             return {}
-        probe = torch.from_numpy(self.val_batches[0][:, :-1]).to(self.rt.device)
+        probe = batch_to_device(self.val_batches[0][:, :-1], self.rt.device)
         with autocast(self.rt.device, self.cfg.train.dtype):
             return self.diagnostics.evaluate_probe(self.model, probe, self.step, group=self.rt.groups.dp)
 
@@ -374,7 +374,7 @@ class Trainer:
                 row = {"step": self.step, **row, "tokens_per_s": step_tokens / dt, "cpu_s": round(cpu, 4),
                        "tokens": tokens_seen,
                        "epoch": round(self.sampler.epoch, 4), "elapsed_s": round(time.perf_counter() - t_start, 2),
-                       "skipped_steps": self.skipped_steps}
+                       "skipped_steps": self.skipped_steps, **cuda_memory_gib(self.rt.device)}
                 last = self.step == steps
                 if (cfg.eval.every and self.step % cfg.eval.every == 0) or last:
                     last_val = self.validate()
@@ -410,7 +410,8 @@ class Trainer:
         summary = {"steps": self.step, "train_loss": row["loss"], "val_loss": last_val["loss"], "val_ppl": last_val["ppl"],
                    "unigram_loss": baseline["loss"], "unigram_ppl": baseline["ppl"], "val_tokens": last_val["tokens"],
                    "train_seconds": round(wall, 1), "tokens": tokens_seen, "parameters": self.params,
-                   "peak_rss_gib": gather_peak_rss_gib(self.rt)}  # every rank's, in order
+                   "peak_rss_gib": gather_peak_rss_gib(self.rt),  # every rank's, in order
+                   **cuda_memory_gib(self.rt.device)}  # rank 0's
         self.metrics.close()
         if self.is_main:
             with open(os.path.join(self.run_dir, "summary.json"), "w", encoding="utf-8") as f:
