@@ -87,20 +87,23 @@ class TrainingCheckpoints:
     loaded in place), ``sampler`` and ``diagnostics`` (``state_dict`` / ``load_state_dict``, kept
     in ``meta.json``), ``config`` (the resolved config as a dict: ``ckpt.*``, ``resume``, the
     model checks, saved in ``meta.json``), the tokenizer's SHA-256, ``lr_schedule`` (step ->
-    learning rate), ``runtime`` (ranks, device, data-parallel group) and ``log``. The step is an
+    learning rate), ``counters`` (the run's own JSON counters, kept in ``meta.json`` and given
+    back as :attr:`loaded_counters` after a resume), ``runtime`` (ranks, device, data-parallel group) and ``log``. The step is an
     argument of :meth:`save` and the result of :meth:`resume`.
     """
 
     def __init__(self, run_dir: str, config: dict, *, runtime: "Runtime", model: nn.Module,
                  optimizer: torch.optim.Optimizer, sampler, tokenizer_sha256: str, lr_schedule: Callable[[int], float],
-                 diagnostics=None, log: Callable[[str], None] = print):
+                 diagnostics=None, counters: Optional[Callable[[], dict]] = None, log: Callable[[str], None] = print):
         self.run_dir, self.config, self.rt = run_dir, config, runtime
         self.model, self.optimizer, self.sampler, self.diagnostics = model, optimizer, sampler, diagnostics
         self.tokenizer_sha256, self.lr_schedule, self.log = tokenizer_sha256, lr_schedule, log
+        self.counters = counters
         ckpt = config["ckpt"]
         self.checkpointer = Checkpointer(run_dir, keep=ckpt["keep"], async_save=ckpt["async_save"],
                                          verify=ckpt["verify"], log=log)
         self.resumed_from: Optional[str] = None
+        self.loaded_counters: dict = {}  # the resumed checkpoint's ``counters`` (empty on a fresh start)
 
     # ---- save ------------------------------------------------------------------------------------------
     def meta(self, step: int) -> dict:
@@ -109,7 +112,8 @@ class TrainingCheckpoints:
                 "vocab_size": config["model"]["vocab_size"], "tokenizer_sha256": self.tokenizer_sha256,
                 "lr": self.lr_schedule(max(step - 1, 0)),
                 "schedule": {k: config["train"][k] for k in SCHEDULE_KEYS},
-                "config": config, "diagnostics": self._diagnostics_state()}
+                "config": config, "diagnostics": self._diagnostics_state(),
+                "counters": self.counters() if self.counters is not None else {}}
 
     def _diagnostics_state(self) -> Optional[dict]:
         """The routing diagnostics' histories and the probe set's last assignments (JSON; gathered
@@ -187,6 +191,7 @@ class TrainingCheckpoints:
             if meta.get("diagnostics") and self.diagnostics is not None:
                 self.diagnostics.load_state_dict(meta["diagnostics"])
             self.resumed_from = os.path.abspath(path)
+            self.loaded_counters = dict(meta.get("counters") or {})
             self._report(path, step, meta, manifest)
             break
         if self.rt.is_main:

@@ -1,0 +1,75 @@
+"""What a run that diverged leaves for the next start: checkpoints set aside and a record.
+
+When training stops (or rolls back) for divergence, every complete checkpoint written after
+the last healthy state (see :func:`last_good_step`) is renamed ``step_N.diverged``: kept, never
+loaded by ``resume=auto``, never pruned. ``run.dir/divergence.json`` records the event::
+
+    {"pending": {first_bad_step, last_good_step, stopped_at, reason, set_aside, resume_from,
+                 resume_step, skipped_steps, rollbacks, automatic} or null,
+     "history": [the events already taken up by a resume, each with resumed_at and skipped_batches]}
+
+The next start takes the pending event up (:func:`take_pending`): ``resume=auto`` continues
+from ``resume_from``, the run's counters continue from the event's, and the batches of steps
+``resume_step + 1 .. first_bad_step`` may be skipped (``train.skip_divergent_batches``).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+from .files import latest_checkpoint, scan, set_aside, write_json_durably
+
+RECORD = "divergence.json"
+DIVERGED_SUFFIX = ".diverged"
+
+
+def last_good_step(first_bad_step: int) -> int:
+    """The last step whose state is trusted when step ``first_bad_step`` was the first bad one: the
+    state after step ``first_bad_step - 1`` produced that bad step, so the last step whose
+    successor was still healthy is ``first_bad_step - 2``."""
+    return max(first_bad_step - 2, 0)
+
+
+def set_aside_after(run_dir: str, step: int) -> list[str]:
+    """Rename every complete checkpoint of a step after ``step`` to ``step_N.diverged``; returns the new paths."""
+    return [set_aside(path, DIVERGED_SUFFIX) for saved, path in scan(run_dir)[0] if saved > step]
+
+
+def read_record(run_dir: str) -> dict:
+    path = os.path.join(run_dir, RECORD)
+    if not os.path.exists(path):
+        return {"pending": None, "history": []}
+    with open(path, encoding="utf-8") as f:
+        record = json.load(f)
+    return {"pending": record.get("pending"), "history": list(record.get("history") or [])}
+
+
+def record_divergence(run_dir: str, event: dict) -> dict:
+    """Rank 0: set aside the checkpoints after the event's ``last_good_step`` and record the event as
+    pending. Returns the event completed with ``set_aside``, ``resume_from`` (the checkpoint
+    ``resume=auto`` will take, or None: step 0) and ``resume_step``."""
+    aside = set_aside_after(run_dir, event["last_good_step"])
+    resume_from = latest_checkpoint(run_dir)
+    event = {**event, "set_aside": [os.path.basename(p) for p in aside], "resume_from": resume_from,
+             "resume_step": _step_of(resume_from)}
+    record = read_record(run_dir)
+    if record["pending"]:  # a stop nobody resumed from: history too
+        record["history"].append({**record["pending"], "resumed_at": None, "skipped_batches": 0})
+    record["pending"] = event
+    write_json_durably(os.path.join(run_dir, RECORD), record)
+    return event
+
+
+def take_pending(run_dir: str, resumed_at: int, skipped_batches: int) -> None:
+    """Rank 0, once a start has taken the pending event up: move it to the history."""
+    record = read_record(run_dir)
+    if record["pending"] is None:
+        return
+    record["history"].append({**record["pending"], "resumed_at": resumed_at, "skipped_batches": skipped_batches})
+    record["pending"] = None
+    write_json_durably(os.path.join(run_dir, RECORD), record)
+
+
+def _step_of(path: Optional[str]) -> int:
+    return int(os.path.basename(path).split("_")[1]) if path else 0
