@@ -25,6 +25,10 @@ from .errors import ConfigError
 LARGEST_FLOAT = 3.3895313892515355e38
 
 
+class TooLarge(ConfigError):
+    """A number of the right type beyond :data:`LARGEST_FLOAT` (no other type of a union fits it better)."""
+
+
 def _is_one_of(value: Any, allowed: Iterable) -> bool:
     """``value`` equals one of ``allowed``, a bool only a bool (``True == 1`` does not count)."""
     return any(a == value and isinstance(a, bool) == isinstance(value, bool) for a in allowed)
@@ -84,6 +88,8 @@ def coerce_value(value: Any, tp: Any, key: str) -> Any:
         for alt in (a for a in args if a is not type(None)):
             try:
                 return coerce_value(value, alt, key)
+            except TooLarge:
+                raise
             except ConfigError:
                 pass
         raise ConfigError(f"{key}: got {describe_value(value)}; allowed: {describe_type(tp)}")
@@ -111,7 +117,7 @@ def coerce_value(value: Any, tp: Any, key: str) -> Any:
                 pass
         if number is not None and math.isfinite(number):
             if abs(number) > LARGEST_FLOAT:
-                raise ConfigError(f"{key}: {value!r} overflows float32/bfloat16; allowed: a number of magnitude at "
+                raise TooLarge(f"{key}: {value!r} overflows float32/bfloat16; allowed: a number of magnitude at "
                                   f"most {LARGEST_FLOAT:.4g}")
             return number
     elif tp is str:

@@ -1,0 +1,172 @@
+"""Divergence with real runs of `moe-dist train` (configs/test.yaml): the checkpoints written after
+the last healthy state are set aside and resume=auto continues from before the divergence
+(optionally skipping its batches), automatic rollbacks, the skipped-step count across resumes,
+NaN router logits as skipped steps, and the DeepSpeed engine skipping non-finite steps."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow
+
+
+def train(tmp, run, *args, nproc=2):
+    """`moe-dist train --nproc N` on configs/test.yaml; returns (exit code, stdout, stderr)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    ep = [] if nproc == 2 else ["parallel.ep=1"]
+    cmd = [sys.executable, "-m", "moe_dist.cli", "train", "--config", "configs/test.yaml", "--nproc", str(nproc),
+           "run.progress=false", "run.plots=false", "run.tensorboard=false", f"run.dir={run}",
+           f"data.cache_dir={tmp / 'cache'}", *ep, *args]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return res.returncode, res.stdout, res.stderr
+
+
+def rows(run):
+    with open(run / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def listing(run):
+    return sorted(os.listdir(run / "checkpoints"))
+
+
+def all_finite(checkpoint, tmp):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(checkpoint), str(tmp / "state.pt"))
+    state = torch.load(tmp / "state.pt", weights_only=True)
+    floats = [v for v in state.values() if torch.is_tensor(v) and v.is_floating_point()]
+    return len(floats) > 20 and all(torch.isfinite(v).all() for v in floats)
+
+
+def test_a_divergence_sets_aside_later_checkpoints_and_resume_auto_continues_before_it(tmp_path):
+    """4 sane steps, then train.lr=10000 to step 12 (2 ranks), then resume=auto with a sane rate on 1 rank."""
+    run = tmp_path / "run"
+    code, out, err = train(tmp_path, run, "train.steps=4", "ckpt.every=2")
+    assert code == 0, out + err
+    code, out, err = train(tmp_path, run, "train.steps=12", "ckpt.every=2", "train.lr=10000", "resume=auto")
+    assert code == 1, out + err
+    pending = json.loads((run / "divergence.json").read_text())["pending"]
+    first, good = pending["first_bad_step"], pending["last_good_step"]
+    assert good == first - 2 >= 4  # the 4 sane steps are trusted
+    kept = [n for n in listing(run) if not n.endswith(".diverged")]
+    assert kept and all(int(n[5:]) <= good for n in kept)
+    assert [n for n in listing(run) if n.endswith(".diverged")] == [
+        f"step_{s:06d}.diverged" for s in range(2, 13, 2) if good < s < pending["stopped_at"]]
+    resume_step = int(kept[-1][5:])
+    assert pending["resume_from"] == str(run / "checkpoints" / kept[-1]) and pending["resume_step"] == resume_step
+    assert err.count("\n") == 1 and err.startswith("moe-dist train: training diverged: ")
+    assert f"resume=auto continues from {run / 'checkpoints' / kept[-1]} (step {resume_step}; set aside: " in err
+    assert f"train.skip_divergent_batches=true also skips the batches of steps {resume_step + 1}..{first}" in err
+    skipped = pending["skipped_steps"]
+    assert skipped == rows(run)[-1]["skipped_steps"] >= 2
+
+    code, out, err = train(tmp_path, run, "train.steps=8", "ckpt.every=2", "train.lr=0.002", "resume=auto",
+                           "train.skip_divergent_batches=true", nproc=1)
+    assert code == 0, out + err
+    assert f"resumed from {run / 'checkpoints' / kept[-1]} at step {resume_step} (saved by 2 rank(s)" in out
+    assert f"resume: skipped the batches of steps {resume_step + 1}..{first}" in out
+    after = [r for r in rows(run) if r["step"] > resume_step]
+    back = [r for r in rows(run) if "rollback" in r]
+    assert back == [{"step": resume_step, "rollback": {"first_bad_step": first, "stopped_at": pending["stopped_at"],
+                                                       "resumed_at": resume_step, "skipped_batches": first - resume_step,
+                                                       "automatic": False}}]
+    assert [r["step"] for r in after] == list(range(resume_step + 1, 9))
+    assert not any(r.get("skipped") for r in after) and all(r["skipped_steps"] == skipped for r in after)
+    record = json.loads((run / "divergence.json").read_text())
+    assert record["pending"] is None and record["history"][0]["resumed_at"] == resume_step
+    meta = json.loads((run / "checkpoints" / "step_000008" / "meta.json").read_text())
+    assert meta["sampler"]["consumed"] == (8 + first - resume_step) * 8  # the skipped batches stay skipped
+    assert meta["counters"]["skipped_steps"] == skipped
+    assert json.loads((run / "summary.json").read_text())["skipped_steps"] == skipped
+
+
+def test_automatic_rollbacks_are_logged_and_limited(tmp_path):
+    run = tmp_path / "run"
+    code, out, err = train(tmp_path, run, "train.steps=4", "ckpt.every=2")
+    assert code == 0, out + err
+    code, out, err = train(tmp_path, run, "train.steps=12", "ckpt.every=2", "train.lr=10000", "resume=auto",
+                           "train.on_divergence=rollback", "train.max_rollbacks=2", "train.max_nonfinite_steps=2")
+    assert code == 1, out + err
+    assert out.count("rolling back (") == 2 and "rolling back (2 of train.max_rollbacks=2)" in out
+    assert err.count("\n") == 1 and " after 2 rollback(s) (train.max_rollbacks=2); " in err
+    back = [r["rollback"] for r in rows(run) if "rollback" in r]
+    assert len(back) == 2 and all(b["automatic"] and b["resumed_at"] <= b["first_bad_step"] - 2 for b in back)
+    record = json.loads((run / "divergence.json").read_text())
+    assert len(record["history"]) == 2 and record["pending"]["rollbacks"] == 2 and not record["pending"]["automatic"]
+    assert all(n.startswith("step_") for n in listing(run))
+
+
+def test_a_rollback_recovers_a_run_and_the_summary_lists_it(tmp_path, monkeypatch):
+    """One poisoned loss (a NaN at step 6, injected into the loss function the trainer calls) makes
+    the run roll back to step 4's checkpoint, skip the batches of steps 5-6, and finish."""
+    from moe_dist.config import load_config
+    from moe_dist.train import trainer as trainer_module
+
+    real = trainer_module.F
+
+    class Poisoned:
+        calls = 0
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def cross_entropy(self, *args, **kwargs):
+            Poisoned.calls += 1
+            loss = real.cross_entropy(*args, **kwargs)
+            return loss * float("nan") if Poisoned.calls == 6 else loss
+
+    monkeypatch.setattr(trainer_module, "F", Poisoned())
+    run = tmp_path / "run"
+    cfg = load_config(os.path.join(ROOT, "configs/test.yaml"), [
+        f"run.dir={run}", f"data.cache_dir={tmp_path / 'cache'}", "parallel.ep=1", "run.progress=false",
+        "run.plots=false", "run.tensorboard=false", "ckpt.every=2", "train.max_nonfinite_steps=1",
+        "train.on_divergence=rollback", "train.skip_divergent_batches=true"])
+    summary = trainer_module.train(cfg)
+    event = {"first_bad_step": 6, "stopped_at": 6, "resumed_at": 4, "skipped_batches": 2, "automatic": True}
+    assert summary["steps"] == 8 and summary["rollbacks"] == [event] and summary["skipped_steps"] == 1
+    assert [(r["step"], r.get("skipped", False)) for r in rows(run) if "loss" in r] == [
+        (1, False), (2, False), (3, False), (4, False), (5, False), (6, False), (7, False), (8, False)]
+    assert [r for r in rows(run) if "rollback" in r] == [{"step": 4, "rollback": event}]
+    assert listing(run) == ["step_000002", "step_000004", "step_000006", "step_000008"]
+
+
+def test_the_skipped_step_count_continues_after_a_resume(tmp_path):
+    run = tmp_path / "run"
+    code, out, err = train(tmp_path, run, "train.steps=4", "ckpt.every=2", "train.lr=1e4", "train.warmup_steps=1",
+                           "train.max_nonfinite_steps=10", nproc=1)
+    assert code == 0, out + err
+    assert [r["skipped_steps"] for r in rows(run)] == [0, 1, 2, 3]
+    code, out, err = train(tmp_path, run, "train.steps=6", "train.lr=1e4", "train.warmup_steps=1",
+                           "train.max_nonfinite_steps=10", "resume=auto", nproc=1)
+    assert code == 0, out + err
+    assert [r["skipped_steps"] for r in rows(run)] == [0, 1, 2, 3, 4, 5]
+
+
+def test_nan_router_logits_are_skipped_steps_on_two_ranks(tmp_path):
+    run = tmp_path / "run"
+    code, out, err = train(tmp_path, run, "train.lr=1e15", "train.warmup_steps=0", "train.steps=10",
+                           "train.max_nonfinite_steps=3")
+    assert code == 1, out + err
+    assert "Traceback" not in out + err and "FloatingPointError" not in out + err
+    assert err.count("\n") == 1 and err.startswith("moe-dist train: training diverged: steps 2..4 were bad"), err
+    assert "step 2: router logits not finite (layer 0: " in out
+    got = [(r["step"], r.get("skipped", False), "router_nonfinite" in r, r["skipped_steps"]) for r in rows(run)]
+    assert got[0] == (1, False, False, 0) and got[1:] == [(2, True, True, 1), (3, True, True, 2), (4, True, True, 3)]
+
+
+def test_deepspeed_skips_non_finite_steps_and_saves_only_finite_state(tmp_path):
+    pytest.importorskip("deepspeed")
+    run = tmp_path / "run"
+    code, out, err = train(tmp_path, run, "train.engine=deepspeed", "train.lr=1e4", "train.warmup_steps=1",
+                           "ckpt.every=2", "train.steps=12", "train.max_nonfinite_steps=3", nproc=1)
+    assert code == 1, out + err
+    assert err.strip().splitlines()[-1].startswith("moe-dist train: training diverged: steps 2..4 were bad")
+    assert [(r["step"], r.get("skipped", False)) for r in rows(run)] == [(1, False), (2, True), (3, True), (4, True)]
+    assert listing(run) == ["step_000002.diverged"]  # saved at a skipped step: the state after step 1
+    assert all_finite(run / "checkpoints" / "step_000002.diverged", tmp_path)
