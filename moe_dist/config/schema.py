@@ -233,8 +233,9 @@ class TrainConfig:
     dtype: Literal["fp32", "bf16"] = knob("fp32", "bf16 = autocast matmuls to bfloat16 (fp32 master weights; FSDP2 gathers "
                                                  "bf16 copies and reduces gradients in fp32; router math stays fp32)")
     activation_checkpointing: bool = knob(False, "recompute each block in backward (non-reentrant)")
-    max_nonfinite_steps: int = knob(5, "stop after this many consecutive steps whose loss or gradient norm is not "
-                                    "finite (each such step is skipped: not applied, marked in metrics.jsonl)", min=1)
+    max_nonfinite_steps: int = knob(5, "the run has diverged after this many bad steps in a row (a non-finite loss, "
+                                    "gradient norm or router logits, or a loss spike; each is skipped: not applied, "
+                                    "marked in metrics.jsonl); see train.on_divergence", min=1)
     spike_factor: Optional[float] = knob(None, "a step whose finite loss exceeds this factor x the median loss of the "
                                          "last train.spike_window healthy steps is a bad step too: skipped and counted "
                                          "like a non-finite one (null = only non-finite steps are bad)", gt=1)

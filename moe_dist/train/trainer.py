@@ -312,6 +312,8 @@ class Trainer:
         step_tokens = cfg.global_batch * cfg.seq_len
         sums = torch.zeros(3, dtype=torch.float64, device=dev)  # [LM loss sum, aux loss share, NaN router logits]
         self.moe_stats.reset()
+        for layer in self.moe:  # NaN router logits counted by evaluation forwards are not this step's
+            layer.take_nonfinite_logits()
         for m, batch in enumerate(micro_batches):
             self._set_context(m)
             self.engine.set_gradient_sync(m == len(micro_batches) - 1)
