@@ -102,38 +102,27 @@ def test_automatic_rollbacks_are_logged_and_limited(tmp_path):
     assert all(n.startswith("step_") for n in listing(run))
 
 
-def test_a_rollback_recovers_a_run_and_the_summary_lists_it(tmp_path, monkeypatch):
-    """One poisoned loss (a NaN at step 6, injected into the loss function the trainer calls) makes
-    the run roll back to step 4's checkpoint, skip the batches of steps 5-6, and finish."""
-    from moe_dist.config import load_config
-    from moe_dist.train import trainer as trainer_module
-
-    real = trainer_module.F
-
-    class Poisoned:
-        calls = 0
-
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def cross_entropy(self, *args, **kwargs):
-            Poisoned.calls += 1
-            loss = real.cross_entropy(*args, **kwargs)
-            return loss * float("nan") if Poisoned.calls == 6 else loss
-
-    monkeypatch.setattr(trainer_module, "F", Poisoned())
+@pytest.mark.parametrize("engine", ["native", "deepspeed"])
+def test_a_rollback_recovers_a_run_and_the_summary_lists_it(tmp_path, engine):
+    """One poisoned loss (a NaN at step 6, tests/divergence_case.py) makes the run roll back to step
+    4's checkpoint, skip the batches of steps 5-6, and finish."""
+    if engine == "deepspeed":
+        pytest.importorskip("deepspeed")
     run = tmp_path / "run"
-    cfg = load_config(os.path.join(ROOT, "configs/test.yaml"), [
-        f"run.dir={run}", f"data.cache_dir={tmp_path / 'cache'}", "parallel.ep=1", "run.progress=false",
-        "run.plots=false", "run.tensorboard=false", "ckpt.every=2", "train.max_nonfinite_steps=1",
-        "train.on_divergence=rollback", "train.skip_divergent_batches=true"])
-    summary = trainer_module.train(cfg)
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "divergence_case.py"), str(run),
+                          str(tmp_path / "cache"), f"train.engine={engine}", "train.skip_divergent_batches=true"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    summary = json.loads(res.stdout.split("SUMMARY ")[-1])
     event = {"first_bad_step": 6, "stopped_at": 6, "resumed_at": 4, "skipped_batches": 2, "automatic": True}
-    assert summary["steps"] == 8 and summary["rollbacks"] == [event] and summary["skipped_steps"] == 1
+    assert summary == {"steps": 8, "rollbacks": [event], "skipped_steps": 1}
+    assert "rolling back (1 of train.max_rollbacks=3): resume=auto continues from " in res.stdout
     assert [(r["step"], r.get("skipped", False)) for r in rows(run) if "loss" in r] == [
-        (1, False), (2, False), (3, False), (4, False), (5, False), (6, False), (7, False), (8, False)]
+        (s, False) for s in range(1, 9)]  # the skipped step 6 was rolled back with its row
     assert [r for r in rows(run) if "rollback" in r] == [{"step": 4, "rollback": event}]
     assert listing(run) == ["step_000002", "step_000004", "step_000006", "step_000008"]
+    meta = json.loads((run / "checkpoints" / "step_000008" / "meta.json").read_text())
+    assert meta["sampler"]["consumed"] == (8 + 2) * 8 and meta["counters"]["rollbacks"] == 1
 
 
 def test_the_skipped_step_count_continues_after_a_resume(tmp_path):

@@ -37,7 +37,7 @@ from ..moe import collect_aux_loss, moe_layers
 from .checkpoint import TrainingCheckpoints, latest_checkpoint, load_checkpoint
 from .checkpoint.collective import broadcast
 from .checkpoint.divergence import last_good_step, read_record, record_divergence, take_pending
-from .engines import create_engine
+from .engines import create_engine, engine_scope
 from .evaluate import autocast, evaluate, format_report, unigram_baseline, validation_batches
 from .metrics import MetricsLogger, MoEStepStats, read_metrics
 from .model_setup import build_meta_model, is_weights_directory, weights_filler
@@ -583,14 +583,15 @@ def train(cfg: Config, rt: Optional[Runtime] = None) -> dict:
     rt = setup_runtime(cfg, rt)
     rollbacks: list = []
     try:
-        while True:
-            trainer = Trainer(cfg, rt, rollbacks=rollbacks)
-            try:
-                return trainer.fit()
-            except RollingBack:
-                cfg = dataclasses.replace(cfg, resume="auto")
-            finally:
-                trainer.close()
+        with engine_scope(cfg, rt):
+            while True:
+                trainer = Trainer(cfg, rt, rollbacks=rollbacks)
+                try:
+                    return trainer.fit()
+                except RollingBack:
+                    cfg = dataclasses.replace(cfg, resume="auto")
+                finally:
+                    trainer.close()
     finally:
         if owns:
             shutdown(rt)

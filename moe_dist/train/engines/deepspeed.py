@@ -355,6 +355,18 @@ def _single_process_group(rt) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def single_process_group(rt) -> Iterator[None]:
+    """A 1-rank group for the block when torch.distributed is not started (the engines built inside
+    reuse it: DeepSpeed keeps its groups in module globals, which a destroyed group would leave stale)."""
+    owned = _single_process_group(rt)
+    try:
+        yield
+    finally:
+        if owned and dist.is_initialized():
+            dist.destroy_process_group()
+
+
 class DeepSpeedEngine(Engine):
     """DeepSpeed ZeRO-1/2 doing the gradient reduction, clipping and the update."""
 
