@@ -102,27 +102,57 @@ def test_automatic_rollbacks_are_logged_and_limited(tmp_path):
     assert all(n.startswith("step_") for n in listing(run))
 
 
+def poisoned_run(tmp, run, poison, *args):
+    """tests/divergence_case.py: configs/test.yaml on 1 process, the loss of step 6 poisoned; (stdout, summary)."""
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "divergence_case.py"), str(run),
+                          str(tmp / "cache"), poison, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout, json.loads(res.stdout.split("SUMMARY ")[-1])
+
+
 @pytest.mark.parametrize("engine", ["native", "deepspeed"])
 def test_a_rollback_recovers_a_run_and_the_summary_lists_it(tmp_path, engine):
-    """One poisoned loss (a NaN at step 6, tests/divergence_case.py) makes the run roll back to step
-    4's checkpoint, skip the batches of steps 5-6, and finish."""
+    """One poisoned loss (a NaN at step 6) makes the run roll back to step 4's checkpoint, skip the
+    batches of steps 5-6, and finish."""
     if engine == "deepspeed":
         pytest.importorskip("deepspeed")
     run = tmp_path / "run"
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "divergence_case.py"), str(run),
-                          str(tmp_path / "cache"), f"train.engine={engine}", "train.skip_divergent_batches=true"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout + res.stderr
-    summary = json.loads(res.stdout.split("SUMMARY ")[-1])
+    out, summary = poisoned_run(tmp_path, run, "nan", f"train.engine={engine}", "train.skip_divergent_batches=true")
     event = {"first_bad_step": 6, "stopped_at": 6, "resumed_at": 4, "skipped_batches": 2, "automatic": True}
     assert summary == {"steps": 8, "rollbacks": [event], "skipped_steps": 1}
-    assert "rolling back (1 of train.max_rollbacks=3): resume=auto continues from " in res.stdout
+    assert "rolling back (1 of train.max_rollbacks=3): resume=auto continues from " in out
     assert [(r["step"], r.get("skipped", False)) for r in rows(run) if "loss" in r] == [
         (s, False) for s in range(1, 9)]  # the skipped step 6 was rolled back with its row
     assert [r for r in rows(run) if "rollback" in r] == [{"step": 4, "rollback": event}]
     assert listing(run) == ["step_000002", "step_000004", "step_000006", "step_000008"]
     meta = json.loads((run / "checkpoints" / "step_000008" / "meta.json").read_text())
     assert meta["sampler"]["consumed"] == (8 + 2) * 8 and meta["counters"]["rollbacks"] == 1
+
+
+@pytest.mark.parametrize("engine", ["native", "deepspeed"])
+def test_a_loss_spike_is_a_skipped_step_that_changes_nothing(tmp_path, engine):
+    """A finite loss 10x the recent median (train.spike_factor=3) at step 6: skipped, so the
+    checkpoints of steps 5 and 6 hold the same weights and optimizer state; training goes on."""
+    if engine == "deepspeed":
+        pytest.importorskip("deepspeed")
+    run = tmp_path / "run"
+    out, summary = poisoned_run(tmp_path, run, "spike", f"train.engine={engine}", "train.spike_factor=3",
+                                "train.spike_window=3", "train.max_nonfinite_steps=2", "ckpt.every=1")
+    assert summary == {"steps": 8, "rollbacks": [], "skipped_steps": 1}
+    assert "step 6: loss " in out and " spiked over train.spike_factor=3.0 x the median " in out
+    assert [(r["step"], r.get("skipped", False), r.get("spike", False)) for r in rows(run) if r["step"] in (5, 6, 7)] == [
+        (5, False, False), (6, True, True), (7, False, False)]
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    states = []
+    for step in (5, 6, 7):
+        dcp_to_torch_save(str(run / "checkpoints" / f"step_{step:06d}"), str(tmp_path / f"{step}.pt"))
+        state = torch.load(tmp_path / f"{step}.pt", weights_only=True)
+        states.append({k: v for k, v in state.items() if torch.is_tensor(v) and v.is_floating_point()
+                       and not k.startswith("rng.")})
+    assert len(states[0]) > 20 and states[0].keys() == states[1].keys()
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])  # step 6 changed nothing
+    assert not all(torch.equal(states[1][k], states[2][k]) for k in states[1])  # step 7 did
 
 
 def test_the_skipped_step_count_continues_after_a_resume(tmp_path):

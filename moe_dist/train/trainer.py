@@ -48,7 +48,7 @@ from .run_lock import RunDirLock
 
 
 class TrainingDiverged(JobStopped):
-    """Too many consecutive non-finite steps, or non-finite state about to be saved."""
+    """Too many bad steps in a row (see :meth:`Trainer.check_finite`), or non-finite state about to be saved."""
 
 
 class RollingBack(Exception):
@@ -58,8 +58,9 @@ class RollingBack(Exception):
 
 @dataclasses.dataclass
 class Divergence:
-    """Bad steps (skipped: non-finite or a loss spike) ``first_bad_step..stopped_at`` with at most a
-    few healthy ones between them; ``why``: the sentence that says what stopped the run."""
+    """Bad steps ``first_bad_step..stopped_at`` (skipped: non-finite, or a loss spike), never
+    ``train.max_nonfinite_steps`` healthy ones in a row between them; ``why``: the sentence that
+    says what stopped the run."""
 
     first_bad_step: int
     stopped_at: int
@@ -194,7 +195,6 @@ class Trainer:
             self.run_dir, config_to_dict(cfg), runtime=self.rt, model=self.model, optimizer=self.engine.optimizer,
             sampler=self.sampler, diagnostics=self.diagnostics, tokenizer_sha256=self.data.tokenizer.sha256,
             lr_schedule=lambda step: lr_at(step, cfg.train), counters=self.counters, log=self.log)
-        self._reset_health({})
         self.step = self.checkpoints.resume()  # resume=auto|<path>: model, optimizer, sampler, RNG; tidies the run dir
         if self.checkpoints.resumed_from:
             self.engine.state_loaded()  # DeepSpeed: the loaded state into its ZeRO partitions
@@ -234,7 +234,8 @@ class Trainer:
         """After ``resume=auto`` from before a divergence (a stop or a rollback): continue its counters,
         skip the batches up to its first bad step if ``train.skip_divergent_batches``, log the rollback
         (metrics.jsonl, the summary). Any other start only moves the record to its history."""
-        pending = broadcast(read_record(self.run_dir)["pending"] if self.is_main else None, self.checkpoints.checkpointer.group)
+        mine = read_record(self.run_dir)["pending"] if self.is_main else None
+        pending = broadcast(mine, self.checkpoints.checkpointer.group)
         if pending is None:
             return
         skipped = 0
@@ -310,7 +311,7 @@ class Trainer:
         set_lr(self.engine.optimizer, lr)
         micro_batches = self.sampler.next_step()
         step_tokens = cfg.global_batch * cfg.seq_len
-        sums = torch.zeros(3, dtype=torch.float64, device=dev)  # [LM loss sum, aux loss share, NaN router logits]
+        sums = torch.zeros(3, dtype=torch.float64, device=dev)  # [LM loss sum, aux loss share, NaN router logits?]
         self.moe_stats.reset()
         for layer in self.moe:  # NaN router logits counted by evaluation forwards are not this step's
             layer.take_nonfinite_logits()
@@ -324,9 +325,9 @@ class Trainer:
             aux = collect_aux_loss(self.model).to(dev) / len(micro_batches)
             self.engine.backward(lm_sum / step_tokens + aux)
             self.moe_stats.add()
-            sums += torch.stack([lm_sum.detach().double(), aux.detach().double(), lm_sum.new_zeros((), dtype=torch.float64)])
+            sums[:2] += torch.stack([lm_sum.detach().double(), aux.detach().double()])
         router_bad = {layer.context.layer_idx: bad for layer in self.moe if (bad := layer.take_nonfinite_logits())}
-        sums[2] = float(bool(router_bad))  # the layers' counts are global already; the sum makes it certain
+        sums[2] = float(bool(router_bad))  # the layers' counts are global already; the all-reduce makes it certain
         if self.rt.distributed:
             dist.all_reduce(sums, group=self.rt.groups.dp)
         lm_total, aux_total, router_flag = sums.tolist()  # the step's one read of the losses
@@ -405,23 +406,22 @@ class Trainer:
         cfg = self.cfg.train
         self.checkpoints.wait()  # an async save in flight is set aside with the others
         good = last_good_step(divergence.first_bad_step)
-        roll = cfg.on_divergence == "rollback" and self.rollback_count < cfg.max_rollbacks
+        may_roll = cfg.on_divergence == "rollback" and self.rollback_count < cfg.max_rollbacks
         event = None
         if self.is_main:
             event = record_divergence(self.run_dir, {
                 "first_bad_step": divergence.first_bad_step, "last_good_step": good, "stopped_at": divergence.stopped_at,
-                "reason": divergence.why, "skipped_steps": self.skipped_steps, "rollbacks": self.rollback_count,
-                "automatic": roll})
+                "reason": divergence.why, "skipped_steps": self.skipped_steps, "rollbacks": self.rollback_count},
+                rollback=may_roll)
         event = broadcast(event, self.checkpoints.checkpointer.group)
         aside = f"; set aside: {', '.join(event['set_aside'])}" if event["set_aside"] else ""
         if event["resume_from"] is None:
             where = f"resume=auto starts from step 0 (no checkpoint of step {good} or before{aside})"
-            roll = False  # a rollback reloads a checkpoint; starting afresh is the operator's call
         else:
             where = f"resume=auto continues from {event['resume_from']} (step {event['resume_step']}{aside})"
         began = (f"the divergence began at step {divergence.first_bad_step}, so the last trusted state is step "
                  f"{good}'s")
-        if roll:
+        if event["automatic"]:
             self.log(f"{divergence.why}; {began}; rolling back ({self.rollback_count + 1} of train.max_rollbacks="
                      f"{cfg.max_rollbacks}): {where}")
             raise RollingBack(divergence.why)
@@ -430,7 +430,7 @@ class Trainer:
             window = (f"; train.skip_divergent_batches=true also skips the batches of steps {event['resume_step'] + 1}.."
                       f"{divergence.first_bad_step}")
         limit = (f" after {self.rollback_count} rollback(s) (train.max_rollbacks={cfg.max_rollbacks})"
-                 if cfg.on_divergence == "rollback" else "")
+                 if cfg.on_divergence == "rollback" and not may_roll else "")
         return TrainingDiverged(f"{divergence.why}{limit}; {began}. Lower train.lr (or raise train.warmup_steps); "
                                 f"{where}{window}")
 

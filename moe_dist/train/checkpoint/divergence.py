@@ -45,14 +45,16 @@ def read_record(run_dir: str) -> dict:
     return {"pending": record.get("pending"), "history": list(record.get("history") or [])}
 
 
-def record_divergence(run_dir: str, event: dict) -> dict:
+def record_divergence(run_dir: str, event: dict, rollback: bool) -> dict:
     """Rank 0: set aside the checkpoints after the event's ``last_good_step`` and record the event as
     pending. Returns the event completed with ``set_aside``, ``resume_from`` (the checkpoint
-    ``resume=auto`` will take, or None: step 0) and ``resume_step``."""
+    ``resume=auto`` will take, or None: step 0), ``resume_step`` and ``automatic``: whether the job
+    rolls back by itself (``rollback`` asked for it, and there is a checkpoint to roll back to: a
+    start from step 0 is the operator's call)."""
     aside = set_aside_after(run_dir, event["last_good_step"])
     resume_from = latest_checkpoint(run_dir)
     event = {**event, "set_aside": [os.path.basename(p) for p in aside], "resume_from": resume_from,
-             "resume_step": _step_of(resume_from)}
+             "resume_step": _step_of(resume_from), "automatic": rollback and resume_from is not None}
     record = read_record(run_dir)
     if record["pending"]:  # a stop nobody resumed from: history too
         record["history"].append({**record["pending"], "resumed_at": None, "skipped_batches": 0})
