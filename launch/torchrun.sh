@@ -46,8 +46,13 @@ else
 fi
 # torchrun must not turn SIGTERM into "kill the workers in 30 s": they handle it themselves
 export TORCHELASTIC_SIGNALS_TO_HANDLE=${TORCHELASTIC_SIGNALS_TO_HANDLE:-SIGINT,SIGHUP,SIGQUIT}
+# torchrun's own default with several processes per node, set here so that it does not print a banner about it
+if [ "$NPROC_PER_NODE" != 1 ]; then
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+fi
 
+# torchrun, whose failure report is the job's own (the ranks' one line or traceback; moe_dist/torchrun_launch.py)
 # shellcheck disable=SC2086
-run_forwarding_signals children "$PY" -m torch.distributed.run "${RDZV[@]}" --nproc-per-node="$NPROC_PER_NODE" \
+run_forwarding_signals children "$PY" -m moe_dist.torchrun_launch "${RDZV[@]}" --nproc-per-node="$NPROC_PER_NODE" \
   ${TORCHRUN_ARGS:-} --module moe_dist.cli "${MOE_DIST_COMMAND:-train}" --config "$CONFIG" "$@"
 exit "$(preemption_status "$RUN_RC" "$RUN_SIGNALLED")"

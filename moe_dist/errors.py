@@ -29,6 +29,17 @@ class CheckpointError(UserError):
     """A checkpoint cannot be used: incomplete, corrupted, or of another model."""
 
 
+class DamagedCheckpoint(CheckpointError):
+    """A complete checkpoint whose files no longer match its manifest (missing, truncated,
+    corrupted, unreadable metadata): ``resume=auto`` sets it aside and takes the previous one."""
+
+
+class UnsafeCheckpoint(CheckpointError):
+    """A checkpoint that asks its reader to run code or to read outside its directory (a pickled
+    entry, a record that is not a plain tensor): refused unread, also by ``resume=auto`` (such a
+    file was made by hand, not by a crash, so the run stops and says so)."""
+
+
 class HFFormatError(UserError):
     """A Hugging Face checkpoint or config, or a weights directory, that cannot be read into our model."""
 

@@ -6,7 +6,7 @@ Exit codes (the same from one process, from ``moe-dist ... --nproc N`` and from 
     1    failed: an internal error (with its traceback), a collective that timed out, training that
          diverged (too many consecutive non-finite steps)
     2    bad input: configuration, data, checkpoint, command line (one line, printed once)
-    75   stopped by SIGTERM / SIGUSR1 after saving a checkpoint: requeue, ``resume=auto`` continues
+    75   stopped by SIGTERM / SIGUSR1 / SIGHUP after saving a checkpoint: requeue, ``resume=auto`` continues
     130  interrupted (Ctrl-C)
     128+N  a rank was killed by signal N (``--nproc`` only)
 
@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import traceback
 from typing import Callable, Optional
+
+from .errors import UserError
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -84,6 +87,20 @@ def _collective_failure(exc: BaseException, rank: int, command: str) -> Optional
     return ("timeout" if info.timed_out else "peer_lost"), line
 
 
+def exit_code_of(exc: Optional[BaseException]) -> int:
+    """The exit code a process ends with when ``exc`` ends it (None: it is done): a SystemExit's own
+    code (75 for a preemption), a JobStopped's, 2 for a user error, 130 for Ctrl-C, otherwise 1."""
+    if exc is None:
+        return EXIT_OK
+    if isinstance(exc, SystemExit):
+        return exc.code if isinstance(exc.code, int) else (EXIT_OK if exc.code is None else EXIT_FAILED)
+    if isinstance(exc, JobStopped):
+        return exc.exit_code
+    if isinstance(exc, UserError):
+        return EXIT_USAGE
+    return EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else EXIT_FAILED
+
+
 def run_process(command: str, fn: Callable[[], int]) -> int:
     """Run one process's command ``fn`` and return its exit code (``SystemExit`` passes through
     with its code). Reports to the local launcher when ``MOE_DIST_REPORT_DIR`` is set."""
@@ -95,16 +112,16 @@ def run_process(command: str, fn: Callable[[], int]) -> int:
         kind = KINDS.get(code, "error")
         return code
     except SystemExit as e:  # Preempted (75) and friends: their code, unchanged
-        code = e.code if isinstance(e.code, int) else (EXIT_OK if e.code is None else EXIT_FAILED)
+        code = exit_code_of(e)
         kind = KINDS.get(code, "error")
         raise
     except JobStopped as e:
-        code, kind, line = e.exit_code, "stopped", f"moe-dist {command}: {e}"
+        code, kind, line = exit_code_of(e), "stopped", f"moe-dist {command}: {e}"
         if not report_dir and rank == 0:
             print(line, file=sys.stderr, flush=True)
         return code
-    except KeyboardInterrupt:
-        code, kind = EXIT_INTERRUPTED, "interrupted"
+    except KeyboardInterrupt as e:
+        code, kind = exit_code_of(e), "interrupted"
         line = f"moe-dist {command}: interrupted"
         if not report_dir and rank == 0:
             print(line, file=sys.stderr, flush=True)
@@ -122,6 +139,15 @@ def run_process(command: str, fn: Callable[[], int]) -> int:
         if status_dir:
             write_report(status_dir, rank, {"rank": rank, "pid": os.getpid(), "code": code, "kind": kind,
                                             "line": line, "traceback": trace})
+
+
+def killed_line(command: str, rank: int, pid: int, signum: int) -> str:
+    """One line for a rank that a signal killed (it could not report: SIGKILL is often the
+    out-of-memory killer)."""
+    name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else f"signal {signum}"
+    cause = " (out of memory?)" if signum == signal.SIGKILL else ""
+    return (f"moe-dist {command}: rank {rank} (pid {pid}) was killed by {name}{cause}; the job stopped. resume=auto "
+            "continues from the last complete checkpoint")
 
 
 def job_exit_code(codes: list[int], launcher_rc: int) -> int:

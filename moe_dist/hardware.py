@@ -1,6 +1,8 @@
 """What the machine runs fast, where it changes a choice the user makes."""
 from __future__ import annotations
 
+import functools
+import time
 from typing import Optional
 
 import torch
@@ -16,12 +18,54 @@ def cpu_bf16_is_slow(device: torch.device) -> bool:
     return not ("AVX512" in capability or "AMX" in capability)
 
 
+SLOW_BF16 = 4.0  # a bf16 matmul this many times slower than fp32 is a fallback path, not bf16 hardware
+
+
+@functools.lru_cache(maxsize=None)
+def bf16_matmul_slowdown() -> float:
+    """Time of a [256, 512] x [512, 512] CPU matmul in bf16 over fp32, best of three after a warm-up
+    (about 0.3 s where bf16 falls into ATen's reference GEMM, milliseconds elsewhere)."""
+    a, b = torch.randn(256, 512), torch.randn(512, 512)
+    times = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x, y = a.to(dtype), b.to(dtype)
+        torch.mm(x, y)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            torch.mm(x, y)
+            best = min(best, time.perf_counter() - t0)
+        times[dtype] = best
+    return times[torch.bfloat16] / max(times[torch.float32], 1e-9)
+
+
+def bf16_choice(device: torch.device, dtype: str, on_slow_cpu: str = "fp32") -> tuple[str, Optional[str]]:
+    """``(dtype to run, one line to print or None)`` for ``train.dtype``. On a CPU without AVX-512 /
+    AMX whose bf16 matmul measures :data:`SLOW_BF16` or more times fp32's, bf16 becomes fp32 unless
+    ``on_slow_cpu == "bf16"`` (``train.bf16_on_slow_cpu``). The same model either way (fp32 master
+    weights; autocast only rounds the matmul inputs), so the fallback costs no accuracy; refusing
+    instead would stop every bf16 preset on such machines for a choice that only affects speed.
+    GPUs and CPUs with bf16 instructions are never probed."""
+    if dtype != "bf16" or not cpu_bf16_is_slow(device):
+        return dtype, None
+    ratio = bf16_matmul_slowdown()
+    if ratio < SLOW_BF16:
+        return dtype, None
+    why = (f"bf16 matmuls measured {ratio:.0f}x slower than fp32 on this CPU "
+           f"({torch.backends.cpu.get_cpu_capability()}: no AVX-512 bf16 or AMX)")
+    if on_slow_cpu == "bf16":
+        return dtype, f"warning: train.dtype=bf16 kept (train.bf16_on_slow_cpu=bf16): {why}; train.dtype=fp32 is faster"
+    return "fp32", (f"train.dtype=bf16 runs as fp32: {why}; fp32 trains the same model faster "
+                    "(train.bf16_on_slow_cpu=bf16 keeps bf16)")
+
+
 def slow_bf16_note(device: torch.device, dtype: str) -> Optional[str]:
-    """The warning a training run prints when ``train.dtype=bf16`` would be slow here."""
+    """The one line a benchmark that times ``dtype`` as asked prints on such a CPU, or None."""
     if dtype != "bf16" or not cpu_bf16_is_slow(device):
         return None
-    return (f"warning: train.dtype=bf16 on a CPU with {torch.backends.cpu.get_cpu_capability()} (no AVX-512): "
-            "bf16 matmuls run far slower than fp32 here; train.dtype=fp32 is the faster choice on this machine")
+    return (f"warning: bf16 on a CPU with {torch.backends.cpu.get_cpu_capability()} (no AVX-512): bf16 matmuls "
+            f"measured {bf16_matmul_slowdown():.0f}x slower than fp32 here, so the bf16 figures say little about "
+            "bf16 elsewhere; train.dtype=fp32 (or --dtypes fp32) is the faster choice on this machine")
 
 
 def peak_rss_bytes() -> int:

@@ -5,9 +5,9 @@ The launcher starts every rank itself (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 session of its own and tied to the launcher's life (``PR_SET_PDEATHSIG``: a launcher killed
 with SIGKILL takes its ranks with it). Then:
 
-* signals: SIGTERM, SIGUSR1 and SIGHUP are passed to every rank (the trainer checkpoints at
-  the next step and exits with 75); SIGINT (Ctrl-C) is passed on as SIGINT (ranks stop at
-  once, quietly), a second SIGINT kills them;
+* signals: SIGTERM, SIGUSR1 and SIGHUP are passed on, unchanged, to every rank (the trainer
+  checkpoints at the next step, exits with 75 and names the signal); SIGINT (Ctrl-C) is passed
+  on as SIGINT (ranks stop at once, quietly), a second SIGINT kills them;
 * when a rank fails, the others get a few seconds to end on their own and are then killed:
   no rank is left waiting in a collective;
 * the exit code is the job's (see :mod:`moe_dist.exits`), and what is printed is the one
@@ -28,7 +28,7 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
-from .exits import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, REPORT_DIR_ENV,
+from .exits import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, REPORT_DIR_ENV, killed_line,
                     read_report)
 
 GRACE_S = 5.0  # after a rank fails, how long the others may take to end on their own
@@ -94,7 +94,7 @@ class LocalJob:
 
     def _on_stop_signal(self, signum, _frame) -> None:
         self.signalled = self.signalled or signal.Signals(signum).name
-        self._send(signal.SIGUSR1 if signum == signal.SIGHUP else signum)
+        self._send(signum)
 
     def _on_interrupt(self, _signum, _frame) -> None:
         self.interrupts += 1
@@ -174,10 +174,7 @@ class LocalJob:
         killed = [r for r, c in enumerate(codes) if c < 0 and self.procs[r].pid not in self.killed_by_us]
         if killed and not self.signalled:
             rank, sig = killed[0], -codes[killed[0]]
-            name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else f"signal {sig}"
-            cause = " (out of memory?)" if sig == signal.SIGKILL else ""
-            self._say(f"{prefix}: rank {rank} (pid {self.procs[rank].pid}) was killed by {name}{cause}; the job "
-                      f"stopped. resume=auto continues from the last complete checkpoint")
+            self._say(killed_line(self.command, rank, self.procs[rank].pid, sig))
             return 128 + sig
         timeouts = [r for r, k in enumerate(kinds) if k in ("timeout", "peer_lost")]
         if timeouts and not self.signalled:

@@ -4,9 +4,9 @@
 # package, its dev tools and the default corpus (Debian's python3.11-doc).
 #   bash scripts/setup.sh            # CPU (torch from local disk or PyPI CPU wheel)
 #   TORCH_SPEC="torch==2.13.0" TORCH_INDEX=https://download.pytorch.org/whl/cu128 bash scripts/setup.sh   # GPU
-# Extras: EXTRAS=dev,deepspeed,mpi,megatron bash scripts/setup.sh   (megatron: megatron-core for
-#   moe_dist.integrations.megatron; deepspeed: its CPU op is compiled here when g++
-#   exists; DS_PREBUILD=0 skips that and DeepSpeed compiles it at first use instead)
+# Extras: EXTRAS=dev,deepspeed,mpi,megatron,wandb bash scripts/setup.sh   (megatron: megatron-core for
+#   moe_dist.integrations.megatron; wandb: log.wandb tracking; deepspeed: its CPU op is compiled here
+#   when g++ exists; DS_PREBUILD=0 skips that and DeepSpeed compiles it at first use instead)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}

@@ -271,7 +271,7 @@ def test_metadata_unpickler_enum_members_as_python_3_11_2_pickles_them(tmp_path)
         with open(tmp_path / name / ".metadata", "wb") as f:
             pickle.dump(payload, f)
         if ok:
-            from moe_dist.train.checkpoint.files import _MetadataUnpickler
+            from moe_dist.safe_dcp import _MetadataUnpickler
 
             with open(tmp_path / name / ".metadata", "rb") as f:
                 assert _MetadataUnpickler(f).load() is member

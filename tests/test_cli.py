@@ -54,16 +54,30 @@ def test_two_rank_train_end_to_end(run_dir):
 def test_eval_of_the_checkpoint_on_another_layout(run_dir):
     d, _ = run_dir
     summary = json.load(open(d / "summary.json"))
-    res = moe_dist("eval", "--run-dir", str(d), "parallel.ep=1")
+    # as documented: one process, although the run trained with parallel.ep=2 (the checkpoint loads at any ep)
+    res = moe_dist("eval", "--run-dir", str(d))
     assert res.returncode == 0, res.stdout + res.stderr
     assert "1 process(es), ep=1" in res.stdout and "unigram baseline perplexity" in res.stdout
     result = json.load(open(d / "eval.json"))
-    assert result["step"] == 8 and result["world_size"] == 1
+    assert result["step"] == 8 and (result["world_size"], result["ep"]) == (1, 1)
     assert result["val_loss"] == pytest.approx(summary["val_loss"], rel=1e-6)
     assert result["unigram_ppl"] == pytest.approx(summary["unigram_ppl"])
-    res = moe_dist("eval", "--run-dir", str(d), "--nproc", "2")
+    res = moe_dist("eval", "--run-dir", str(d), "--nproc", "2")  # the run's ep=2 fits 2 processes: kept
     assert res.returncode == 0, res.stdout + res.stderr
-    assert json.load(open(d / "eval.json"))["val_loss"] == pytest.approx(summary["val_loss"], rel=1e-6)
+    result = json.load(open(d / "eval.json"))
+    assert (result["world_size"], result["ep"]) == (2, 2)
+    assert result["val_loss"] == pytest.approx(summary["val_loss"], rel=1e-6)
+    # an ep given on the command line is the user's choice, checked as such
+    res = moe_dist("eval", "--run-dir", str(d), "parallel.ep=2")
+    assert res.returncode == 2 and res.stderr.splitlines() == [
+        "moe-dist eval: error: parallel.ep=2 needs torch.distributed to be initialised (world size 1 allows only ep=1)"]
+
+
+def test_evaluation_ep():
+    from moe_dist.train.cmd_eval import evaluation_ep
+
+    assert [evaluation_ep(2, w) for w in (1, 2, 3, 4, 6)] == [1, 2, 1, 2, 2]
+    assert [evaluation_ep(4, w) for w in (1, 2, 4, 6, 8)] == [1, 2, 4, 2, 4]
 
 
 def test_errors_are_reported_before_launching(tmp_path, capsys):
@@ -85,3 +99,21 @@ def test_errors_are_reported_before_launching(tmp_path, capsys):
     assert info.value.code == 2 and "invalid choice: 'bogus'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(["train", "--nproc", "two"])
+
+
+@pytest.mark.parametrize("layout", [["--nproc", "2"], ["parallel.ep=1"]], ids=["launcher", "one-rank"])
+def test_deepspeed_engine_without_deepspeed_is_refused_before_the_run_directory(tmp_path, layout):
+    # a DeepSpeed that cannot be imported (what `import deepspeed` gives without it, or a broken install)
+    (tmp_path / "fake" / "deepspeed").mkdir(parents=True)
+    (tmp_path / "fake" / "deepspeed" / "__init__.py").write_text('raise ImportError("DeepSpeed is broken here")\n')
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "fake"), ROOT, env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-m", "moe_dist.cli", "train", "--config", "configs/test.yaml", *layout,
+                          "train.engine=deepspeed", f"run.dir={run}", f"data.cache_dir={tmp_path / 'cache'}"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert res.stderr.splitlines() == ["moe-dist train: error: train.engine: 'deepspeed' needs DeepSpeed (pip install -e "
+                                       "'.[deepspeed]'): ImportError: DeepSpeed is broken here; allowed without it: "
+                                       "'native'"], res.stderr
+    assert not run.exists() and not (tmp_path / "cache").exists()

@@ -32,13 +32,17 @@ def test_binary_files_are_left_out_and_named(tmp_path):
     assert skipped == [("image.txt", "it holds NUL bytes (a binary file?)")]
 
 
-def test_json_lines_error_has_line_and_column(tmp_path):
+@pytest.mark.parametrize("line, why", [
+    ('{"text": "tab\there"}', "Invalid control character at line 2, column 14 (character 14 of the line)"),
+    ('{"text": "open', "Unterminated string starting at line 2, column 10 (character 10 of the line)"),
+    ('{"text": }', "Expecting value at line 2, column 10 (character 10 of the line)"),
+])
+def test_json_lines_error_has_line_and_column(tmp_path, line, why):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"text": "ok"}\n{"text": "tab\there"}\n')
+    bad.write_text('{"text": "ok"}\n' + line)  # the last line without its newline (a control character)
     with pytest.raises(ValueError) as info:
         list(read_documents(str(bad)))
-    assert str(info.value) == (f"{bad}:2: not valid JSON: Invalid control character at at line 2, column 14 "
-                               "(character 14 of the line); data.format='jsonl' expects one JSON object per line")
+    assert str(info.value) == (f"{bad}:2: not valid JSON: {why}; data.format='jsonl' expects one JSON object per line")
 
 
 def test_small_corpus_note():

@@ -122,6 +122,11 @@ def test_import_train_at_ep2_and_export_back(tmp_path):
         run, hf_out = os.path.join(root, "runs", family), os.path.join(root, f"back_{family}")
         assert cli(["export", "--checkpoint", run, "--format", family, "--out", hf_out]) == 0
         assert os.path.exists(os.path.join(hf_out, "tokenizer.json"))
+        # the run started from the import (its ckpt.init_from): config.json keeps the source's values
+        source, written = (json.load(open(os.path.join(d, "config.json"))) for d in (os.path.join(root, family), hf_out))
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings", "router_aux_loss_coef"):
+            assert written.get(key) == source.get(key), (family, key)
+        assert json.load(open(os.path.join(hf_out, "export.json")))["source"] == imported
         ours, _, _ = load_our_model(run)
         hf = hf_classes(family)[1].from_pretrained(hf_out).eval()
         x = _tokens(vocab=320)

@@ -277,6 +277,65 @@ def test_dist_checkpointing_keeps_router_state(tmp_path):
             assert float((y_saved - y_loaded).abs().max()) <= TOL, f"{name}: eval output after loading at {world} ranks"
 
 
+def _planted_checkpoints(rank, world, tmp):
+    """Save, then: a clean load; the router's state (Symphony's graph, a tensor) declared as a pickled
+    bytes entry; a module's extra state (an object entry) replaced by a pickle that runs code. Each
+    loaded with the checked loader, and the last with Megatron-Core's own loader as the control."""
+    import shutil
+
+    import megatron_cases as mc
+    from checkpoint_payloads import plant_bytes_entry, read_metadata
+    from megatron.core import dist_checkpointing
+
+    from moe_dist.integrations.megatron import load_checkpoint
+
+    def attempt(loader, ckpt):
+        try:
+            loader(_sharded(_checkpoint_models(mc)), ckpt)
+            return None
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            return type(e).__name__, str(e)
+
+    mc.init_megatron(ep=world)
+    x, w = mc.data()
+    models = _checkpoint_models(mc)
+    for name, layers in models.items():
+        mc.copy_weights(mc.reference_layers(*_CKPT_ROUTERS[name]), layers)
+        mc.run_megatron(layers, x, w, dp_size=world)
+    clean = os.path.join(tmp, "clean")
+    os.makedirs(clean)
+    dist_checkpointing.save(_sharded(models), clean)
+    out = {"clean": attempt(load_checkpoint, clean)}
+    keys = sorted(read_metadata(clean).state_dict_metadata)
+    targets = {"router state": next(k for k in keys if k.startswith("symphony.") and ".router." in k),
+               "extra state": next(k for k in keys if k.endswith("_extra_state/shard_0_4") or "_extra_state" in k)}
+    for kind, key in targets.items():
+        ckpt, marker = os.path.join(tmp, kind.replace(" ", "-")), os.path.join(tmp, f"ran-{kind.replace(' ', '-')}")
+        shutil.copytree(clean, ckpt)
+        plant_bytes_entry(ckpt, key, marker)
+        out[kind] = {"key": key, "checked": attempt(load_checkpoint, ckpt), "ran": os.path.exists(marker)}
+        out[kind]["control"] = attempt(dist_checkpointing.load, ckpt)
+        out[kind]["control ran"] = os.path.exists(marker)
+    mc.finish_megatron()
+    return out
+
+
+def test_checkpoint_entries_planted_with_code_are_refused(tmp_path):
+    """:func:`load_checkpoint` loads a clean checkpoint and refuses, unread, the plug-in's router state
+    declared as a pickled object and a module's extra state that would run code. The control:
+    Megatron-Core's own ``dist_checkpointing.load`` runs the second."""
+    from dist_harness import run_ranks
+
+    [out] = run_ranks(_planted_checkpoints, 1, args=(str(tmp_path),), timeout=600)
+    assert out["clean"] is None, out["clean"]
+    for kind in ("router state", "extra state"):
+        got = out[kind]
+        assert got["checked"] and got["checked"][0] == "UnsafeCheckpoint", got
+        assert got["key"] in got["checked"][1] and "\n" not in got["checked"][1], got
+        assert not got["ran"], f"{kind}: the checked loader ran the payload"
+    assert out["extra state"]["control ran"], "the control: Megatron-Core's loader did not run the planted object"
+
+
 # ---- configuration errors (no process group needed) ---------------------------------------
 def _config(**overrides):
     import torch.nn.functional as F

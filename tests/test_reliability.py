@@ -3,6 +3,7 @@ signals, exit codes, a rank killed or stopped, the run-directory lock, non-finit
 disk and a damaged checkpoint (issue 18; the launcher's output, issue 19)."""
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -92,14 +93,16 @@ def no_orphans(marker, timeout=10):
 LONG = ("train.steps=400", "run.print_every=1")
 
 
-def test_sigterm_to_the_launcher_checkpoints_and_exits_75(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_stop_signal_to_the_launcher_checkpoints_and_exits_75(tmp_path, sig):
     run = tmp_path / "run"
     job = Job(tmp_path, f"run.dir={run}", *LONG)
     job.wait_for("step 2/400")
-    os.kill(job.proc.pid, signal.SIGTERM)  # the launcher alone, as `kill <pid>` does
+    os.kill(job.proc.pid, sig)  # the launcher alone, as `kill <pid>` does
     assert job.wait() == 75, job.output()
     out = job.output()
-    assert "SIGTERM received: stopped after step" in out and "exit code 75" in out
+    assert f"{sig.name} received: stopped after step" in out and "exit code 75" in out, out
+    assert out.count(" received: stopped after step") == 1, out
     step = int(out.split("stopped after step ")[1].split("/")[0])
     assert os.path.exists(run / "checkpoints" / f"step_{step:06d}" / "COMPLETE")
     assert "Traceback" not in out
@@ -172,6 +175,49 @@ def test_a_second_run_on_a_live_run_directory_is_refused(tmp_path):
     first.wait()
     third = Job(tmp_path, f"run.dir={run}", "train.steps=2", name="third")
     assert third.wait() == 0, third.output()  # a dead run leaves no lock behind
+    no_orphans(str(run))
+
+
+def _complete_checkpoints(run):
+    return sorted(n for n in os.listdir(run / "checkpoints") if re.fullmatch(r"step_\d+", n))
+
+
+def test_eval_reads_a_training_run_that_neither_starts_nor_prunes_under_it(tmp_path):
+    from moe_dist.train.run_lock import RunDirReadLock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    reader = RunDirReadLock(str(run))  # what `moe-dist eval` holds while it reads
+    assert reader.acquire(wait_s=0) is None
+    refused = Job(tmp_path, f"run.dir={run}", "train.steps=2", name="refused")
+    assert refused.wait() == 2, refused.output()
+    err = refused.err.read_text().strip()
+    assert err.startswith(f"moe-dist train: error: run.dir='{run}' is being read by `moe-dist eval` (pid {os.getpid()} "
+                          "on host ") and "\n" not in err, refused.output()
+    assert set(os.listdir(run)) == {"read.lock", "run.lock"}  # nothing else made, moved or removed
+    reader.release()
+
+    job = Job(tmp_path, f"run.dir={run}", *LONG, "ckpt.every=1", "ckpt.keep=1", name="train")
+    job.wait_for("step 3/400")
+    assert reader.acquire(wait_s=30) is None  # readers come in while the run trains
+    job.wait_for("older checkpoints kept for now (ckpt.keep=1): `moe-dist eval` is reading the run directory")
+    _, env = command()
+    res = subprocess.run([sys.executable, "-m", "moe_dist.cli", "eval", "--run-dir", str(run)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr  # a real eval beside the training and the other reader
+    result = json.load(open(run / "eval.json"))
+    assert result["step"] >= 3 and (result["world_size"], result["ep"]) == (1, 1)
+    assert len(_complete_checkpoints(run)) >= 2  # ckpt.keep=1, but nothing was removed under the readers
+    assert job.proc.poll() is None  # the training went on
+    pruned = job.out.read_text().count("checkpoint: removed")
+    reader.release()
+    deadline = time.monotonic() + 60
+    while job.out.read_text().count("checkpoint: removed") == pruned and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert job.out.read_text().count("checkpoint: removed") > pruned, job.output()  # the next save prunes again
+    os.kill(job.proc.pid, signal.SIGTERM)
+    assert job.wait() == 75, job.output()
+    assert "Traceback" not in job.output()
     no_orphans(str(run))
 
 
@@ -281,3 +327,49 @@ def test_launch_scripts_keep_the_exit_code_of_a_user_error_and_the_lock(tmp_path
     assert res.returncode == 2, res.stdout + res.stderr
     assert f"moe-dist train: error: run.dir='{tmp_path / 'b'}' is in use by a live run (pid {os.getpid()} on host" \
         in res.stderr
+
+
+def _worker_rank(pid):
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+    return int(env[b"RANK"])
+
+
+def test_torchrun_script_reports_a_failure_in_the_jobs_own_words(tmp_path):
+    _, env = command()
+    env.update(PYTHON=sys.executable, NPROC_PER_NODE="2")
+    script = ["bash", os.path.join(ROOT, "launch", "torchrun.sh"), "configs/test.yaml",
+              f"data.cache_dir={tmp_path / 'cache'}", "run.progress=false", "run.plots=false", "run.tensorboard=false"]
+    # a user error: rank 0's one line, nothing of torchrun's (its ChildFailedError block, its log of the workers)
+    res = subprocess.run([*script, f"run.dir={tmp_path / 'a'}", "train.bogus=1"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moe-dist train: error: train.bogus: unknown config key; allowed "
+                                                   "keys in train: ["), res.stderr
+    assert res.stdout == ""
+    # a rank killed by the system: one line naming it, in place of torchrun's report
+    run = tmp_path / "b"
+    out, err = tmp_path / "b.out", tmp_path / "b.err"
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen([*script, f"run.dir={run}", *LONG], cwd=ROOT, env=env, stdout=o, stderr=e,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "step 2/400" not in out.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, out.read_text() + err.read_text()
+            time.sleep(0.1)
+        workers = [p for p in alive_with(str(run)) if "moe_dist.cli" in open(f"/proc/{p}/cmdline").read()
+                   and "moe_dist.torchrun_launch" in open(f"/proc/{_ppid(p)}/cmdline").read()]
+        rank1 = next(p for p in workers if _worker_rank(p) == 1)
+        os.kill(rank1, signal.SIGKILL)
+        assert proc.wait(120) == 1, out.read_text() + err.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    lines = err.read_text().splitlines()
+    assert (f"moe-dist train: rank 1 (pid {rank1}) was killed by SIGKILL (out of memory?); the job stopped. resume=auto "
+            "continues from the last complete checkpoint") in lines, err.read_text()
+    # rank 0 may have said that it lost its peer before torchrun stopped it: also one line, the job's own
+    assert len(lines) <= 2 and all(line.startswith("moe-dist train: ") for line in lines), err.read_text()
+    no_orphans(str(run))

@@ -119,7 +119,7 @@ def _gathered_bytes(rank, world, tmp, dtype):
 
     from moe_dist.train.trainer import Trainer
 
-    trainer = Trainer(cfg_for(tmp, "parallel.ep=2", f"train.dtype={dtype}", "train.steps=2",
+    trainer = Trainer(cfg_for(tmp, "parallel.ep=2", f"train.dtype={dtype}", "train.bf16_on_slow_cpu=bf16", "train.steps=2",
                               f"run.dir={tmp}/run-{world}-{dtype}"))
     counted = {"bytes": 0, "calls": 0}
     # FSDP2's gather: dist.all_gather_single in torch 2.13, all_gather_into_tensor before
@@ -159,7 +159,8 @@ def test_bf16_gathers_half_the_bytes_keeps_fp32_masters_and_the_layout_invarianc
     assert bf16["masters"] == ["torch.float32"]  # master weights (and so the optimizer state) stay fp32
     from moe_dist.train.trainer import Trainer  # one process, autocast over fp32 weights
 
-    one = Trainer(cfg_for(tmp_path, "parallel.ep=1", "train.dtype=bf16", "train.steps=2", f"run.dir={tmp_path}/one"))
+    one = Trainer(cfg_for(tmp_path, "parallel.ep=1", "train.dtype=bf16", "train.bf16_on_slow_cpu=bf16", "train.steps=2",
+                          f"run.dir={tmp_path}/one"))
     try:
         ref = [one.train_step()["loss"] for _ in range(2)]
     finally:

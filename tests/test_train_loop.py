@@ -134,14 +134,36 @@ def test_checkpoint_keys_are_global_experts_and_round_trip(tmp_path):
         load_checkpoint(other, str(tmp_path))
 
 
-def test_bf16_on_a_cpu_without_avx512_is_flagged(monkeypatch):
-    from moe_dist.hardware import slow_bf16_note
+def test_bf16_on_a_cpu_without_bf16_matmuls_runs_as_fp32(monkeypatch, tmp_path, capsys):
+    """The decision with the capability and the timed probe mocked both ways: a slow probe on a CPU
+    without AVX-512 turns train.dtype=bf16 into fp32 with one line naming the ratio and the key that
+    keeps bf16; a fast probe, an AVX-512 CPU (never probed) and GPUs keep bf16."""
+    from moe_dist import hardware
+    from moe_dist.train.trainer import setup_runtime
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    note = slow_bf16_note(cpu, "bf16")
-    assert note and "AVX2" in note and "train.dtype=fp32" in note
-    assert slow_bf16_note(cpu, "fp32") is None
-    assert slow_bf16_note(torch.device("cuda"), "bf16") is None  # GPUs have their own bf16 units
+    monkeypatch.setattr(hardware, "bf16_matmul_slowdown", lambda: 87.0)
+    dtype, note = hardware.bf16_choice(cpu, "bf16")
+    assert dtype == "fp32" and "87x slower" in note and "AVX2" in note and "train.bf16_on_slow_cpu=bf16" in note
+    dtype, note = hardware.bf16_choice(cpu, "bf16", "bf16")
+    assert dtype == "bf16" and note.startswith("warning:") and "train.dtype=fp32" in note
+    assert hardware.bf16_choice(cpu, "fp32") == ("fp32", None)
+    assert hardware.bf16_choice(torch.device("cuda"), "bf16") == ("bf16", None)  # GPUs have their own bf16 units
+    note = hardware.slow_bf16_note(cpu, "bf16")  # what the benchmarks print (they time the dtype they name)
+    assert note and "87x" in note and hardware.slow_bf16_note(cpu, "fp32") is None
+    # the runtime every command sets up (train, eval, eval --checkpoint) applies it, rank 0 says it once
+    cfg = load_config(os.path.join(ROOT, "configs/test.yaml"), [f"run.dir={tmp_path}/run", "parallel.ep=1",
+                                                              "train.dtype=bf16"])
+    setup_runtime(cfg)
+    assert cfg.train.dtype == "fp32"
+    assert capsys.readouterr().out.count("train.dtype=bf16 runs as fp32") == 1
+    monkeypatch.setattr(hardware, "bf16_matmul_slowdown", lambda: 1.3)  # a CPU whose torch has fast bf16 kernels
+    assert hardware.bf16_choice(cpu, "bf16") == ("bf16", None)
+
+    def never():
+        raise AssertionError("probed on a CPU with AVX-512")
+
+    monkeypatch.setattr(hardware, "bf16_matmul_slowdown", never)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    assert slow_bf16_note(cpu, "bf16") is None
+    assert hardware.bf16_choice(cpu, "bf16") == ("bf16", None)

@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from ..hardware import cpu_bf16_is_slow
+from ..hardware import slow_bf16_note
 from .cli_args import add_size_arguments, check_routers, sizes_from_args
 from .report import table, target_check
 from .runner import IMPLS, BenchConfig, log, progress, run_processes, run_single
@@ -127,9 +127,9 @@ def main(argv=None) -> int:
     log(f"moe_dist layer benchmark: torch {torch.__version__}, {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cores ({torch.backends.cpu.get_cpu_capability()}), load average "
         f"{os.getloadavg()[0]:.2f}; sizes {cfg.sizes}")
-    if "bf16" in cfg.dtypes and cpu_bf16_is_slow(torch.device(args.device)):
-        log("warning: no AVX-512 on this CPU: bf16 matmuls take torch's slow path here (many times fp32's "
-            "time), so the bf16 cases say little about bf16 elsewhere; --dtypes fp32 skips them")
+    slow = slow_bf16_note(torch.device(args.device), "bf16" if "bf16" in cfg.dtypes else "fp32")
+    if slow:
+        log(slow)
 
     def emit(rec):
         progress(rec)

@@ -18,6 +18,7 @@ import sys
 import torch
 
 from ..dist import ParallelGroups
+from ..hardware import slow_bf16_note
 from ..moe.routers.token_graph import ENTROPY_SCAN_RANGE
 from .cli_args import add_size_arguments, check_routers, sizes_from_args
 from .impls import MoEDistImpl, _clear_grads
@@ -99,6 +100,9 @@ def main(argv=None) -> int:
     print(f"router benchmark: {sizes}, {args.dtype}, {args.tokens} tokens in sequences of {args.seq_len}, "
           f"{torch.get_num_threads()} thread(s), CPU capability {torch.backends.cpu.get_cpu_capability()}",
           file=sys.stderr)
+    slow = slow_bf16_note(device, args.dtype)
+    if slow:
+        print(slow, file=sys.stderr)
 
     impls["topk"].step()  # warm-up, then the denominator
     layer_s = median([timed(impls["topk"].step, device)[0] for _ in range(args.layer_repeats)])

@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 
 from ..config import load_config
+from ..hardware import slow_bf16_note
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -62,6 +63,7 @@ def run_case(config: str, nproc: int, steps: int, engine: str, dtype: str, overr
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "moe_dist.cli", "train", "--config", config, "--nproc", str(nproc),
            f"run.dir={run_dir}", f"train.steps={steps}", f"train.engine={engine}", f"train.dtype={dtype}",
+           "train.bf16_on_slow_cpu=bf16",  # a case measures the dtype it names (main() says when bf16 is slow here)
            "eval.every=0", "eval.max_sequences=8", "ckpt.save_final=false", "run.plots=false", "run.tensorboard=false",
            "run.progress=false", *overrides]
     t0 = time.perf_counter()
@@ -104,6 +106,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     cpu = torch.backends.cpu.get_cpu_capability()
     print(f"machine: torch {torch.__version__}, CPU capability {cpu}, {os.cpu_count()} cores; "
           f"{args.nproc} processes x {threads_per_proc} thread(s)", flush=True)
+    slow = slow_bf16_note(torch.device("cpu"), "bf16" if "bf16" in dtypes else "fp32")
+    if slow:
+        print(slow, flush=True)
     threads = args.nproc * threads_per_proc
     peaks = {d: matmul_peak(DTYPES[d], threads) for d in dtypes}  # measured again at the end: the larger counts
     cases = [(e, d) for d in dtypes for e in engines]

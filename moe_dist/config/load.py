@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import typing
 from typing import Any, Iterable, Optional
 
@@ -126,8 +127,11 @@ def dump_config(cfg: Config) -> str:
 
 
 def save_config(cfg: Config, path: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
+    """Write ``path`` whole or not at all (a reader, e.g. ``moe-dist eval``, never sees half of it)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
         f.write(dump_config(cfg))
+    os.replace(tmp, path)
 
 
 def describe_schema(cls: type = Config, prefix: str = "") -> list[tuple[str, str, Any, str]]:

@@ -232,6 +232,9 @@ class TrainConfig:
     grad_clip: Optional[float] = knob(1.0, "clip the global gradient norm to this (null = no clipping)", gt=0)
     dtype: Literal["fp32", "bf16"] = knob("fp32", "bf16 = autocast matmuls to bfloat16 (fp32 master weights; FSDP2 gathers "
                                                  "bf16 copies and reduces gradients in fp32; router math stays fp32)")
+    bf16_on_slow_cpu: Literal["fp32", "bf16"] = knob("fp32", "train.dtype=bf16 on a CPU whose bf16 matmuls are "
+                                                     "measured 4x+ slower than fp32 (no AVX-512 bf16 / AMX): fp32 "
+                                                     "runs it as fp32 (said at start-up), bf16 keeps bf16")
     activation_checkpointing: bool = knob(False, "recompute each block in backward (non-reentrant)")
     max_nonfinite_steps: int = knob(5, "the run has diverged after this many bad steps in a row (a non-finite loss, "
                                     "gradient norm or router logits, or a loss spike; each is skipped: not applied, "
@@ -293,6 +296,26 @@ class DeepSpeedConfig:
 
 
 @dataclass
+class LogConfig:
+    """Experiment tracking beside metrics.jsonl and TensorBoard (Weights & Biases; needs the wandb extra)."""
+
+    wandb: bool = knob(False, "log every metrics.jsonl row, the expert load, routing fluctuation, expert bias, the "
+                       "config and the end-of-run summary to Weights & Biases from rank 0 (the run id is kept in "
+                       "run.dir/wandb_run.json: a resumed or requeued run continues the same W&B run)")
+    wandb_project: str = knob("moe_dist", "W&B project")
+    wandb_entity: Optional[str] = knob(None, "W&B entity (user or team; null = the account's default)")
+    wandb_name: Optional[str] = knob(None, "W&B run name (null = the name of run.dir)")
+    wandb_tags: list[str] = knob([], "W&B run tags")
+    wandb_mode: Optional[Literal["online", "offline"]] = knob(None, "online, or offline (written under "
+                                                              "run.dir/wandb for `wandb sync`); null = the "
+                                                              "WANDB_MODE environment variable, else online")
+
+    def check(self) -> None:
+        if self.wandb and not self.wandb_project:
+            _fail("log.wandb_project", "empty; allowed: a W&B project name")
+
+
+@dataclass
 class Config:
     """A whole moe_dist run."""
 
@@ -304,6 +327,7 @@ class Config:
     eval: EvalConfig = section(EvalConfig)
     ckpt: CkptConfig = section(CkptConfig)
     deepspeed: DeepSpeedConfig = section(DeepSpeedConfig)
+    log: LogConfig = section(LogConfig)
     resume: str = knob("none", "continue training from a checkpoint: auto (the latest complete one in "
                        "run.dir/checkpoints; step 0 if there is none), a checkpoint directory, a run directory "
                        "(its latest), or none")
@@ -316,6 +340,7 @@ class Config:
         self.model.check()
         self.data.check()
         self.train.check()
+        self.log.check()
         if self.model.moe.num_experts % self.parallel.ep:
             _fail("parallel.ep", f"{self.parallel.ep} must divide model.moe.num_experts={self.model.moe.num_experts}")
 

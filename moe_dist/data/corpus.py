@@ -83,9 +83,10 @@ def read_documents(corpus: str, pattern: Optional[str] = None, fmt: str = "auto"
                     try:
                         rec = json.loads(line)
                     except json.JSONDecodeError as e:
-                        raise InputError(f"{path}:{i + 1}: not valid JSON: {e.msg} at line {i + 1}, column {e.colno} "
-                                         f"(character {e.pos + 1} of the line); data.format='jsonl' expects one JSON "
-                                         "object per line") from None
+                        # json's message ends with "at" where it names a position ("Invalid control character at")
+                        raise InputError(f"{path}:{i + 1}: not valid JSON: {e.msg.removesuffix(' at')} at line {i + 1}, "
+                                         f"column {e.colno} (character {e.pos + 1} of the line); data.format='jsonl' "
+                                         "expects one JSON object per line") from None
                     if not isinstance(rec, dict) or not isinstance(rec.get(jsonl_field), str):
                         raise InputError(f"{path}:{i + 1}: no string field {jsonl_field!r} (data.jsonl_field)")
                     if rec[jsonl_field]:

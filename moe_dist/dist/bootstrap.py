@@ -180,10 +180,15 @@ def detect_launch(environ: Optional[Mapping[str, str]] = None, use_mpi4py: Optio
     return LaunchInfo()
 
 
+def device_type(kind: str) -> str:
+    """``"cuda"`` or ``"cpu"``: what ``run.device`` (``auto``: CUDA when present) gives on this machine."""
+    check_choice("run.device", kind, ("auto", "cpu", "cuda"))
+    return "cuda" if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()) else "cpu"
+
+
 def pick_device(kind: str, local_rank: int) -> torch.device:
     """``auto``: this rank's CUDA device when CUDA is present, else the CPU."""
-    check_choice("run.device", kind, ("auto", "cpu", "cuda"))
-    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
+    if device_type(kind) == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("run.device='cuda' but torch sees no CUDA device; allowed here: 'cpu' or 'auto'")
         dev = torch.device("cuda", local_rank % torch.cuda.device_count())

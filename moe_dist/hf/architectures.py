@@ -60,10 +60,16 @@ class MoEArchitecture:
     shared_expert: bool = False  # every MoE block has a gated shared expert (Qwen2-MoE)
     dense_blocks: bool = False  # the format holds dense blocks (else every block is an MoE block)
     qkv_bias: bool = False  # the format holds q/k/v biases
+    fused_module: str = "mlp"  # the MoE block's name in transformers' own model (the fused expert layout)
 
     # ---- tensor names ---------------------------------------------------------------------
-    def router_name(self, prefix: str, i: int) -> str:
-        return f"{prefix}layers.{i}.{self.moe_module}.gate.weight"
+    def router_name(self, prefix: str, i: int, fused: bool = False) -> str:
+        return f"{prefix}layers.{i}.{self.fused_module if fused else self.moe_module}.gate.weight"
+
+    def fused_expert_names(self, prefix: str, i: int) -> tuple[str, str]:
+        """Block ``i``'s fused expert tensors: ``gate_up_proj`` ``[E, 2 ff, d]``, ``down_proj`` ``[E, d, ff]``."""
+        base = f"{prefix}layers.{i}.{self.fused_module}.experts."
+        return base + "gate_up_proj", base + "down_proj"
 
     def expert_name(self, prefix: str, i: int, j: int, which: int) -> str:
         """``which``: 0 gate, 1 up, 2 down."""
@@ -90,8 +96,9 @@ class MoEArchitecture:
         notes = [f"{key}={raw[key]!r} acts only in training in transformers and is not reproduced (we train with "
                  f"{neutral!r})" for key, neutral in self.training_only if raw.get(key, neutral) not in (neutral, None)]
         if raw.get("router_aux_loss_coef") is not None:
-            notes.append(f"router_aux_loss_coef={raw['router_aux_loss_coef']!r} (a training setting) is not carried "
-                         "over: our load-balancing loss weighs model.moe.aux_loss_coef, which the config sets")
+            notes.append(f"router_aux_loss_coef={raw['router_aux_loss_coef']!r} (a training setting) does not set our "
+                         "training: our load-balancing loss weighs model.moe.aux_loss_coef, which the config sets; "
+                         "`moe-dist export` writes the source's value back")
         if raw.get(self.experts_key) is None:
             raise HFFormatError(f"{where}: config.json has no {self.experts_key!r} (experts per MoE block)")
         moe = {"layers": "every", "num_experts": int(raw[self.experts_key]),
@@ -104,8 +111,9 @@ class MoEArchitecture:
 
     # ---- our model -> config.json ---------------------------------------------------------
     def hf_config(self, cfg, normalize: bool, dtype_name: str, max_position_embeddings: int,
-                  rope_scaling: Optional[dict]) -> dict:
-        """config.json of our model (``normalize``: its routers renormalise the top-k gates)."""
+                  rope_scaling: Optional[dict], kept: Optional[dict] = None) -> dict:
+        """config.json of our model (``normalize``: its routers renormalise the top-k gates; ``kept``:
+        values of :data:`~moe_dist.hf.config.KEPT_KEYS` taken from the imported source instead)."""
         m = cfg.model
         out = {
             "architectures": [self.causal_lm], "model_type": self.family, "hidden_act": "silu",
@@ -117,6 +125,7 @@ class MoEArchitecture:
             "router_aux_loss_coef": m.moe.aux_loss_coef, "output_router_logits": False, "attention_dropout": 0.0,
             "attention_bias": False, "initializer_range": m.init_std, "use_cache": True, "torch_dtype": dtype_name,
         }
+        out.update(kept or {})
         out.update(self.export_extras(cfg, normalize))
         return out
 

@@ -8,10 +8,16 @@ projections stay in ``nn.Linear`` layout ``[out, in]``. Phi-3 fuses q/k/v into `
 (rows: queries, keys, values); it is split here. Every tensor's shape is checked against what
 config.json implies. The feed-forward part is read by :class:`~moe_dist.hf.dense.DenseCheckpoint`
 or :class:`~moe_dist.hf.moe_checkpoint.MoECheckpoint`.
+
+:meth:`HFCheckpoint.check_explained` runs the whole reader over the file headers only (tensors on
+the meta device) before anything is written: every tensor config.json implies is there with its
+shape, and the checkpoint holds no tensor the config does not explain (a ninth expert when the
+config says eight). Rotary ``inv_freq`` buffers (recomputed) and the stored ``lm_head.weight`` of a
+tied model (the output projection is the embedding) are the tensors not read.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 
@@ -35,6 +41,7 @@ class HFCheckpoint:
         if f"{self.prefix}embed_tokens.weight" not in self.weights:
             raise HFFormatError(f"{directory}: no 'model.embed_tokens.weight' in the checkpoint; is it a "
                                 f"{self.spec.family} causal LM saved by transformers?")
+        self._headers_only: Optional[set[str]] = None  # during check_explained: the names read so far
 
     @property
     def family(self) -> str:
@@ -45,13 +52,41 @@ class HFCheckpoint:
         return (f"hidden_size={m['d_model']}, intermediate_size={m['d_ff']}, num_attention_heads={m['n_heads']}, "
                 f"num_key_value_heads={m['n_kv_heads']}, vocab_size={m['vocab_size']}")
 
-    def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """Tensor ``name`` (full checkpoint name), checked to have ``shape``."""
+    def tensor(self, name: str, shape: tuple[int, ...], layout: str = "") -> torch.Tensor:
+        """Tensor ``name`` (full checkpoint name), checked to have ``shape`` (``layout``: what its
+        dimensions hold, for the error)."""
         actual = self.weights.shape(name)
         if actual != tuple(shape):
             raise HFFormatError(f"{self.directory}: tensor {name!r} has shape {list(actual)} but config.json "
-                                f"({self._describe()}) implies {list(shape)}")
+                                f"({self._describe()}) implies {list(shape)}{layout}")
+        if self._headers_only is not None:
+            self._headers_only.add(name)
+            return torch.empty(shape, device="meta")
         return self.weights.get(name)
+
+    def _read_all(self) -> Iterable:
+        """Every tensor the reader takes from the checkpoint (subclasses: their whole model)."""
+        raise NotImplementedError
+
+    def check_explained(self) -> None:
+        """Refuse a checkpoint missing a tensor config.json implies, holding one of another shape, or
+        holding tensors the config does not explain (named, the first few); reads headers only."""
+        self._headers_only = read = set()
+        try:
+            for _ in self._read_all():
+                pass
+        finally:
+            self._headers_only = None
+        if self.spec.model["tie_embeddings"]:
+            read.add("lm_head.weight")
+        extra = [k for k in self.weights.keys() if k not in read and not k.endswith("rotary_emb.inv_freq")]
+        if extra:
+            raise HFFormatError(f"{self.directory}: {len(extra)} tensor(s) that config.json ({self._describe()}"
+                                f"{self._describe_ffn()}) does not explain, first {extra[:4]}; was config.json "
+                                "edited, or are the weights of another model?")
+
+    def _describe_ffn(self) -> str:
+        return ""
 
     # ---- whole-model tensors --------------------------------------------------------------
     def embedding(self) -> torch.Tensor:

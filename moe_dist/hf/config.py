@@ -192,6 +192,15 @@ def hf_model_spec(raw: dict, where: str = "config.json") -> HFModelSpec:
     return HFModelSpec(family=family, model=model, raw=raw, notes=notes)
 
 
+# config.json values our config does not hold that an export writes back as the source had them
+KEPT_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings", "router_aux_loss_coef")
+
+
+def kept_values(raw: dict) -> dict:
+    """The source's values of :data:`KEPT_KEYS` (those it sets), recorded by import / upcycle for export."""
+    return {k: raw[k] for k in KEPT_KEYS if raw.get(k) is not None}
+
+
 def source_dtype(raw: dict) -> Optional[str]:
     """The checkpoint's stored dtype name (``bfloat16``, ``float32``...), if the config says."""
     value = raw.get("dtype", raw.get("torch_dtype"))

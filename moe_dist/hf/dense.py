@@ -31,6 +31,9 @@ class DenseCheckpoint(HFCheckpoint):
             gate, up = self.tensor(p + "gate_proj.weight", (ff, d)), self.tensor(p + "up_proj.weight", (ff, d))
         return gate.contiguous(), up.contiguous(), self.tensor(p + "down_proj.weight", (d, ff))
 
+    def _read_all(self):
+        return self.dense_state_dict().items()
+
     def dense_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole dense model under our names (for small models and tests)."""
         sd = {"embed.weight": self.embedding(), "norm.weight": self.final_norm()}

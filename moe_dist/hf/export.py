@@ -4,6 +4,13 @@
   * a ``moe-dist upcycle`` or ``moe-dist import`` output directory (``config.yaml`` + ``model.safetensors``),
   * a run directory written by ``moe-dist train`` (its latest complete checkpoint), or
   * one checkpoint directory ``<run>/checkpoints/step_NNNNNN``.
+
+The output is written beside ``--out`` and moved into place when complete
+(:class:`~moe_dist.weights.OutputDirectory`), ``export.json`` last: what was exported, the
+config.json values kept from the source and the notes. When the model came from
+``moe-dist import`` or ``upcycle`` (the directory itself, or the ``ckpt.init_from`` of the run
+that trained it), config.json keeps the source's :data:`~moe_dist.hf.config.KEPT_KEYS` (token ids, context
+length, ``router_aux_loss_coef``), which our config does not hold.
 """
 from __future__ import annotations
 
@@ -14,8 +21,9 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from ..config import load_config
-from .config import HFFormatError
+from .config import KEPT_KEYS, HFFormatError
 from ..errors import MissingInputError, UsageError
+from ..weights import OutputDirectory, read_record
 
 FORMATS = ("mixtral", "olmoe", "qwen2_moe")  # keys of hf.architectures.MOE_ARCHITECTURES
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -52,14 +60,13 @@ def load_our_model(path: str, overrides: Iterable[str] = ()):
     """``(model, cfg, weights path)``: the full model on one process, weights loaded."""
     from ..model import build_model
     from ..model.init import materialize
-    from ..train.checkpoint import load_checkpoint
+    from ..train.checkpoint import META, load_checkpoint, read_meta
     from ..weights import load_model_weights
 
     config, kind, weights = locate(path)
     cfg = load_config(config, overrides)
     if cfg.model.vocab_size is None:
-        meta = os.path.join(weights, "meta.json")
-        vocab = json.load(open(meta, encoding="utf-8")).get("vocab_size") if os.path.exists(meta) else None
+        vocab = read_meta(weights).get("vocab_size") if os.path.exists(os.path.join(weights, META)) else None
         if vocab is None:
             raise HFFormatError(f"{config}: model.vocab_size is null and the checkpoint does not record it")
         cfg.model.vocab_size = int(vocab)
@@ -87,12 +94,45 @@ def tokenizer_source(path: str, cfg) -> Optional[str]:
     return None
 
 
+def source_record(checkpoint: str, overrides: Iterable[str] = ()) -> tuple[Optional[str], dict]:
+    """``(directory, record)`` of the import / upcycle the model came from: ``checkpoint`` itself,
+    or the ``ckpt.init_from`` of its config (a run trained from one); ``(None, {})`` if neither."""
+    config, _, _ = locate(checkpoint)
+    candidates = [os.path.dirname(config), load_config(config, overrides).ckpt.init_from]
+    for directory in candidates:
+        if directory and os.path.isdir(directory):
+            writer, record = read_record(directory)
+            if writer in ("import", "upcycle"):
+                return directory, record
+    return None, {}
+
+
+def kept_from_source(cfg, source: dict) -> tuple[dict, list[str]]:
+    """``(config.json values, notes)``: the source's :data:`KEPT_KEYS` where it set them, our
+    config's context length and load-balancing coefficient otherwise."""
+    kept = {k: source[k] for k in KEPT_KEYS if k in source}
+    notes = []
+    seq_len, ctx = cfg.train.seq_len, kept.get("max_position_embeddings")
+    if ctx is None:
+        kept["max_position_embeddings"] = max(seq_len, 4096)
+    elif seq_len > ctx:
+        notes.append(f"max_position_embeddings={ctx} is the source's; this config's train.seq_len={seq_len} is longer")
+    ours = cfg.model.moe.aux_loss_coef
+    if "router_aux_loss_coef" not in kept:
+        kept["router_aux_loss_coef"] = ours
+    elif float(kept["router_aux_loss_coef"]) != float(ours):
+        notes.append(f"router_aux_loss_coef={kept['router_aux_loss_coef']!r} is the source's; training here weighed "
+                     f"the load-balancing loss with model.moe.aux_loss_coef={ours!r}")
+    return kept, notes
+
+
 def export(checkpoint: str, fmt: str, out_dir: str, dtype: str = "auto", overrides: Iterable[str] = (),
            log: Callable[[str], None] = print) -> dict:
     if fmt not in FORMATS:
         raise UsageError(f"--format {fmt!r}; allowed: {list(FORMATS)}")
     if dtype != "auto" and dtype not in EXPORT_DTYPES:
         raise UsageError(f"--dtype {dtype!r}; allowed: auto, {', '.join(EXPORT_DTYPES)}")
+    origin, record = source_record(checkpoint, overrides)
     model, cfg, weights = load_our_model(checkpoint, overrides)
     torch_dtype = EXPORT_DTYPES[dtype] if dtype != "auto" else (torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32)
     from .architectures import MOE_ARCHITECTURES
@@ -100,8 +140,27 @@ def export(checkpoint: str, fmt: str, out_dir: str, dtype: str = "auto", overrid
 
     arch = MOE_ARCHITECTURES[fmt]
     src = os.path.dirname(os.path.dirname(os.path.abspath(weights))) if _is_step_dir(weights) else checkpoint
-    result = export_moe(model, cfg, out_dir, arch, dtype=torch_dtype, tokenizer_dir=tokenizer_source(src, cfg),
-                        max_position_embeddings=max(cfg.train.seq_len, 4096), log=log)
+    source = record.get("source_config", {})
+    kept, notes = kept_from_source(cfg, source)
+    with OutputDirectory(out_dir, "export") as out:
+        result = export_moe(model, cfg, out.path, arch, dtype=torch_dtype, tokenizer_dir=tokenizer_source(src, cfg),
+                            max_position_embeddings=kept["max_position_embeddings"], kept=kept, metadata=out.metadata,
+                            log=log)
+        result["notes"] = result["notes"] + notes
+        dtype_name = result["config"]["torch_dtype"]
+        changed = []
+        if record.get("source_dtype") and record["source_dtype"] != dtype_name:
+            changed.append({"key": "torch_dtype", "source": record["source_dtype"], "exported": dtype_name,
+                            "why": f"--dtype {dtype}" if dtype != "auto" else f"auto: train.dtype={cfg.train.dtype}"})
+        out.finish({"checkpoint": os.path.abspath(checkpoint), "weights": os.path.abspath(weights), "format": fmt,
+                    "architecture": arch.causal_lm, "dtype": dtype_name, "files": result["files"],
+                    "tokenizer_files": result["tokenizer_files"], "source": origin,
+                    "kept_from_source": {k: v for k, v in kept.items() if k in source}, "changed": changed,
+                    "notes": result["notes"]})
+    for note in notes:
+        log(f"note: {note}")
+    for change in changed:
+        log(f"note: {change['key']}: the source's {change['source']!r}, exported {change['exported']!r} ({change['why']})")
     log(f"exported {weights} -> {out_dir} ({arch.display}, {str(torch_dtype).replace('torch.', '')}, "
         f"{result['bytes'] / 2**20:.1f} MiB in {len(result['files'])} file(s); tokenizer files: "
         f"{result['tokenizer_files'] or 'none'})")

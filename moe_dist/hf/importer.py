@@ -6,6 +6,14 @@ directory, ``data.tokenizer`` at the copied tokenizer), ``model.safetensors`` (o
 with experts stored as whole ``[num_experts, ...]`` tensors by global expert, so every rank of any
 world size and expert-parallel size reads just its rows (:func:`moe_dist.weights.load_model_weights`),
 the tokenizer files, and ``import.json`` (written last: its presence means a finished import).
+The directory is written beside ``--out`` and moved into place when complete
+(:class:`~moe_dist.weights.OutputDirectory`): a failed import leaves ``--out`` as it was.
+``import.json`` also keeps the source's config.json values our config does not hold
+(:data:`~moe_dist.hf.config.KEPT_KEYS`: token ids, context length, ``router_aux_loss_coef``),
+which ``moe-dist export`` writes back, and lists the values that changed on the way and why.
+
+Before anything is written, the whole checkpoint is checked from its headers: every tensor the
+config implies, with its shape, and no tensor it does not explain.
 
 Weights are streamed a block at a time (the experts of one block are the largest piece held).
 The architecture is fixed by the checkpoint: the keys it determines (sizes, norms, RoPE,
@@ -15,7 +23,6 @@ capacity and loss settings can.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import time
 from typing import Callable, Iterable, Optional
@@ -24,8 +31,8 @@ import torch
 
 from ..config import Config, ConfigError, apply_overrides, config_from_dict, save_config
 from ..errors import UsageError
-from ..weights import ShardedWriter, output_dtype
-from .config import HFModelSpec, source_dtype
+from ..weights import OutputDirectory, ShardedWriter, output_dtype
+from .config import HFModelSpec, kept_values, source_dtype
 from .moe_checkpoint import MoECheckpoint
 from .tokenizer import adopt_tokenizer, check_tokenizer_fits
 
@@ -70,11 +77,26 @@ def import_config(spec: HFModelSpec, overrides: Iterable[str] = (), base: Option
     return config_from_dict(raw)
 
 
+def changed_on_import(spec: HFModelSpec, cfg: Config, out_dtype: torch.dtype, dtype: str) -> list[dict]:
+    """The source's values that our imported model holds differently, each with the reason."""
+    changed = []
+    theirs, ours = spec.model["moe"]["aux_loss_coef"], cfg.model.moe.aux_loss_coef
+    if not _same(theirs, ours):
+        changed.append({"key": "router_aux_loss_coef", "source": theirs, "ours": ours,
+                        "why": "training weighs our load-balancing loss with model.moe.aux_loss_coef, which the config "
+                               "sets; `moe-dist export` writes the source's value back"})
+    stored, written = source_dtype(spec.raw), str(out_dtype).replace("torch.", "")
+    if stored is not None and stored != written:
+        changed.append({"key": "dtype", "source": stored, "ours": written,
+                        "why": f"--dtype {dtype}" if dtype != "auto" else "weights of this dtype are written as float32"})
+    return changed
+
+
 @torch.no_grad()
 def import_hf(hf_dir: str, out_dir: str, overrides: Iterable[str] = (), *, base: Optional[dict] = None,
               dtype: str = "auto", max_shard_bytes: int = 4 << 30, log: Callable[[str], None] = print) -> dict:
     """Read ``hf_dir`` (a Hugging Face MoE checkpoint directory) and write our checkpoint to
-    ``out_dir``; returns what ``import.json`` records."""
+    ``out_dir`` (replaced only when complete); returns what ``import.json`` records."""
     from ..model import build_model
     from ..model.params import count_params  # the planner's counts, so presets and imports agree
 
@@ -84,42 +106,46 @@ def import_hf(hf_dir: str, out_dir: str, overrides: Iterable[str] = (), *, base:
         log(f"note: {note}")
     cfg = import_config(ckpt.spec, overrides, base)
     out_dtype = output_dtype(dtype, source_dtype(ckpt.spec.raw))
-    if os.path.abspath(out_dir) == os.path.abspath(hf_dir):
+    target = os.path.abspath(out_dir)
+    if target == os.path.abspath(hf_dir):
         raise UsageError(f"--out {out_dir!r} is the Hugging Face checkpoint's directory; choose another")
-    n_tok = check_tokenizer_fits(hf_dir, cfg.model.vocab_size)
-    os.makedirs(out_dir, exist_ok=True)
-    stale = os.path.join(out_dir, "import.json")
-    if os.path.exists(stale):  # an earlier import into this directory: no longer complete
-        os.remove(stale)
-    copied = adopt_tokenizer(hf_dir, out_dir, cfg.data, log)
-    cfg.ckpt.init_from = os.path.abspath(out_dir)  # `moe-dist train` starts from these weights
-
-    # the model built on the meta device (no memory): every streamed tensor must be one of its
-    # tensors with its shape, and every one of its tensors must come (a mapping check)
-    expected = {k: tuple(v.shape) for k, v in build_model(cfg.model, cfg.model.vocab_size, device="meta")
-                .state_dict().items()}
-    if cfg.model.tie_embeddings:
-        expected.pop("lm_head.weight")
-    writer = ShardedWriter(out_dir, max_shard_bytes, metadata={"format_of": "moe_dist", "source": "import"})
-    for name, t in ckpt.tensors():
-        if expected.pop(name, None) != tuple(t.shape):
-            raise RuntimeError(f"import: {name} {list(t.shape)} is not a tensor of the model built from the config")
-        writer.add(name, t.to(out_dtype))
-    if expected:
-        raise RuntimeError(f"import: no weights mapped to {sorted(expected)[:8]}")
-    files = writer.close()
-    save_config(cfg, os.path.join(out_dir, "config.yaml"))
-    counts = count_params(cfg.model)
-    info = {
-        "source": os.path.abspath(hf_dir), "family": ckpt.family, "architecture": ckpt.arch.causal_lm,
-        "notes": ckpt.spec.notes, "num_experts": cfg.model.moe.num_experts, "top_k": cfg.model.moe.top_k,
-        "normalize_gates": cfg.model.moe.router_options["normalize"], "qk_norm": cfg.model.qk_norm,
-        "dtype": str(out_dtype).replace("torch.", ""), "weights": files, "tokenizer_files": copied,
-        "tokenizer_entries": n_tok, "total_params": counts["total"], "active_params": counts["active"],
-        "seconds": round(time.perf_counter() - t0, 2),
-    }
-    with open(os.path.join(out_dir, "import.json"), "w", encoding="utf-8") as f:
-        json.dump(info, f, indent=2)
+    with OutputDirectory(target, "import") as out:
+        n_tok = check_tokenizer_fits(hf_dir, cfg.model.vocab_size)
+        ckpt.check_explained()  # headers only: nothing missing, nothing unexplained, before the weights are written
+        copied = adopt_tokenizer(hf_dir, out.path, cfg.data, log, final_dir=target)
+        cfg.ckpt.init_from = target  # `moe-dist train` starts from these weights
+        # the model built on the meta device (no memory): every streamed tensor must be one of its
+        # tensors with its shape, and every one of its tensors must come (a mapping check)
+        expected = {k: tuple(v.shape) for k, v in build_model(cfg.model, cfg.model.vocab_size, device="meta")
+                    .state_dict().items()}
+        if cfg.model.tie_embeddings:
+            expected.pop("lm_head.weight")
+        writer = ShardedWriter(out.path, max_shard_bytes, metadata={"format_of": "moe_dist", **out.metadata})
+        for name, t in ckpt.tensors():
+            if expected.pop(name, None) != tuple(t.shape):
+                raise RuntimeError(f"import: {name} {list(t.shape)} is not a tensor of the model built from the config")
+            writer.add(name, t.to(out_dtype))
+        if expected:
+            raise RuntimeError(f"import: no weights mapped to {sorted(expected)[:8]}")
+        files = writer.close()
+        save_config(cfg, os.path.join(out.path, "config.yaml"))
+        counts = count_params(cfg.model)
+        changed = changed_on_import(ckpt.spec, cfg, out_dtype, dtype)
+        info = {
+            "source": os.path.abspath(hf_dir), "family": ckpt.family, "architecture": ckpt.arch.causal_lm,
+            "expert_layout": "fused" if ckpt.fused else "per_expert",
+            "notes": ckpt.spec.notes, "num_experts": cfg.model.moe.num_experts, "top_k": cfg.model.moe.top_k,
+            "normalize_gates": cfg.model.moe.router_options["normalize"], "qk_norm": cfg.model.qk_norm,
+            "dtype": str(out_dtype).replace("torch.", ""), "weights": files, "tokenizer_files": copied,
+            "tokenizer": cfg.data.tokenizer,
+            "tokenizer_entries": n_tok, "total_params": counts["total"], "active_params": counts["active"],
+            "source_config": kept_values(ckpt.spec.raw),
+            "source_dtype": source_dtype(ckpt.spec.raw), "changed": changed,
+            "seconds": round(time.perf_counter() - t0, 2),
+        }
+        out.finish(info)
+    for change in changed:
+        log(f"note: {change['key']}: the source's {change['source']!r} is {change['ours']!r} here ({change['why']})")
     gates = "renormalised" if info["normalize_gates"] else "the softmax probabilities"
     log(f"imported {ckpt.arch.causal_lm} ({hf_dir}) -> {out_dir}: {len(cfg.model.moe.layer_indices(cfg.model.n_layers))} MoE blocks x "
         f"{info['num_experts']} experts (top-{info['top_k']}, gates {gates}), "

@@ -6,7 +6,12 @@ Per block: the attention part (:class:`~moe_dist.hf.checkpoint.HFCheckpoint`), t
 expert into our grouped layout, ``ffn.experts.w1`` / ``w3`` ``[E, d, ff]`` (gate, up) and
 ``ffn.experts.w2`` ``[E, ff, d]`` (down), i.e. each expert's ``nn.Linear`` weight transposed.
 Checkpoints store one tensor per expert and projection (``...experts.{j}.w1.weight``), which
-is also what transformers writes; every tensor's shape is checked against config.json.
+is also what transformers writes by default, or the fused layout transformers holds in memory
+(and writes with ``save_original_format=False``): ``...mlp.experts.gate_up_proj`` ``[E, 2 ff, d]``
+(each expert's gate rows, then its up rows) and ``...mlp.experts.down_proj`` ``[E, d, ff]``,
+with the router at ``...mlp.gate.weight`` (Mixtral's ``block_sparse_moe`` is ``mlp`` there). A
+checkpoint holding any ``gate_up_proj`` is read in the fused layout. Every tensor's shape is
+checked against config.json.
 Qwen2-MoE adds the shared expert (``ffn.shared_expert.w1/w3/w2.weight``, ``nn.Linear`` layout, and
 ``ffn.shared_expert_gate.weight`` ``[1, d]``) and dense blocks (``ffn.w1/w3/w2.weight``).
 """
@@ -27,6 +32,7 @@ class MoECheckpoint(HFCheckpoint):
     def __init__(self, directory: str):
         super().__init__(directory, MOE_FAMILIES, "`moe-dist import`", "a dense checkpoint is read by `moe-dist upcycle`")
         self.arch: MoEArchitecture = MOE_ARCHITECTURES[self.family]
+        self.fused = any(name.endswith(".experts.gate_up_proj") for name in self.weights.keys())
         archs = self.spec.raw.get("architectures")
         if archs and self.arch.causal_lm not in archs:
             raise HFFormatError(f"{directory}/config.json: architectures={archs} is not supported; `moe-dist import` "
@@ -34,12 +40,19 @@ class MoECheckpoint(HFCheckpoint):
 
     def router(self, i: int) -> torch.Tensor:
         m = self.spec.model
-        return self.tensor(self.arch.router_name(self.prefix, i), (m["moe"]["num_experts"], m["d_model"]))
+        return self.tensor(self.arch.router_name(self.prefix, i, self.fused), (m["moe"]["num_experts"], m["d_model"]))
 
     def experts(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Block ``i``'s experts in our layout ``(w1 [E, d, ff], w3 [E, d, ff], w2 [E, ff, d])``."""
         m = self.spec.model
         E, d, ff = m["moe"]["num_experts"], m["d_model"], m["moe"]["d_ff"] or m["d_ff"]
+        if self.fused:
+            gate_up_name, down_name = self.arch.fused_expert_names(self.prefix, i)
+            gate_up = self.tensor(gate_up_name, (E, 2 * ff, d), " (transformers' fused layout: [experts, gate rows "
+                                  "then up rows, hidden])")
+            down = self.tensor(down_name, (E, d, ff), " (transformers' fused layout: [experts, hidden, intermediate])")
+            gate, up = gate_up.split([ff, ff], dim=1)
+            return tuple(t.transpose(1, 2).contiguous() for t in (gate, up, down))
         shapes = ((ff, d), (ff, d), (d, ff))  # gate, up, down as nn.Linear weights
         stacked = []
         for which in range(3):
@@ -72,6 +85,13 @@ class MoECheckpoint(HFCheckpoint):
             out["ffn.shared_expert_gate.weight"] = self.tensor(self.arch.shared_gate_name(self.prefix, i),
                                                                (1, m["d_model"]))
         return out
+
+    def _read_all(self):
+        return self.tensors()
+
+    def _describe_ffn(self) -> str:
+        moe = self.spec.model["moe"]
+        return f", {self.arch.experts_key}={moe['num_experts']}"
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(our name, tensor)`` of the whole model, one block at a time, in the checkpoint's dtype

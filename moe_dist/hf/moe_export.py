@@ -114,8 +114,11 @@ def _put_shared(put, arch: MoEArchitecture, prefix: str, i: int, layer) -> None:
 @torch.no_grad()
 def export_moe(model, cfg, out_dir: str, arch: MoEArchitecture, dtype: torch.dtype = torch.float32,
                tokenizer_dir: Optional[str] = None, max_position_embeddings: int = 32768,
-               max_shard_bytes: int = 4 << 30, log: Callable[[str], None] = print) -> dict:
-    """Write ``model`` (a full, single-process TransformerLM) to ``out_dir`` in ``arch``'s format."""
+               kept: Optional[dict] = None, metadata: Optional[dict] = None, max_shard_bytes: int = 4 << 30,
+               log: Callable[[str], None] = print) -> dict:
+    """Write ``model`` (a full, single-process TransformerLM) to ``out_dir`` in ``arch``'s format
+    (``kept``: config.json values taken from the imported source, ``max_position_embeddings``
+    included; ``metadata``: extra safetensors metadata)."""
     from .tokenizer import copy_tokenizer
 
     notes = check_exportable(model, cfg, arch)
@@ -123,7 +126,7 @@ def export_moe(model, cfg, out_dir: str, arch: MoEArchitecture, dtype: torch.dty
     E, k, d_ff = m.moe.num_experts, m.moe.top_k, m.moe.d_ff or m.d_ff
     normalized = all(bool(getattr(layer.router, "normalize", False)) for layer in model.moe_layers())
     os.makedirs(out_dir, exist_ok=True)
-    writer = ShardedWriter(out_dir, max_shard_bytes, metadata={"format": "pt"})
+    writer = ShardedWriter(out_dir, max_shard_bytes, metadata={"format": "pt", **(metadata or {})})
 
     def put(name: str, t: torch.Tensor) -> None:
         writer.add(name, t.detach().to("cpu", dtype).contiguous())
@@ -161,7 +164,8 @@ def export_moe(model, cfg, out_dir: str, arch: MoEArchitecture, dtype: torch.dty
     if not m.tie_embeddings:
         put("lm_head.weight", model.lm_head.weight)
     files = writer.close()
-    config = arch.hf_config(cfg, normalized, _DTYPE_NAMES[dtype], max_position_embeddings, _rope_scaling(m.rope_scaling))
+    config = arch.hf_config(cfg, normalized, _DTYPE_NAMES[dtype], max_position_embeddings, _rope_scaling(m.rope_scaling),
+                            kept)
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
     copied = copy_tokenizer(tokenizer_dir, out_dir) if tokenizer_dir else []

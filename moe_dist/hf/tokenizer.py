@@ -30,18 +30,21 @@ def copy_tokenizer(src: str, dst: str) -> list[str]:
     return copied
 
 
-def adopt_tokenizer(src: str, dst: str, data_cfg, log: Callable[[str], None]) -> list[str]:
-    """Copy ``src``'s tokenizer files next to converted weights in ``dst`` and point
-    ``data_cfg.tokenizer`` at the copy unless the config names one; warn when ``src`` has none
-    (training would then build a new tokenizer whose ids mean nothing to the embedding).
+def adopt_tokenizer(src: str, dst: str, data_cfg, log: Callable[[str], None],
+                    final_dir: Optional[str] = None) -> list[str]:
+    """Copy ``src``'s tokenizer files next to converted weights in ``dst`` (which becomes
+    ``final_dir``, default ``dst``) and point ``data_cfg.tokenizer`` at the copy unless the config
+    names one; warn when ``src`` has none: evaluating or training the model is then refused until
+    ``data.tokenizer`` names its tokenizer (:func:`moe_dist.weights.check_tokenizer_named`).
     Returns the copied file names."""
     copied = copy_tokenizer(src, dst)
     tok = tokenizer_file(dst)
     if tok is not None and data_cfg.tokenizer is None:
-        data_cfg.tokenizer = os.path.abspath(tok)
+        data_cfg.tokenizer = os.path.join(os.path.abspath(final_dir or dst), os.path.basename(tok))
     elif tok is None and data_cfg.tokenizer is None:
-        log(f"warning: {src} has no tokenizer.model or tokenizer.json; set data.tokenizer to the checkpoint's "
-            "tokenizer before training (otherwise a new tokenizer is trained whose ids mean nothing to the embedding)")
+        log(f"warning: {src} has no tokenizer.model or tokenizer.json; `moe-dist eval` and `train` refuse this model "
+            "until data.tokenizer names the checkpoint's tokenizer (a new one would give ids that mean nothing to the "
+            "embedding)")
     return copied
 
 

@@ -16,7 +16,8 @@ routes the concatenated batch. Switching a Megatron-LM model over is a spec chan
 plus two calls in the training loop: :func:`link_routers` once after the model is built
 (the AC router reads the previous MoE layer's clusters) and :func:`after_optimizer_step`
 after every ``optimizer.step()`` (Symphony's graph update, the step that seeds coins and
-k schedules). See docs/megatron.md.
+k schedules). :func:`load_checkpoint` is ``dist_checkpointing.load`` after a check that the
+checkpoint is data (see docs/megatron.md).
 
 This module never patches Megatron-Core and never calls CUDA itself; the CPU shim the
 tests use lives in ``tests/megatron_shim.py``.
@@ -46,6 +47,7 @@ from ..moe.routers import build_router
 from ..moe.routers.token_graph import TokenGraphRouter
 from ..moe.routing import RouterInputs, RoutingContext, is_recomputing
 from ..moe.stats import MoEStats
+from ..safe_dcp import SafeFileSystemReader
 
 LOAD_BALANCING_TYPES = ("aux_loss", "global_aux_loss", "none")
 
@@ -304,3 +306,28 @@ def _with_router(layer_spec, builder):
         return layer_spec  # a dense layer
     mlp = replace(mlp, submodules=replace(mlp.submodules, router=builder))
     return replace(layer_spec, submodules=replace(layer_spec.submodules, mlp=mlp))
+
+
+def load_checkpoint(sharded_state_dict: dict, checkpoint_dir: str, **kwargs) -> dict:
+    """``megatron.core.dist_checkpointing.load`` of a ``torch_dist`` checkpoint, after checking that
+    loading it runs no code: its ``.metadata`` unpickles with the allowlist of moe_dist's own
+    checkpoints, every entry is stored in the directory's own files, the entries this call loads
+    as tensors (the router's state among them) are tensors, and every pickled object entry
+    (Megatron-Core keeps module extra state as ``ShardedObject`` bytes, which DCP unpickles with
+    ``weights_only=False``) unpickles under ``weights_only=True``. Raises
+    :class:`~moe_dist.train.checkpoint.files.UnsafeCheckpoint` (one line) otherwise."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from ..errors import UnsafeCheckpoint
+
+    reader = SafeFileSystemReader(checkpoint_dir, allow_objects=True)
+    metadata = reader.read_metadata()
+    tensors = {v.key for v in sharded_state_dict.values() if isinstance(v, ShardedTensor)}
+    for key, md in metadata.state_dict_metadata.items():
+        if isinstance(md, BytesStorageMetadata) and key in tensors:
+            raise UnsafeCheckpoint(f"checkpoint {checkpoint_dir} declares entry {key!r}, a tensor of this model, as a "
+                                   "pickled object; nothing was loaded")
+    reader.vet_objects(metadata)
+    return dist_checkpointing.load(sharded_state_dict, checkpoint_dir, **kwargs)

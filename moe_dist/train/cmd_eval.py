@@ -1,8 +1,11 @@
 """``moe-dist eval``: validation perplexity of a run's checkpoint next to a unigram baseline."""
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
+from typing import Optional
 
 from .cmd_common import add_overrides_argument, run_config_path, user_errors
 from ..errors import MissingInputError, UsageError
@@ -48,11 +51,48 @@ def _config_path(args) -> str:
     return path
 
 
-def _config(args, *extra: str):
+def evaluation_ep(trained_ep: int, world_size: int) -> int:
+    """The expert-parallel size of an evaluation on ``world_size`` processes: the training's when it
+    divides them, else the largest size that divides both (1 on one process). Checkpoints are keyed
+    by global expert, so they load at any expert-parallel size."""
+    return math.gcd(trained_ep, world_size)
+
+
+def _sets_ep(overrides: list[str]) -> bool:
+    """Whether the user chose ``parallel.ep`` on the command line."""
+    from ..config import parse_override
+
+    for text in overrides:
+        key, value = parse_override(text)
+        if key == "parallel.ep" or (key == "parallel" and isinstance(value, dict) and "ep" in value):
+            return True
+    return False
+
+
+def _world_size() -> int:
+    """The number of processes of this evaluation: the process group's, else the launcher's environment's."""
+    import torch.distributed as dist
+
+    from ..dist.bootstrap import detect_launch
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return detect_launch().world_size
+
+
+def _config(args, *extra: str, world_size: Optional[int] = None):
+    """The config of what is evaluated, with the overrides; ``parallel.ep`` fits the evaluation's
+    processes (:func:`evaluation_ep`) unless the command line sets it."""
     from ..config import load_config
 
     run_dir = [f"run.dir={args.run_dir}"] if args.run_dir else []
-    return load_config(_config_path(args), [*run_dir, *args.overrides, *extra])
+    overrides = [*run_dir, *args.overrides, *extra]
+    cfg = load_config(_config_path(args), overrides)
+    if not _sets_ep(overrides):
+        ep = evaluation_ep(cfg.parallel.ep, world_size or _world_size())
+        if ep != cfg.parallel.ep:
+            cfg = load_config(_config_path(args), [*overrides, f"parallel.ep={ep}"])
+    return cfg
 
 
 def preflight(args, world_size: int) -> int:
@@ -60,7 +100,7 @@ def preflight(args, world_size: int) -> int:
     def check() -> int:
         from .preflight import check_before_launch
 
-        check_before_launch(_config(args), world_size, resume=False)
+        check_before_launch(_config(args, world_size=world_size), world_size, training=False)
         return 0
 
     return user_errors("eval", check)
@@ -85,34 +125,51 @@ def _write_json(path, result) -> None:
             json.dump(result, f, indent=2)
 
 
+@contextlib.contextmanager
+def _reading(run_dir: Optional[str], rt):
+    """Hold the run directory's read lock while the ranks read it (rank 0 takes it for all): a run
+    may train there meanwhile, but none starts, resumes or prunes checkpoints (see run_lock)."""
+    from .checkpoint.collective import broadcast
+    from .run_lock import RunDirReadLock
+
+    lock = RunDirReadLock(run_dir) if run_dir and rt.is_main else None
+    refusal = broadcast(lock.acquire() if lock else None, None)
+    if refusal:
+        raise UsageError(refusal)
+    try:
+        yield
+    finally:
+        if lock:
+            lock.release()
+
+
 def run(args) -> int:
     def go() -> int:
-        from .trainer import evaluate_run
+        from .trainer import evaluate_run, setup_runtime, shutdown
 
         write = bool(args.run_dir)  # a bare model directory is only read
-        if not args.k:
-            _write_json(args.json, evaluate_run(_config(args), args.checkpoint, write_json=write))
-            return 0
-        ks = _k_values(args.k)
         cfg = _config(args)
-        if "eval_k" not in _router_option_names(cfg.model.moe.router):
+        ks = _k_values(args.k) if args.k else None
+        if ks and "eval_k" not in _router_option_names(cfg.model.moe.router):
             raise UsageError(f"--k: router {cfg.model.moe.router!r} has no inference k (routers with one: topk, noisy_topk, hyper, smoe_dropout)")
-        from .trainer import setup_runtime, shutdown
-
         rt = setup_runtime(cfg)
         try:
-            results = []
-            for k in ks:
-                cfg_k = _config(args, f"model.moe.router_options.eval_k={k}")
-                results.append({"k": k, **evaluate_run(cfg_k, args.checkpoint, rt, write_json=write)})
-            if rt.is_main and write:
-                with open(os.path.join(args.run_dir, "eval_k.json"), "w", encoding="utf-8") as f:
-                    json.dump(results, f, indent=2)
-            _write_json(args.json, results)
-            if rt.is_main:
-                print("k  val_ppl  (unigram_ppl)")
-                for r in results:
-                    print(f"{r['k']:<2} {r['val_ppl']:8.2f}  ({r['unigram_ppl']:.2f})")
+            with _reading(args.run_dir, rt):
+                if ks is None:
+                    _write_json(args.json, evaluate_run(cfg, args.checkpoint, rt, write_json=write))
+                    return 0
+                results = []
+                for k in ks:
+                    cfg_k = _config(args, f"model.moe.router_options.eval_k={k}")
+                    results.append({"k": k, **evaluate_run(cfg_k, args.checkpoint, rt, write_json=write)})
+                if rt.is_main and write:
+                    with open(os.path.join(args.run_dir, "eval_k.json"), "w", encoding="utf-8") as f:
+                        json.dump(results, f, indent=2)
+                _write_json(args.json, results)
+                if rt.is_main:
+                    print("k  val_ppl  (unigram_ppl)")
+                    for r in results:
+                        print(f"{r['k']:<2} {r['val_ppl']:8.2f}  ({r['unigram_ppl']:.2f})")
         finally:
             shutdown(rt)
         return 0

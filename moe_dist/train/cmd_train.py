@@ -48,8 +48,10 @@ def run(args) -> int:
         if args.print_config:
             print(dump_config(cfg), end="")
             return 0
+        from .preflight import check_engine
         from .trainer import train
 
+        check_engine(cfg)  # one rank of a launched job: before the run directory is made
         train(cfg)
         return 0
 

@@ -15,21 +15,24 @@ The output directory has the layout ``moe-dist upcycle`` writes, so ``ckpt.init_
   hash from the manifest) and what was written.
 
 The source is verified (manifest, sizes, checksums, every tensor) like any checkpoint load.
-The output is written to ``<out>.partial`` and renamed when complete.
+The output is written beside ``--out`` and moved into place when complete
+(:class:`~moe_dist.weights.OutputDirectory`, ``convert.json`` written last); a failure leaves
+``--out`` as it was. An existing, non-empty ``--out`` is replaced only with ``force``.
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from typing import Callable, Optional
 
 import torch
 
 from ..config import config_from_dict, load_config, save_config
 from ..config.load import config_to_dict
-from .checkpoint import META, CheckpointError, config_sha256, latest_checkpoint, load_checkpoint, read_manifest
+from .checkpoint import (META, CheckpointError, config_sha256, latest_checkpoint, load_checkpoint, read_manifest,
+                         read_meta)
 from ..errors import MissingInputError, UsageError
+from ..weights import OutputDirectory
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 WEIGHTS = "model.safetensors"
@@ -73,35 +76,26 @@ def consolidate(checkpoint: str, out_dir: str, dtype: str = "auto", force: bool 
         raise UsageError(f"--dtype {dtype!r}; allowed: auto, {', '.join(DTYPES)}")
     path = resolve_checkpoint(checkpoint)
     manifest = read_manifest(path)
-    with open(os.path.join(path, META), encoding="utf-8") as f:
-        meta = json.load(f)
-    out_dir = os.path.normpath(out_dir)
-    if os.path.exists(out_dir) and os.listdir(out_dir) and not force:
-        raise UsageError(f"--out {out_dir!r} exists and is not empty; choose another directory or pass --force "
-                              "to replace it")
-    cfg = checkpoint_config(path, meta)
-    cfg.ckpt.init_from, cfg.resume = None, "none"  # the written weights replace both
-    # allocated but not initialised: every tensor is loaded below (the loaders refuse a missing one)
-    model = materialize(build_model(cfg.model, cfg.model.vocab_size, device="meta"), "cpu")
-    load_checkpoint(model, path)  # verifies the files and that every tensor (every expert) is there
-    torch_dtype = DTYPES.get(dtype)
-    config = config_to_dict(cfg)
-    record = {"format": "moe_dist.consolidated", "source": os.path.abspath(path), "step": manifest["step"],
-              "saved_layout": manifest.get("layout"), "source_config_sha256": manifest.get("config_sha256"),
-              "config_sha256": config_sha256(config), "dtype": str(torch_dtype or "as saved").replace("torch.", "")}
-    tmp = out_dir + ".partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    tensors = _write_weights(model, os.path.join(tmp, WEIGHTS), torch_dtype,
-                             {**{k: v if isinstance(v, str) else json.dumps(v) for k, v in record.items()},
-                              "config": json.dumps(config, sort_keys=True)})
-    save_config(cfg, os.path.join(tmp, "config.yaml"))
-    record.update(tensors=tensors, bytes=os.path.getsize(os.path.join(tmp, WEIGHTS)))
-    with open(os.path.join(tmp, "convert.json"), "w", encoding="utf-8") as f:
-        json.dump(record, f, indent=2)
-    if os.path.exists(out_dir):
-        shutil.rmtree(out_dir)
-    os.rename(tmp, out_dir)
+    meta = read_meta(path)
+    output = OutputDirectory(out_dir, "convert", replace_complete=False, force=force)
+    with output:
+        cfg = checkpoint_config(path, meta)
+        cfg.ckpt.init_from, cfg.resume = None, "none"  # the written weights replace both
+        # allocated but not initialised: every tensor is loaded below (the loaders refuse a missing one)
+        model = materialize(build_model(cfg.model, cfg.model.vocab_size, device="meta"), "cpu")
+        load_checkpoint(model, path)  # verifies the files and that every tensor (every expert) is there
+        torch_dtype = DTYPES.get(dtype)
+        config = config_to_dict(cfg)
+        record = {"format": "moe_dist.consolidated", "source": os.path.abspath(path), "step": manifest["step"],
+                  "saved_layout": manifest.get("layout"), "source_config_sha256": manifest.get("config_sha256"),
+                  "config_sha256": config_sha256(config), "dtype": str(torch_dtype or "as saved").replace("torch.", "")}
+        tmp = output.path
+        tensors = _write_weights(model, os.path.join(tmp, WEIGHTS), torch_dtype,
+                                 {**{k: v if isinstance(v, str) else json.dumps(v) for k, v in record.items()},
+                                  "config": json.dumps(config, sort_keys=True), **output.metadata})
+        save_config(cfg, os.path.join(tmp, "config.yaml"))
+        record.update(tensors=tensors, bytes=os.path.getsize(os.path.join(tmp, WEIGHTS)))
+        output.finish(record)
     log(f"consolidated {path} (step {record['step']}, saved by {(record['saved_layout'] or {}).get('world_size', '?')} "
         f"rank(s)) -> {os.path.join(out_dir, WEIGHTS)}: {tensors} tensors, {record['bytes'] / 2**20:.1f} MiB")
     return record

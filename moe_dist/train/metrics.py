@@ -1,4 +1,4 @@
-"""Step metrics: MoE routing statistics over a step's micro-batches, metrics.jsonl, TensorBoard."""
+"""Step metrics: MoE routing statistics over a step's micro-batches, metrics.jsonl, TensorBoard (and W&B, see tracking)."""
 from __future__ import annotations
 
 import json
@@ -160,13 +160,32 @@ def _plain(d: dict) -> dict:
     return out
 
 
-class MetricsLogger:
-    """metrics.jsonl rows and TensorBoard scalars (rank 0 only; other ranks get a no-op logger)."""
+def scalar_tag(key: str) -> str:
+    """The chart name of a top-level metrics.jsonl field: ``train/loss``, ``val/ppl``."""
+    return f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}"
 
-    def __init__(self, run_dir: Optional[str], tensorboard: bool):
+
+def layer_tag(layer: str, key: str) -> str:
+    """The chart name of an MoE layer's figure: ``moe_layer0/aux_loss``."""
+    return f"moe_layer{layer}/{key}"
+
+
+def max_load_ratio(counts: Optional[list]) -> Optional[float]:
+    """The busiest expert's load over the mean load (None without counts)."""
+    if not counts or sum(counts) <= 0:
+        return None
+    return max(counts) * len(counts) / sum(counts)
+
+
+class MetricsLogger:
+    """metrics.jsonl rows, TensorBoard scalars and, with a ``tracker`` (``log.wandb``), the same rows
+    to Weights & Biases (rank 0 only; other ranks get a no-op logger)."""
+
+    def __init__(self, run_dir: Optional[str], tensorboard: bool, tracker=None):
         self.path = os.path.join(run_dir, "metrics.jsonl") if run_dir else None
         self._file = open(self.path, "a", encoding="utf-8") if self.path else None
         self._tb = None
+        self._tracker = tracker
         if run_dir and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -181,15 +200,17 @@ class MetricsLogger:
             step = row["step"]
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(f"train/{key}" if not key.startswith("val_") else f"val/{key[4:]}", value, step)
+                    self._tb.add_scalar(scalar_tag(key), value, step)
             for layer, stats in row.get("moe", {}).items():
                 for key in ("aux_loss", "z_loss", "entropy", "dropped_fraction", "load_cv", "dead_experts",
                             "fluct_top1", "fluct_topk"):
                     if key in stats:
-                        self._tb.add_scalar(f"moe_layer{layer}/{key}", stats[key], step)
-                counts = stats.get("expert_counts")
-                if counts and sum(counts) > 0:
-                    self._tb.add_scalar(f"moe_layer{layer}/max_load_ratio", max(counts) * len(counts) / sum(counts), step)
+                        self._tb.add_scalar(layer_tag(layer, key), stats[key], step)
+                ratio = max_load_ratio(stats.get("expert_counts"))
+                if ratio is not None:
+                    self._tb.add_scalar(layer_tag(layer, "max_load_ratio"), ratio, step)
+        if self._tracker is not None:
+            self._tracker.log(row)
 
     def close(self) -> None:
         if self._file is not None:

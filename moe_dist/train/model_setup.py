@@ -29,6 +29,18 @@ def is_weights_directory(path: str) -> bool:
     return os.path.isdir(path) and has_model_weights(path) and not os.path.exists(os.path.join(path, "meta.json"))
 
 
+def check_weights_directory(cfg: Config, path: Optional[str]) -> None:
+    """Before the data are prepared: a model directory the run starts from or evaluates
+    (``ckpt.init_from``, ``eval --checkpoint``) is a complete output, and weights converted
+    without their tokenizer are used only with ``data.tokenizer`` naming one."""
+    if not path or not is_weights_directory(path):
+        return
+    from ..weights import SafetensorsCheckpoint, check_tokenizer_named
+
+    SafetensorsCheckpoint(path)  # headers only; refuses an incomplete output
+    check_tokenizer_named(path, cfg.data.tokenizer)
+
+
 def weights_filler(cfg: Config, weights: Optional[str]) -> Callable[[nn.Module], None]:
     """``fill(model)``: load the safetensors directory ``weights`` rank-locally (the trainer passes
     ``ckpt.init_from``), or, with ``None``, initialise from ``train.seed`` (also before a training

@@ -2,7 +2,8 @@
 
 A cluster warns a job before it kills it: Slurm sends the signal named by
 ``#SBATCH --signal=B:USR1@<seconds>`` before the time limit (launch/slurm/train.sbatch
-forwards it to every task), and SIGTERM when the job is preempted or reaches its limit.
+forwards it to every task), and SIGTERM when the job is preempted or reaches its limit; SIGHUP
+(the terminal of an interactive run closed) is handled the same way. The log names the signal.
 The handler installed here only sets a flag. After every optimizer step the trainer calls
 :func:`stop_if_requested`, which agrees on the flag over all ranks (a MAX all-reduce, so all
 ranks stop at the same step even if the signal reached only some of them), saves a
@@ -25,7 +26,7 @@ import torch.distributed as dist
 
 from ..exits import EXIT_PREEMPTED  # 75, EX_TEMPFAIL (moe_dist/exits.py defines every exit code)
 
-SIGNALS = ("SIGUSR1", "SIGTERM")
+SIGNALS = ("SIGUSR1", "SIGTERM", "SIGHUP")
 
 
 class Preempted(SystemExit):

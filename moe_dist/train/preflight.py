@@ -3,8 +3,9 @@ reported once, in about a second, instead of by every rank after the launch.
 
 Every config key: the schema and cross-field rules (``load_config``), the world-size rules,
 ``resume`` (auto, none, or a directory holding a checkpoint), the router and layer options (the
-model is built on the meta device: no memory), and the paths the run reads (``data.corpus``,
-``data.tokenizer``, ``ckpt.init_from``, ``deepspeed.config``).
+model is built on the meta device: no memory), the paths the run reads (``data.corpus``,
+``data.tokenizer``, ``ckpt.init_from``, ``deepspeed.config``), the engine (``train.engine:
+deepspeed`` needs DeepSpeed importable) and the packages the config asks for (``log.wandb``).
 """
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ def check_inputs(cfg: Config) -> None:
         raise MissingInputError(f"data.tokenizer={cfg.data.tokenizer!r} does not exist")
     if cfg.ckpt.init_from and not os.path.isdir(cfg.ckpt.init_from):
         raise MissingInputError(f"ckpt.init_from={cfg.ckpt.init_from!r}: no such directory")
+    from .model_setup import check_weights_directory
+
+    check_weights_directory(cfg, cfg.ckpt.init_from)
     if cfg.train.engine == "deepspeed" and cfg.deepspeed.config and not os.path.isfile(cfg.deepspeed.config):
         raise MissingInputError(f"deepspeed.config={cfg.deepspeed.config!r} does not exist")
 
@@ -34,6 +38,17 @@ def check_model(cfg: Config) -> None:
     build_meta_model(cfg, cfg.model.vocab_size or cfg.data.vocab_size)
 
 
+def check_engine(cfg: Config) -> None:
+    """``train.engine: deepspeed`` needs DeepSpeed importable (here, before any rank starts or a run
+    directory is made, instead of in every rank after the launch)."""
+    if cfg.train.engine != "deepspeed":
+        return
+    from ..dist.bootstrap import device_type
+    from .engines.deepspeed import require_deepspeed
+
+    require_deepspeed(device_type(cfg.run.device))
+
+
 def check_resume(cfg: Config) -> None:
     from .checkpoint.resume import resolve_resume
 
@@ -42,10 +57,17 @@ def check_resume(cfg: Config) -> None:
         raise ConfigError(error)
 
 
-def check_before_launch(cfg: Config, world_size: int, *, resume: bool = True) -> None:
-    """Raise a :class:`~moe_dist.errors.UserError` for the first problem found."""
+def check_before_launch(cfg: Config, world_size: int, *, training: bool = True) -> None:
+    """Raise a :class:`~moe_dist.errors.UserError` for the first problem found. ``training``: also
+    what only training needs (``resume``, the engine, ``log.wandb``); evaluation reads a checkpoint
+    with none of them."""
+    from .tracking import check_tracking
+
     cfg.check_world(world_size)
-    if resume:
+    if training:
+        check_tracking(cfg)
         check_resume(cfg)
     check_model(cfg)
     check_inputs(cfg)
+    if training:
+        check_engine(cfg)

@@ -30,7 +30,7 @@ from ..diagnostics import RoutingDiagnostics, format_routing_summary, routing_su
 from ..dist.bootstrap import Runtime, init_distributed, shutdown
 from ..errors import CheckpointError, MissingInputError
 from ..exits import JobStopped
-from ..hardware import peak_rss_bytes, slow_bf16_note
+from ..hardware import bf16_choice, peak_rss_bytes
 from ..model import count_parameters
 from ..parallel.kernel_choice import agree_expert_kernels
 from ..moe import collect_aux_loss, moe_layers
@@ -40,11 +40,12 @@ from .checkpoint.divergence import last_good_step, read_record, record_divergenc
 from .engines import create_engine, engine_scope
 from .evaluate import autocast, evaluate, format_report, unigram_baseline, validation_batches
 from .metrics import MetricsLogger, MoEStepStats, read_metrics
-from .model_setup import build_meta_model, is_weights_directory, weights_filler
+from .model_setup import build_meta_model, check_weights_directory, is_weights_directory, weights_filler
 from .optim import lr_at, set_lr
 from .parallelize import parallelize
 from .preemption import PreemptionHandler, stop_if_requested
 from .run_lock import RunDirLock
+from .tracking import check_tracking, start_tracking
 
 
 class TrainingDiverged(JobStopped):
@@ -97,6 +98,9 @@ def setup_runtime(cfg: Config, rt: Optional[Runtime] = None) -> Runtime:
                               device=cfg.run.device, timeout_s=cfg.parallel.timeout_s)
     cfg.check_world(rt.world_size)
     torch.set_num_threads(thread_choice(cfg.run.threads, rt.launch.local_world_size)[0])
+    cfg.train.dtype, note = bf16_choice(rt.device, cfg.train.dtype, cfg.train.bf16_on_slow_cpu)
+    if note and rt.is_main:
+        print(note, flush=True)
     return rt
 
 
@@ -167,6 +171,8 @@ class Trainer:
 
     def _setup(self) -> None:
         cfg = self.cfg
+        check_weights_directory(cfg, cfg.ckpt.init_from)  # before anything is written
+        check_tracking(cfg)  # every rank: log.wandb needs the wandb package
         self._take_run_dir()
         if self.is_main:
             os.makedirs(os.path.join(self.run_dir, "checkpoints"), exist_ok=True)
@@ -201,12 +207,17 @@ class Trainer:
         self._reset_health(self.checkpoints.loaded_counters)
         for layer in self.moe:  # NaN router logits make a skipped step, not an error
             layer.raise_on_nonfinite_logits = False
-        self.metrics = MetricsLogger(self.run_dir if self.is_main else None, cfg.run.tensorboard)
+        # log.wandb: rank 0's W&B run, continued from run.dir unless resume=none starts a new timeline
+        self.tracker = start_tracking(cfg, self.is_main, new_timeline=cfg.resume == "none")
+        self.metrics = MetricsLogger(self.run_dir if self.is_main else None, cfg.run.tensorboard, self.tracker)
         self._take_up_divergence()
-        self.preemption = PreemptionHandler(self.rt.device)  # SIGUSR1/SIGTERM: checkpoint and exit 75
+        self.preemption = PreemptionHandler(self.rt.device)  # SIGUSR1/SIGTERM/SIGHUP: checkpoint and exit 75
         if self.is_main:
             save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
             self._write_run_info()
+            self.lock.admit_readers()  # the directory is tidied: `moe-dist eval` may read it while we train
+            if self.tracker is not None:
+                self.log(self.tracker.describe(self.step))
 
     def _agree_expert_kernels(self) -> None:
         """``model.moe.expert_kernel: auto``: one kernel per expert shape, timed on every rank and
@@ -486,9 +497,6 @@ class Trainer:
         small = small_corpus_note(self.data.train.count, cfg.train.global_batch, cfg.train.seq_len, steps)
         if small:
             self.log(small)
-        slow = slow_bf16_note(self.rt.device, cfg.train.dtype)
-        if slow:
-            self.log(slow)
         baseline = unigram_baseline(self.data, cfg.train.seq_len, cfg.eval)
         self._bar = self._progress()
         tokens_seen, last_val, row = self.step * cfg.train.global_batch * cfg.train.seq_len, None, {"loss": None}
@@ -555,7 +563,10 @@ class Trainer:
                 self.diagnostics.write_pngs(os.path.join(self.run_dir, "plots"), include=("fluctuation", "graph"))
             self.log(f"done: {self.step} steps in {wall:.0f}s; run directory {self.run_dir}")
             self.log(format_report(last_val, baseline))
-            self.log(format_routing_summary(routing_summary(read_metrics(os.path.join(self.run_dir, "metrics.jsonl")))))
+            routing = routing_summary(read_metrics(os.path.join(self.run_dir, "metrics.jsonl")))
+            if self.tracker is not None:
+                self.tracker.summary(summary, routing)
+            self.log(format_routing_summary(routing))
         return summary
 
     def close(self) -> None:
@@ -568,6 +579,8 @@ class Trainer:
                 if sys.exc_info()[0] is None:
                     raise
                 self.log(f"metrics: could not finish writing metrics.jsonl: {e}")  # the error in flight matters more
+            if self.tracker is not None:
+                self.tracker.finish(sys.exc_info()[1])  # the error in flight, if any, marks the W&B run
             if self._owns_runtime:
                 shutdown(self.rt)
         finally:
@@ -627,6 +640,7 @@ def evaluate_run(cfg: Config, checkpoint: Optional[str] = None, rt: Optional[Run
         path = checkpoint or latest_checkpoint(cfg.run.dir)
         if path is None:
             raise MissingInputError(f"no complete checkpoint under {os.path.join(cfg.run.dir, 'checkpoints')} (run.dir)")
+        check_weights_directory(cfg, path)
         data = load_data(cfg, rt, log)
         vocab = resolve_vocab(cfg, data)
         model = build_meta_model(cfg, vocab)

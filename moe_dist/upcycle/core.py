@@ -15,7 +15,6 @@ one block, not the whole model.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import time
 from typing import Callable, Iterable, Iterator, Optional
@@ -25,11 +24,11 @@ import torch
 from ..config import Config, ConfigError, apply_overrides, config_from_dict, save_config
 from ..config.granularity import expand_granularity
 from ..errors import UsageError
-from ..hf.config import HFModelSpec, source_dtype
+from ..hf.config import HFModelSpec, kept_values, source_dtype
 from ..hf.dense import DenseCheckpoint
 from ..hf.tokenizer import adopt_tokenizer, check_tokenizer_fits
 from ..model import Block, SwiGLU, TransformerLM, build_model
-from ..weights import ShardedWriter, output_dtype
+from ..weights import OutputDirectory, ShardedWriter, output_dtype
 
 # our model keys that the checkpoint's config.json fixes
 ARCHITECTURE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "rope_theta", "rope_scaling",
@@ -184,7 +183,8 @@ def upcycle(dense_dir: str, out_dir: str, overrides: Iterable[str] = (), *, base
             log: Callable[[str], None] = print) -> dict:
     """Read ``dense_dir`` (a Hugging Face checkpoint), write the upcycled model to ``out_dir``:
     ``config.yaml`` (our config; train with ``moe-dist train --config out/config.yaml``),
-    ``model.safetensors`` (or shards + index), the tokenizer files, ``upcycle.json``."""
+    ``model.safetensors`` (or shards + index), the tokenizer files, ``upcycle.json`` (written last; the
+    directory replaces ``out_dir`` only when complete)."""
     from ..model.params import count_params  # the planner's counts, so presets and runs agree
 
     t0 = time.perf_counter()
@@ -194,36 +194,39 @@ def upcycle(dense_dir: str, out_dir: str, overrides: Iterable[str] = (), *, base
         log(f"note: {note}")
     cfg = upcycle_config(ckpt.spec, overrides, base)
     out_dtype = output_dtype(dtype, source_dtype(ckpt.spec.raw))
-    if os.path.abspath(out_dir) == os.path.abspath(dense_dir):
+    target = os.path.abspath(out_dir)
+    if target == os.path.abspath(dense_dir):
         raise UsageError(f"--out {out_dir!r} is the dense checkpoint's directory; choose another")
-    os.makedirs(out_dir, exist_ok=True)
-    n_tok = check_tokenizer_fits(dense_dir, cfg.model.vocab_size)
-    copied = adopt_tokenizer(dense_dir, out_dir, cfg.data, log)
-    cfg.ckpt.init_from = os.path.abspath(out_dir)  # `moe-dist train` starts from these weights
-    preserved = preserves_function(cfg)
-    if preserved is False:
-        log(f"warning: router {cfg.model.moe.router!r} with options {cfg.model.moe.router_options} does not give "
-            "back the dense FFN when all experts are equal, so the upcycled model starts from a different function "
-            "(renormalise the gates over the top-k: router_options normalize=true; symphony also init=identity; "
-            "and keep model.moe.eval_capacity_factor null)")
-    writer = ShardedWriter(out_dir, max_shard_bytes, metadata={"format_of": "moe_dist", "source": "upcycle"})
-    for name, t in upcycled_tensors(ckpt, cfg, noise_std, seed):
-        writer.add(name, t.to(out_dtype))
-    files = writer.close()
-    save_config(cfg, os.path.join(out_dir, "config.yaml"))
-    counts = count_params(cfg.model)
-    info = {
-        "source": os.path.abspath(dense_dir), "family": ckpt.family, "notes": ckpt.spec.notes,
-        "moe_layers": cfg.model.moe.layer_indices(cfg.model.n_layers), "num_experts": cfg.model.moe.num_experts,
-        "top_k": cfg.model.moe.top_k, "granularity": granularity(cfg), "router": cfg.model.moe.router,
-        "noise_std": noise_std, "seed": seed,
-        "dtype": str(out_dtype).replace("torch.", ""), "weights": files, "tokenizer_files": copied,
-        "tokenizer_entries": n_tok, "preserves_function": preserved,
-        "total_params": counts["total"], "active_params": counts["active"],
-        "seconds": round(time.perf_counter() - t0, 2),
-    }
-    with open(os.path.join(out_dir, "upcycle.json"), "w", encoding="utf-8") as f:
-        json.dump(info, f, indent=2)
+    with OutputDirectory(target, "upcycle") as out:  # moved into place only when complete
+        n_tok = check_tokenizer_fits(dense_dir, cfg.model.vocab_size)
+        ckpt.check_explained()  # headers only: nothing missing, nothing unexplained
+        copied = adopt_tokenizer(dense_dir, out.path, cfg.data, log, final_dir=target)
+        cfg.ckpt.init_from = target  # `moe-dist train` starts from these weights
+        preserved = preserves_function(cfg)
+        if preserved is False:
+            log(f"warning: router {cfg.model.moe.router!r} with options {cfg.model.moe.router_options} does not give "
+                "back the dense FFN when all experts are equal, so the upcycled model starts from a different function "
+                "(renormalise the gates over the top-k: router_options normalize=true; symphony also init=identity; "
+                "and keep model.moe.eval_capacity_factor null)")
+        writer = ShardedWriter(out.path, max_shard_bytes, metadata={"format_of": "moe_dist", **out.metadata})
+        for name, t in upcycled_tensors(ckpt, cfg, noise_std, seed):
+            writer.add(name, t.to(out_dtype))
+        files = writer.close()
+        save_config(cfg, os.path.join(out.path, "config.yaml"))
+        counts = count_params(cfg.model)
+        info = {
+            "source": os.path.abspath(dense_dir), "family": ckpt.family, "notes": ckpt.spec.notes,
+            "moe_layers": cfg.model.moe.layer_indices(cfg.model.n_layers), "num_experts": cfg.model.moe.num_experts,
+            "top_k": cfg.model.moe.top_k, "granularity": granularity(cfg), "router": cfg.model.moe.router,
+            "noise_std": noise_std, "seed": seed,
+            "dtype": str(out_dtype).replace("torch.", ""), "weights": files, "tokenizer_files": copied,
+            "tokenizer": cfg.data.tokenizer,
+            "tokenizer_entries": n_tok, "preserves_function": preserved,
+            "total_params": counts["total"], "active_params": counts["active"],
+            "source_config": kept_values(ckpt.spec.raw),
+            "source_dtype": source_dtype(ckpt.spec.raw), "seconds": round(time.perf_counter() - t0, 2),
+        }
+        out.finish(info)
     log(f"upcycled {ckpt.family} ({dense_dir}) -> {out_dir}: {len(info['moe_layers'])} MoE layers x "
         f"{info['num_experts']} experts (top-{info['top_k']}, router {info['router']}), "
         f"{counts['total']:,} parameters ({counts['active']:,} active), {info['dtype']}, "

@@ -4,7 +4,8 @@ Layout (the Hugging Face convention, also used for our own upcycled weights):
 ``model.safetensors``, or ``model-00001-of-00003.safetensors``... with
 ``model.safetensors.index.json`` = ``{"metadata": {...}, "weight_map": {name: shard file}}``.
 Tensors are read lazily, one at a time, so a multi-GB checkpoint never sits in memory whole.
-Pickled ``*.bin`` checkpoints are refused: loading them can run arbitrary code.
+Pickled ``*.bin`` checkpoints are refused: loading them can run arbitrary code. So is a directory
+whose weights name one of our commands but lack its completion record (:mod:`.output_dir`).
 """
 from __future__ import annotations
 
@@ -17,16 +18,19 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import HFFormatError
+from .output_dir import check_complete
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
 class SafetensorsCheckpoint:
-    """Lazy access to the tensors of a checkpoint directory by name."""
+    """Lazy access to the tensors of a checkpoint directory by name (``require_complete``: refuse an
+    output of ours whose completion record is missing, see :func:`.output_dir.check_complete`)."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, require_complete: bool = True):
         self.directory = directory
+        self._index_metadata: Optional[dict] = None
         single, index = os.path.join(directory, SINGLE), os.path.join(directory, INDEX)
         if os.path.exists(index):
             self.weight_map = self._read_index(index)
@@ -35,12 +39,16 @@ class SafetensorsCheckpoint:
         else:
             self.weight_map = self._fallback(directory)
         self._handles: dict[str, object] = {}
+        if require_complete:
+            check_complete(directory, self.metadata())
 
     # ---- discovery ----------------------------------------------------------------------
     def _read_index(self, index: str) -> dict[str, str]:
         try:
             with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
+                data = json.load(f)
+            weight_map = data["weight_map"]
+            self._index_metadata = dict(data.get("metadata") or {})
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise HFFormatError(f"{index}: not a valid safetensors index (expected a JSON object with a "
                                 f"'weight_map'): {e}") from None
@@ -74,6 +82,14 @@ class SafetensorsCheckpoint:
         raise HFFormatError(f"{directory}: no {SINGLE}, {INDEX} or *.safetensors file")
 
     # ---- access -------------------------------------------------------------------------
+    def metadata(self) -> dict:
+        """The header metadata: the index's, else the first file's."""
+        if self._index_metadata is not None:
+            return self._index_metadata
+        if not self.weight_map:
+            return {}
+        return dict(self._handle(min(self.weight_map.values())).metadata() or {})
+
     def keys(self) -> list[str]:
         return list(self.weight_map)
 

@@ -10,19 +10,20 @@ One module per concept, each importing only the ones listed before it:
 * :mod:`.checkpointer`: :class:`Checkpointer`, the collective save (also async) and the checked load;
 * :mod:`.resume`: :class:`TrainingCheckpoints`, what the trainer saves and the resume policy.
 
-What a checkpoint holds: one DCP state dict (the model's weights with experts keyed by global
-index, ``optim.<parameter>.<state>``, ``rng.rank_<r>.<generator>``), ``meta.json`` (step, data
-sampler position, learning-rate schedule, layout, the resolved config) and ``COMPLETE`` (the
-manifest).
+What a checkpoint holds: one DCP state dict of tensors only (the model's weights with experts
+keyed by global index, ``optim.<parameter>.<state>``, ``rng.rank_<r>.<generator>``), ``meta.json``
+(step, data sampler position, learning-rate schedule, layout, the resolved config) and
+``COMPLETE`` (the manifest). Nothing in it is ever unpickled beyond DCP's allowlisted metadata
+and weights-only tensor records (:class:`~.files.SafeFileSystemReader`).
 """
 from .checkpointer import Checkpointer, config_sha256, load_checkpoint, save_checkpoint
-from .files import (META, CheckpointError, DamagedCheckpoint, IncompleteCheckpoint, latest_checkpoint, read_manifest,
-                    step_dir)
+from .files import (META, CheckpointError, DamagedCheckpoint, IncompleteCheckpoint, UnsafeCheckpoint, latest_checkpoint,
+                    read_manifest, read_meta, step_dir)
 from .files import MARKER as COMPLETE  # the completion marker's file name (kept for callers of the first version)
 from .resume import TrainingCheckpoints, model_differences
 from .state import expert_keyed_state_dict, optimizer_state_dict
 
-__all__ = ["COMPLETE", "META", "CheckpointError", "DamagedCheckpoint", "IncompleteCheckpoint",
+__all__ = ["COMPLETE", "META", "CheckpointError", "DamagedCheckpoint", "IncompleteCheckpoint", "UnsafeCheckpoint",
            "Checkpointer", "TrainingCheckpoints",
            "config_sha256", "expert_keyed_state_dict", "latest_checkpoint", "load_checkpoint", "model_differences",
-           "optimizer_state_dict", "read_manifest", "save_checkpoint", "step_dir"]
+           "optimizer_state_dict", "read_manifest", "read_meta", "save_checkpoint", "step_dir"]

@@ -27,11 +27,11 @@ import torch.nn as nn
 
 from ...dist.groups import new_group
 from ...exits import JobStopped
+from ..run_lock import readers_excluded
 from .collective import agree, all_gather, collectively, distributed, quiet_single_process
 from .files import (FORMAT, FORMAT_VERSION, MARKER, META, CheckpointError, DamagedCheckpoint, SafeFileSystemReader,
-                    check_files,
-                    corrupted_error, data_files, file_record, partial_dir, prune, publish, read_manifest, shard,
-                    start_partial, step_dir, write_json_durably)
+                    check_files, corrupted_error, data_files, file_record, partial_dir, prune, publish, read_manifest,
+                    read_meta, shard, start_partial, step_dir, write_json_durably)
 from .rng import RNG, rng_prefix, rng_state, set_rng_state
 from .state import (OPTIM, expert_keyed_state_dict, expert_layers, global_keys, init_optimizer_state,
                     optimizer_state_dict, split_optim_key)
@@ -232,7 +232,12 @@ class Checkpointer:
                             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
                 write_json_durably(os.path.join(partial, MARKER), manifest)
                 publish(partial, final)
-                prune(self.run_dir, self.keep, self.log)
+                with readers_excluded(self.run_dir) as alone:  # never delete what `moe-dist eval` is reading
+                    if alone:
+                        prune(self.run_dir, self.keep, self.log)
+                    elif self.keep:
+                        self.log(f"checkpoint: older checkpoints kept for now (ckpt.keep={self.keep}): `moe-dist eval` "
+                                 "is reading the run directory")
             except (OSError, CheckpointError) as e:
                 error = str(e)
         agree(error, self.group)
@@ -275,11 +280,7 @@ class Checkpointer:
         on every rank and changes nothing on disk."""
         def read() -> tuple[dict, dict]:
             manifest = read_manifest(path)
-            try:
-                with open(os.path.join(path, META), encoding="utf-8") as f:
-                    return json.load(f), manifest
-            except (OSError, json.JSONDecodeError) as e:
-                raise DamagedCheckpoint(f"{os.path.join(path, META)}: not readable ({e})") from None
+            return read_meta(path), manifest
 
         meta, manifest = collectively(read, self.group)
         self.verify_files(path, manifest)
@@ -303,9 +304,16 @@ class Checkpointer:
             rng = {k: v for k, v in rng_state(self.rank, rng_device).items() if k in saved}
             if rng_prefix(self.rank) + "torch_cpu" not in rng:
                 rng = {}
+            collectively(lambda: _check_like(path, saved, rng), self.group)
             state.update(rng)
         with quiet_single_process():
-            dcp.load(state, storage_reader=reader, process_group=self.group, no_dist=not distributed())
+            try:
+                dcp.load(state, storage_reader=reader, process_group=self.group, no_dist=not distributed())
+            except dcp.api.CheckpointException as e:
+                refusal = _refusal_inside(e)
+                if refusal is None:
+                    raise
+                raise refusal from None
         if rng:
             set_rng_state(self.rank, rng_device, rng)
         return meta, manifest
@@ -331,6 +339,26 @@ def _check_tensors(path: str, saved: dict, wanted: dict[str, tuple], saved_model
     if problems:
         raise CheckpointError(f"checkpoint {path} does not match the model built from the config, nothing was loaded: "
                               + "; ".join(problems))
+
+
+def _check_like(path: str, saved: dict, state: dict[str, torch.Tensor]) -> None:
+    """Entries outside the model's and optimizer's (the RNG states) must have the shape and dtype
+    this process's own generators have."""
+    wrong = [f"{k} (checkpoint {list(saved[k].size)} {saved[k].properties.dtype}, here {list(v.shape)} {v.dtype})"
+             for k, v in state.items() if tuple(saved[k].size) != tuple(v.shape) or saved[k].properties.dtype != v.dtype]
+    if wrong:
+        raise DamagedCheckpoint(f"checkpoint {path}: entries of another shape or dtype than this process's: "
+                                f"{_fmt_keys(wrong)}; nothing was loaded")
+
+
+def _refusal_inside(exc: BaseException) -> Optional[CheckpointError]:
+    """The reader's refusal (a CheckpointError raised on some rank) inside DCP's CheckpointException,
+    which every rank receives; None when the failure was something else (kept as an internal error)."""
+    for failure in getattr(exc, "failures", {}).values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, CheckpointError):
+            return inner
+    return None
 
 
 def _check_optimizer(path: str, model: nn.Module, saved: dict, wanted: dict[str, tuple]) -> None:

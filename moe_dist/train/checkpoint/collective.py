@@ -12,9 +12,10 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from .files import CheckpointError, DamagedCheckpoint, IncompleteCheckpoint
+from .files import CheckpointError, DamagedCheckpoint, IncompleteCheckpoint, UnsafeCheckpoint
 
-_KINDS = {"incomplete": IncompleteCheckpoint, "damaged": DamagedCheckpoint, "other": CheckpointError}
+_KINDS = {"incomplete": IncompleteCheckpoint, "damaged": DamagedCheckpoint, "unsafe": UnsafeCheckpoint,
+          "other": CheckpointError}
 
 
 def _kind(error: CheckpointError) -> str:

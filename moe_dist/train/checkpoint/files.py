@@ -11,27 +11,23 @@ entries are fsynced). Readers consider only ``step_N`` directories whose ``COMPL
 and check sizes and checksums before anything is read from the files, so a truncated or
 bit-flipped file is refused by name.
 
-DCP stores its metadata as a pickle; :class:`SafeFileSystemReader` reads it with an
-unpickler that accepts only the checkpoint metadata classes, so a crafted ``.metadata``
-cannot run code.
+A checkpoint is data, never code: tensors (the DCP ``.distcp`` files), DCP's ``.metadata`` and
+JSON (``meta.json``, the ``COMPLETE`` manifest), all read through
+:class:`moe_dist.safe_dcp.SafeFileSystemReader`, which unpickles nothing beyond DCP's metadata
+classes and weights-only tensor records.
 """
 from __future__ import annotations
 
-import enum
 import hashlib
-import io
 import json
 import os
-import pickle
 import re
 import shutil
 import time
 from typing import Callable, Iterable, Optional
 
-import torch
-from torch.distributed.checkpoint import FileSystemReader
-
-from ...errors import CheckpointError
+from ...errors import CheckpointError, DamagedCheckpoint, UnsafeCheckpoint  # noqa: F401 - re-exported
+from ...safe_dcp import SafeFileSystemReader  # noqa: F401 - the reader of every checkpoint, re-exported
 
 MARKER = "COMPLETE"
 META = "meta.json"
@@ -45,11 +41,6 @@ _CHUNK = 8 << 20
 
 class IncompleteCheckpoint(CheckpointError, FileNotFoundError):
     """The directory has no (valid) completion marker: a save never finished there."""
-
-
-class DamagedCheckpoint(CheckpointError):
-    """A complete checkpoint whose files no longer match its manifest (missing, truncated,
-    corrupted, unreadable metadata): ``resume=auto`` sets it aside and takes the previous one."""
 
 
 LEFTOVER = re.compile(r"^step_\d+(\.partial|\.partial\.deleting-.*|\.deleting-.*|\.superseded-\d+)$")
@@ -134,6 +125,19 @@ def read_manifest(path: str) -> dict:
         raise CheckpointError(f"{path}: checkpoint format version {manifest['version']} is newer than this "
                               f"moe_dist reads ({FORMAT_VERSION}); upgrade moe_dist")
     return manifest
+
+
+def read_meta(path: str) -> dict:
+    """A checkpoint's ``meta.json`` (a JSON object); :class:`DamagedCheckpoint` if it is anything else."""
+    full = os.path.join(path, META)
+    try:
+        with open(full, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:  # ValueError: not JSON, not UTF-8
+        raise DamagedCheckpoint(f"{full}: not readable ({type(e).__name__}: {e})") from None
+    if not isinstance(meta, dict):
+        raise DamagedCheckpoint(f"{full}: holds a JSON {type(meta).__name__}, not an object")
+    return meta
 
 
 def check_files(path: str, manifest: dict, names: Iterable[str], checksums: bool = True) -> list[str]:
@@ -286,63 +290,3 @@ def prune(run_dir: str, keep: int, log: Callable[[str], None] = lambda _m: None)
     if removed:
         log(f"checkpoint: removed {', '.join(os.path.basename(p) for p in removed)} (ckpt.keep={keep})")
     return removed
-
-
-# ---- reading DCP metadata without arbitrary unpickling ---------------------------------------------
-_SAFE_BUILTINS = {"set", "frozenset", "slice", "complex", "tuple", "list", "dict"}
-
-
-def _enum_member(cls, name: str):
-    """``getattr(cls, name)`` restricted to an enum's members: how early Python 3.11 releases (Debian
-    bookworm's 3.11.2, the Docker image's) pickle an enum member; anything else is refused (a free
-    getattr would let a pickle reach any attribute of an allowed class)."""
-    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
-        return cls.__members__[name]
-    raise pickle.UnpicklingError(f"checkpoint metadata asks for getattr({getattr(cls, '__name__', type(cls).__name__)}, "
-                                 f"{name!r}), which is not an enum member; refusing to unpickle it")
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles only what DCP metadata holds: its own dataclasses and enums, torch.Size,
-    dtypes, layouts and paths."""
-
-    def find_class(self, module: str, name: str):
-        if module.startswith("torch.distributed.checkpoint."):
-            obj = getattr(__import__(module, fromlist=[name]), name, None)
-            if isinstance(obj, type) or name == "_MEM_FORMAT_ENCODING":
-                return obj
-        elif module == "torch":
-            obj = getattr(torch, name, None)
-            if name == "Size" or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
-                return obj
-        elif (module, name) in {("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-                                ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
-                                ("pathlib._local", "PosixPath"), ("pathlib._local", "WindowsPath")}:
-            return super().find_class(module, name)
-        elif module == "builtins" and name in _SAFE_BUILTINS:
-            return super().find_class(module, name)
-        elif (module, name) == ("builtins", "getattr"):
-            return _enum_member
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a checkpoint's metadata "
-                                     "never holds; refusing to unpickle it")
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """FileSystemReader whose ``.metadata`` is unpickled with an allowlist (tensors are read by
-    DCP with ``torch.load(weights_only=True)`` already)."""
-
-    def read_metadata(self, *args, **kwargs):
-        rank = kwargs.get("rank")
-        path = self._get_metadata_path(rank)
-        with self.fs.create_stream(path, "rb") as f:
-            data = f.read()
-        try:
-            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-        except Exception as e:  # noqa: BLE001 - any failure means the file is not usable metadata
-            raise DamagedCheckpoint(f"{path}: not readable checkpoint metadata ({e})") from None
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata

@@ -77,6 +77,17 @@ def deepspeed_available() -> tuple[bool, str]:
     return True, ""
 
 
+def require_deepspeed(device_type: str) -> None:
+    """Import DeepSpeed for ``train.engine: deepspeed`` on a ``device_type`` ("cpu" / "cuda") device,
+    or raise the user's error (any import failure, a broken installation too)."""
+    if device_type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before the import: DeepSpeed picks its accelerator then
+    ok, why = deepspeed_available()
+    if not ok:
+        raise ConfigError(f"train.engine: 'deepspeed' needs DeepSpeed (pip install -e '.[deepspeed]'): {why}; "
+                          "allowed without it: 'native'")
+
+
 def expert_group_name(ep: int) -> str:
     """DeepSpeed's name for the expert-parallel group of size ``ep`` (and of its expert-DP group)."""
     return f"ep_size_{ep}"
@@ -198,12 +209,7 @@ def build_deepspeed_engine(model: nn.Module, rt, cfg, log: Callable[[str], None]
                            fill: Optional[Callable[[nn.Module], None]] = None):
     """Expert parallelism (our layout), then ``deepspeed.initialize`` over our process group.
     Returns the engine; ``engine.module`` is ``model``."""
-    if rt.device.type == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    ok, why = deepspeed_available()
-    if not ok:
-        raise ConfigError(f"train.engine: 'deepspeed' needs DeepSpeed (pip install -e '.[deepspeed]'): {why}; "
-                          "allowed without it: 'native'")
+    require_deepspeed(rt.device.type)
     import deepspeed
     from deepspeed.utils import groups as ds_groups
     from deepspeed.utils import logger as ds_logger

@@ -1,0 +1,205 @@
+"""Reading torch.distributed.checkpoint (DCP) directories as data, never as code.
+
+DCP keeps its index (``.metadata``) as a pickle, reads each tensor record with
+``torch.load(weights_only=True)`` and each *bytes* entry with ``torch.load(weights_only=False)``,
+which runs whatever the pickle asks for. :class:`SafeFileSystemReader` is the reader every
+loader of moe_dist checkpoints uses: the index through an unpickler that accepts only DCP's
+metadata classes, torch sizes, dtypes and a few builtins; then, before a byte of data is read,
+every entry must be a tensor stored in one of the directory's own ``*.distcp`` files, with no
+stream transform; tensor records must unpickle, weights-only, to plain tensors of the declared
+dtype and shape. Anything else raises :class:`~moe_dist.errors.UnsafeCheckpoint` (one line,
+naming the entry). For directories another framework loads (Megatron-Core keeps module extra
+state as pickled bytes entries), ``allow_objects=True`` admits bytes entries whose pickles need
+nothing beyond the weights-only allowlist (:meth:`SafeFileSystemReader.vet_objects`).
+"""
+from __future__ import annotations
+
+import enum
+import io
+import os
+import pickle
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from .errors import DamagedCheckpoint, UnsafeCheckpoint
+
+_SAFE_BUILTINS = {"set", "frozenset", "slice", "complex", "tuple", "list", "dict"}
+
+
+class _Refused(pickle.UnpicklingError):
+    """The metadata pickle asked for an object outside the allowlist."""
+
+
+def _enum_member(cls, name: str):
+    """``getattr(cls, name)`` restricted to an enum's members: how early Python 3.11 releases (Debian
+    bookworm's 3.11.2, the Docker image's) pickle an enum member; anything else is refused (a free
+    getattr would let a pickle reach any attribute of an allowed class)."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls.__members__[name]
+    raise _Refused(f"checkpoint metadata asks for getattr({getattr(cls, '__name__', type(cls).__name__)}, "
+                                 f"{name!r}), which is not an enum member; refusing to unpickle it")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles only what DCP metadata holds: its own dataclasses and enums, torch.Size,
+    dtypes, layouts and paths."""
+
+    def find_class(self, module: str, name: str):
+        if module.startswith("torch.distributed.checkpoint."):
+            obj = getattr(__import__(module, fromlist=[name]), name, None)
+            if isinstance(obj, type) or name == "_MEM_FORMAT_ENCODING":
+                return obj
+        elif module == "torch":
+            obj = getattr(torch, name, None)
+            if name == "Size" or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+                return obj
+        elif (module, name) in {("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                                ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
+                                ("pathlib._local", "PosixPath"), ("pathlib._local", "WindowsPath")}:
+            return super().find_class(module, name)
+        elif module == "builtins" and name in _SAFE_BUILTINS:
+            return super().find_class(module, name)
+        elif (module, name) == ("builtins", "getattr"):
+            return _enum_member
+        raise _Refused(f"checkpoint metadata refers to {module}.{name}, which a checkpoint's metadata "
+                                     "never holds; refusing to unpickle it")
+
+
+def _refuse_unsafe_entries(directory: str, metadata, allow_objects: bool = False) -> None:
+    """Refuse DCP metadata that a moe_dist save never writes: an entry that is not a tensor (DCP
+    unpickles a bytes entry with ``weights_only=False``, which runs whatever the pickle asks for;
+    with ``allow_objects`` bytes entries pass here and :meth:`SafeFileSystemReader.vet_objects`
+    checks them), a storage record outside the checkpoint directory's own files, a stream
+    transform."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    entries = getattr(metadata, "state_dict_metadata", None)
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
+        raise DamagedCheckpoint(f"{directory}: its .metadata is not DCP metadata (no entry or storage tables)")
+    for key, md in entries.items():
+        if not isinstance(md, TensorStorageMetadata) and not (allow_objects and isinstance(md, BytesStorageMetadata)):
+            raise UnsafeCheckpoint(f"checkpoint {directory} declares entry {key!r} as {type(md).__name__}, not a "
+                                   "tensor; a moe_dist checkpoint holds only tensors and JSON, and reading this entry "
+                                   "would unpickle arbitrary objects, so nothing was loaded")
+    files = set(os.listdir(directory)) if os.path.isdir(directory) else set()
+    for index, info in storage.items():
+        where = getattr(index, "fqn", index)
+        rel = getattr(info, "relative_path", None)
+        if (not isinstance(rel, str) or rel != os.path.basename(rel) or rel.startswith(".")
+                or not rel.endswith(".distcp") or rel not in files):
+            raise UnsafeCheckpoint(f"checkpoint {directory}: entry {where!r} is stored in {rel!r}, which is not one of "
+                                   "the checkpoint's own data files (*.distcp); nothing was loaded")
+        if getattr(info, "transform_descriptors", None):
+            raise UnsafeCheckpoint(f"checkpoint {directory}: entry {where!r} asks for stream transforms "
+                                   f"{list(info.transform_descriptors)}, which moe_dist never writes; nothing was loaded")
+        if where not in entries:
+            raise UnsafeCheckpoint(f"checkpoint {directory}: storage record for {where!r}, an entry the metadata does "
+                                   "not declare; nothing was loaded")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """FileSystemReader that reads only data: ``.metadata`` through an allowlist unpickler and
+    checked by :func:`_refuse_unsafe_entries`; tensors with ``torch.load(weights_only=True)``,
+    each checked to be a plain tensor of the declared dtype before it is copied; pickled bytes
+    entries never (:class:`UnsafeCheckpoint`).
+
+    ``allow_objects=True`` is for checking a checkpoint another framework will load (Megatron-Core
+    stores module extra state as bytes entries): bytes entries then pass the metadata check, and
+    :meth:`vet_objects` requires each to unpickle under ``weights_only=True``."""
+
+    def __init__(self, path, allow_objects: bool = False):
+        super().__init__(path)
+        self.allow_objects = allow_objects
+
+    def vet_objects(self, metadata) -> None:
+        """Read every bytes entry of ``metadata`` with ``torch.load(weights_only=True)``: a pickle that
+        needs nothing outside that allowlist builds the same objects, and runs no code, under any
+        unpickler. :class:`UnsafeCheckpoint` names the first entry that needs more."""
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+        from torch.distributed.checkpoint.utils import _create_file_view
+
+        objects = {k for k, md in metadata.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata)}
+        for index, info in metadata.storage_data.items():
+            if index.fqn not in objects:
+                continue
+            with open(os.path.join(str(self.path), info.relative_path), "rb") as f:
+                record = io.BytesIO(_create_file_view(f, info.offset, info.length).read())
+            try:
+                torch.load(record, map_location="cpu", weights_only=True)
+            except Exception as e:  # noqa: BLE001 - any refusal of the weights-only unpickler
+                raise UnsafeCheckpoint(f"checkpoint {self.path}: entry {index.fqn!r} is a pickled object that needs "
+                                       f"more than tensors and plain containers ({type(e).__name__}); nothing was "
+                                       "loaded") from None
+
+    def read_metadata(self, *args, **kwargs):
+        rank = kwargs.get("rank")
+        path = self._get_metadata_path(rank)
+        with self.fs.create_stream(path, "rb") as f:
+            data = f.read()
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        except _Refused as e:
+            raise UnsafeCheckpoint(f"{path}: {e}; nothing was loaded") from None
+        except Exception as e:  # noqa: BLE001 - any failure means the file is not usable metadata
+            raise DamagedCheckpoint(f"{path}: not readable checkpoint metadata ({e})") from None
+        _refuse_unsafe_entries(str(self.path), metadata, self.allow_objects)
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        self._declared = metadata.state_dict_metadata
+        return metadata
+
+    def read_data(self, plan, planner):
+        from torch.distributed._shard._utils import narrow_tensor_by_index
+        from torch.distributed.checkpoint.planner import LoadItemType
+        from torch.distributed.checkpoint.utils import _create_file_view
+        from torch.futures import Future
+
+        declared = getattr(self, "_declared", {})
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                raise UnsafeCheckpoint(f"checkpoint {self.path}: entry {item.dest_index.fqn!r} is pickled bytes, which "
+                                       "moe_dist never unpickles; nothing was loaded")
+            info = self.storage_data.get(item.storage_index)
+            if info is None:
+                raise DamagedCheckpoint(f"checkpoint {self.path}: no storage record for entry {item.dest_index.fqn!r} "
+                                        f"at offsets {list(item.storage_index.offset or [])}")
+            per_file.setdefault(info.relative_path, []).append(item)
+        for rel, items in per_file.items():
+            full = os.path.join(str(self.path), rel)
+            with open(full, "rb") as stream:
+                for item in items:
+                    info = self.storage_data[item.storage_index]
+                    fqn = item.dest_index.fqn
+                    view = io.BytesIO(_create_file_view(stream, info.offset, info.length).read())
+                    try:
+                        tensor = torch.load(view, map_location="cpu", weights_only=True)
+                    except pickle.UnpicklingError:
+                        raise UnsafeCheckpoint(f"checkpoint {self.path}: entry {fqn!r} in {rel} is not a plain tensor: "
+                                               "its pickle asks for objects a tensor never needs (torch.load with "
+                                               "weights_only=True refused it); nothing more was loaded") from None
+                    except Exception as e:  # noqa: BLE001 - a truncated or scrambled record
+                        raise DamagedCheckpoint(f"checkpoint {self.path}: entry {fqn!r} in {rel} is not readable "
+                                                f"({type(e).__name__}: {e})") from None
+                    if type(tensor) is not torch.Tensor:
+                        raise UnsafeCheckpoint(f"checkpoint {self.path}: entry {fqn!r} in {rel} holds a "
+                                               f"{type(tensor).__name__}, not a tensor; nothing more was loaded")
+                    md = declared.get(fqn)
+                    if md is not None and tensor.dtype != md.properties.dtype:
+                        raise DamagedCheckpoint(f"checkpoint {self.path}: entry {fqn!r} in {rel} holds a {tensor.dtype} "
+                                                f"tensor where its metadata declares {md.properties.dtype}")
+                    tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+                    target = planner.resolve_tensor(item).detach()
+                    if target.size() != tensor.size():
+                        raise DamagedCheckpoint(f"checkpoint {self.path}: entry {fqn!r} in {rel} has shape "
+                                                f"{list(tensor.size())} where {list(target.size())} was expected")
+                    target.copy_(tensor)
+                    planner.commit_tensor(item, target)
+        done: Future = Future()
+        done.set_result(None)
+        return done

@@ -1,0 +1,42 @@
+"""moe_dist/torchrun_launch.py: which failure of a torchrun job is reported, and how (the real
+torchrun's ProcessFailure records; launch/torchrun.sh end to end: tests/test_reliability.py)."""
+import signal
+
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from moe_dist.exits import write_report
+from moe_dist.torchrun_launch import command_of, failure_line, first_failure
+
+
+def failures(*spec):
+    """{rank: ProcessFailure} from (exit code, timestamp) per rank, as torchrun records them."""
+    out = {}
+    for rank, (code, stamp) in enumerate(spec):
+        f = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=code, error_file="<N/A>")
+        f.timestamp = stamp
+        out[rank] = f
+    return out
+
+
+def test_the_first_failure_leaves_out_the_workers_torchrun_stopped():
+    term, kill = -signal.SIGTERM, -signal.SIGKILL
+    assert first_failure(failures((2, 5), (term, 5)))[0] == 0
+    assert first_failure(failures((term, 5), (2, 5)))[0] == 1  # rank 0 was stopped by torchrun after rank 1 failed
+    assert first_failure(failures((1, 5), (kill, 5)))[0] == 1  # the same second: the killed rank came first
+    assert first_failure(failures((1, 4), (kill, 5)))[0] == 0
+    assert first_failure(failures((term, 6), (term, 5)))[0] == 1  # SIGTERM alone: the earliest
+
+
+def test_a_rank_that_reported_has_spoken_for_itself(tmp_path):
+    job = failures((2, 5), (-signal.SIGTERM, 5))
+    assert failure_line("train", job, None) == "moe-dist train: rank 0 (pid 1000) exited with code 2; the job stopped"
+    write_report(str(tmp_path), 0, {"rank": 0, "code": 2, "kind": "usage", "line": "", "traceback": ""})
+    assert failure_line("train", job, str(tmp_path)) is None
+    assert failure_line("eval", failures((1, 5), (-signal.SIGKILL, 5)), str(tmp_path)) == (
+        "moe-dist eval: rank 1 (pid 1001) was killed by SIGKILL (out of memory?); the job stopped. resume=auto "
+        "continues from the last complete checkpoint")
+
+
+def test_the_command_is_the_one_the_workers_run():
+    assert command_of(["--standalone", "--nproc-per-node=2", "--module", "moe_dist.cli", "eval", "--run-dir", "r"]) == "eval"
+    assert command_of(["--module", "moe_dist.cli"]) == "train"
