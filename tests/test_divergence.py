@@ -175,3 +175,37 @@ def test_deepspeed_skips_non_finite_steps_and_saves_only_finite_state(tmp_path):
     assert [(r["step"], r.get("skipped", False)) for r in rows(run)] == [(1, False), (2, True), (3, True), (4, True)]
     assert listing(run) == ["step_000002.diverged"]  # saved at a skipped step: the state after step 1
     assert all_finite(run / "checkpoints" / "step_000002.diverged", tmp_path)
+
+
+def _complete(run, step):
+    """A directory that scan() counts as the complete checkpoint of ``step`` (a manifest, no tensors)."""
+    from moe_dist.train.checkpoint.files import FORMAT, FORMAT_VERSION, MARKER, step_dir
+
+    path = step_dir(str(run), step)
+    os.makedirs(path)
+    with open(os.path.join(path, MARKER), "w") as f:
+        json.dump({"format": FORMAT, "version": FORMAT_VERSION, "files": {}}, f)
+
+
+def test_checkpoints_a_reader_holds_are_set_aside_at_the_next_start(tmp_path):
+    """While `moe-dist eval` holds read.lock, a divergence moves nothing; the next start does."""
+    from moe_dist.train.checkpoint.divergence import read_record, record_divergence, set_aside_pending
+    from moe_dist.train.run_lock import RunDirReadLock
+
+    run = tmp_path / "run"
+    for step in (2, 4, 6, 8):
+        _complete(run, step)
+    reader = RunDirReadLock(str(run))
+    assert reader.acquire(wait_s=0) is None
+    event = record_divergence(str(run), {"first_bad_step": 7, "last_good_step": 5, "stopped_at": 9}, rollback=True)
+    assert event["set_aside"] == ["step_000006.diverged", "step_000008.diverged"] and event["set_aside_later"]
+    assert event["resume_from"] == str(run / "checkpoints" / "step_000004") and event["automatic"]
+    assert listing(run) == ["step_000002", "step_000004", "step_000006", "step_000008"]  # untouched
+    reader.release()
+    assert [os.path.basename(p) for p in set_aside_pending(str(run))] == event["set_aside"]
+    assert listing(run) == ["step_000002", "step_000004", "step_000006.diverged", "step_000008.diverged"]
+    assert set_aside_pending(str(run)) == [] and read_record(str(run))["pending"]["first_bad_step"] == 7
+    event = record_divergence(str(run), {"first_bad_step": 3, "last_good_step": 1, "stopped_at": 5}, rollback=True)
+    assert event["set_aside"] == ["step_000002.diverged", "step_000004.diverged"] and not event["set_aside_later"]
+    assert event["resume_from"] is None and not event["automatic"]  # no checkpoint to roll back to
+    assert len(read_record(str(run))["history"]) == 1  # the first event, never resumed from

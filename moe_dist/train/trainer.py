@@ -425,7 +425,8 @@ class Trainer:
                 "reason": divergence.why, "skipped_steps": self.skipped_steps, "rollbacks": self.rollback_count},
                 rollback=may_roll)
         event = broadcast(event, self.checkpoints.checkpointer.group)
-        aside = f"; set aside: {', '.join(event['set_aside'])}" if event["set_aside"] else ""
+        when = " at the next start (`moe-dist eval` is reading the run directory)" if event["set_aside_later"] else ""
+        aside = f"; set aside{when}: {', '.join(event['set_aside'])}" if event["set_aside"] else ""
         if event["resume_from"] is None:
             where = f"resume=auto starts from step 0 (no checkpoint of step {good} or before{aside})"
         else:

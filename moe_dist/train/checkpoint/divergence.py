@@ -2,7 +2,10 @@
 
 When training stops (or rolls back) for divergence, every complete checkpoint written after
 the last healthy state (see :func:`last_good_step`) is renamed ``step_N.diverged``: kept, never
-loaded by ``resume=auto``, never pruned. ``run.dir/divergence.json`` records the event::
+loaded by ``resume=auto``, never pruned. While ``moe-dist eval`` reads the run directory nothing
+is moved under it (``read.lock``): the renames then wait for the next start, which makes them
+before it picks a checkpoint (:func:`set_aside_pending`). ``run.dir/divergence.json`` records
+the event::
 
     {"pending": {first_bad_step, last_good_step, stopped_at, reason, set_aside, resume_from,
                  resume_step, skipped_steps, rollbacks, automatic} or null,
@@ -18,7 +21,8 @@ import json
 import os
 from typing import Optional
 
-from .files import latest_checkpoint, scan, set_aside, write_json_durably
+from ..run_lock import readers_excluded
+from .files import scan, set_aside, write_json_durably
 
 RECORD = "divergence.json"
 DIVERGED_SUFFIX = ".diverged"
@@ -36,6 +40,13 @@ def set_aside_after(run_dir: str, step: int) -> list[str]:
     return [set_aside(path, DIVERGED_SUFFIX) for saved, path in scan(run_dir)[0] if saved > step]
 
 
+def set_aside_pending(run_dir: str) -> list[str]:
+    """Rank 0 at a start, while it holds ``read.lock``: the renames a pending divergence could not make
+    while a reader was there (none left otherwise); returns the new paths."""
+    pending = read_record(run_dir)["pending"]
+    return set_aside_after(run_dir, int(pending["last_good_step"])) if pending else []
+
+
 def read_record(run_dir: str) -> dict:
     path = os.path.join(run_dir, RECORD)
     if not os.path.exists(path):
@@ -46,14 +57,19 @@ def read_record(run_dir: str) -> dict:
 
 
 def record_divergence(run_dir: str, event: dict, rollback: bool) -> dict:
-    """Rank 0: set aside the checkpoints after the event's ``last_good_step`` and record the event as
-    pending. Returns the event completed with ``set_aside``, ``resume_from`` (the checkpoint
+    """Rank 0: set aside the checkpoints after the event's ``last_good_step`` (at the next start if a
+    reader is there: ``set_aside_later``) and record the event as pending. Returns the event completed with ``set_aside``, ``resume_from`` (the checkpoint
     ``resume=auto`` will take, or None: step 0), ``resume_step`` and ``automatic``: whether the job
     rolls back by itself (``rollback`` asked for it, and there is a checkpoint to roll back to: a
     start from step 0 is the operator's call)."""
-    aside = set_aside_after(run_dir, event["last_good_step"])
-    resume_from = latest_checkpoint(run_dir)
-    event = {**event, "set_aside": [os.path.basename(p) for p in aside], "resume_from": resume_from,
+    good = event["last_good_step"]
+    with readers_excluded(run_dir) as alone:  # never move what `moe-dist eval` is reading
+        later = [os.path.basename(p) + DIVERGED_SUFFIX for saved, p in scan(run_dir)[0] if saved > good]
+        if alone:
+            later = [os.path.basename(p) for p in set_aside_after(run_dir, good)]
+    trusted = [p for saved, p in scan(run_dir)[0] if saved <= good]
+    resume_from = trusted[-1] if trusted else None
+    event = {**event, "set_aside": later, "set_aside_later": not alone, "resume_from": resume_from,
              "resume_step": _step_of(resume_from), "automatic": rollback and resume_from is not None}
     record = read_record(run_dir)
     if record["pending"]:  # a stop nobody resumed from: history too

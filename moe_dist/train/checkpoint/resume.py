@@ -19,6 +19,7 @@ import torch.nn as nn
 from ...config import ConfigError
 from .checkpointer import Checkpointer
 from .collective import barrier, broadcast
+from .divergence import set_aside_pending
 from .files import META, CheckpointError, DamagedCheckpoint, latest_checkpoint, remove_leftovers, scan, set_aside
 
 if TYPE_CHECKING:
@@ -164,6 +165,9 @@ class TrainingCheckpoints:
         if self.rt.is_main:
             for leftover, size in remove_leftovers(self.run_dir):  # first: they may hold the space we need
                 self.log(f"checkpoint: removed {leftover}, left by a save that did not finish ({size / 2**20:.1f} MiB)")
+            for aside in set_aside_pending(self.run_dir):  # a divergence's, deferred while `moe-dist eval` read
+                self.log(f"checkpoint: set {os.path.basename(aside)} aside (written after the last trusted state "
+                         "of the divergence recorded in divergence.json)")
             decision = self._resolve()
         paths, notes, error = broadcast(decision, group)
         for note in notes:
