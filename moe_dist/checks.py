@@ -4,6 +4,7 @@
 - :func:`coerce_value`: a value of a declared type (``KEY: got VALUE (type); allowed: a number``),
   returned in its canonical form (an integer where a number is declared is that number; YAML's
   ``1e-3``, read as a string, is a number too);
+  a float must fit bfloat16 and float32 (magnitude at most :data:`LARGEST_FLOAT`);
 - :func:`check_bounds`: a number within bounds (``KEY: VALUE is too small; allowed: >= MIN``).
 
 Both raise :class:`~moe_dist.errors.ConfigError`. The config schema, the MoE layer, the routers
@@ -18,6 +19,14 @@ import typing
 from typing import Any, Iterable, Literal, Union
 
 from .errors import ConfigError
+
+# the largest number a config float may hold: bfloat16's largest finite value (float32's, 3.4028e38,
+# is a little larger), so a value such as a learning rate or an init std stays finite in either dtype
+LARGEST_FLOAT = 3.3895313892515355e38
+
+
+class TooLarge(ConfigError):
+    """A number of the right type beyond :data:`LARGEST_FLOAT` (no other type of a union fits it better)."""
 
 
 def _is_one_of(value: Any, allowed: Iterable) -> bool:
@@ -79,6 +88,8 @@ def coerce_value(value: Any, tp: Any, key: str) -> Any:
         for alt in (a for a in args if a is not type(None)):
             try:
                 return coerce_value(value, alt, key)
+            except TooLarge:
+                raise
             except ConfigError:
                 pass
         raise ConfigError(f"{key}: got {describe_value(value)}; allowed: {describe_type(tp)}")
@@ -96,15 +107,19 @@ def coerce_value(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+        number = None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value) if abs(value) <= 1e308 else math.inf
+        elif isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
             try:
-                f = float(value)
-                if math.isfinite(f):
-                    return f
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None and math.isfinite(number):
+            if abs(number) > LARGEST_FLOAT:
+                raise TooLarge(f"{key}: {value!r} overflows float32/bfloat16; allowed: a number of magnitude at "
+                                  f"most {LARGEST_FLOAT:.4g}")
+            return number
     elif tp is str:
         if isinstance(value, str):
             return value

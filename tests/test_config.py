@@ -161,3 +161,13 @@ def test_cli_reports_config_errors(capsys):
     assert "model.moe.capacity_factor" in capsys.readouterr().out
     assert cli_main(["eval", "--run-dir", "/nonexistent/run"]) == 2
     assert "has no config.yaml" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override, key", [("train.lr=1e39", "train.lr"), ("model.init_std=1e39", "model.init_std"),
+                                           ("model.rope_theta=-4e38", "model.rope_theta"),
+                                           ("train.spike_factor=1e300", "train.spike_factor")])
+def test_floats_that_overflow_bf16_are_refused_naming_the_key(override, key):
+    with pytest.raises(ConfigError) as e:
+        load_config(os.path.join(ROOT, "configs/test.yaml"), [override])
+    assert str(e.value).startswith(f"{key}: ") and "overflows float32/bfloat16" in str(e.value)
+    assert load_config(os.path.join(ROOT, "configs/test.yaml"), ["train.lr=3e38"]).train.lr == 3e38  # fits

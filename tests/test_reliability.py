@@ -227,19 +227,22 @@ def test_non_finite_steps_are_skipped_counted_and_never_saved(tmp_path):
               "train.max_nonfinite_steps=3")
     assert job.wait() == 1, job.output()
     err = job.err.read_text().strip()
-    assert err == ("moe-dist train: training diverged: steps 2..4 had a non-finite loss or gradient norm (3 in a row = "
-                   "train.max_nonfinite_steps), none was applied; the last applied step is 1. Lower train.lr (or raise "
-                   "train.warmup_steps) and resume=auto continues from the last checkpoint"), job.output()
+    assert err == ("moe-dist train: training diverged: steps 2..4 were bad (a non-finite loss, gradient norm or router "
+                   "logits, or a loss spike; 3 in a row = train.max_nonfinite_steps), none was applied; the last applied "
+                   "step is 1; the divergence began at step 2, so the last trusted state is step 0's. Lower train.lr (or "
+                   "raise train.warmup_steps); resume=auto starts from step 0 (no checkpoint of step 0 or before; set "
+                   "aside: step_000002.diverged); train.skip_divergent_batches=true also skips the batches of steps "
+                   "1..2"), job.output()
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert [r.get("skipped", False) for r in rows] == [False, True, True, True]
     assert [r["skipped_steps"] for r in rows] == [0, 1, 2, 3]
-    # the checkpoint of step 2 (a skipped step) holds the state after step 1: every tensor finite;
-    # the stop at step 4 saved nothing
-    assert sorted(os.listdir(run / "checkpoints")) == ["step_000002"]
+    # the checkpoint of step 2 (a skipped step) holds the state after step 1: every tensor finite; it was set
+    # aside (the state that led to the divergence); the stop at step 4 saved nothing
+    assert sorted(os.listdir(run / "checkpoints")) == ["step_000002.diverged"]
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    dcp_to_torch_save(str(run / "checkpoints" / "step_000002"), str(tmp_path / "state.pt"))
+    dcp_to_torch_save(str(run / "checkpoints" / "step_000002.diverged"), str(tmp_path / "state.pt"))
     state = torch.load(tmp_path / "state.pt", weights_only=True)
     floats = [v for v in state.values() if torch.is_tensor(v) and v.is_floating_point()]
     assert len(floats) > 20 and all(torch.isfinite(v).all() for v in floats)

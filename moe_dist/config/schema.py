@@ -236,8 +236,20 @@ class TrainConfig:
                                                      "measured 4x+ slower than fp32 (no AVX-512 bf16 / AMX): fp32 "
                                                      "runs it as fp32 (said at start-up), bf16 keeps bf16")
     activation_checkpointing: bool = knob(False, "recompute each block in backward (non-reentrant)")
-    max_nonfinite_steps: int = knob(5, "stop after this many consecutive steps whose loss or gradient norm is not "
-                                    "finite (each such step is skipped: not applied, marked in metrics.jsonl)", min=1)
+    max_nonfinite_steps: int = knob(5, "the run has diverged after this many bad steps in a row (a non-finite loss, "
+                                    "gradient norm or router logits, or a loss spike; each is skipped: not applied, "
+                                    "marked in metrics.jsonl); see train.on_divergence", min=1)
+    spike_factor: Optional[float] = knob(None, "a step whose finite loss exceeds this factor x the median loss of the "
+                                         "last train.spike_window healthy steps is a bad step too: skipped and counted "
+                                         "like a non-finite one (null = only non-finite steps are bad)", gt=1)
+    spike_window: int = knob(20, "healthy steps whose median loss train.spike_factor compares with (the check starts "
+                             "once this many are seen)", min=1)
+    on_divergence: Literal["stop", "rollback"] = knob("stop", "after train.max_nonfinite_steps bad steps in a row: stop "
+                                                      "(exit 1; resume=auto continues from the last checkpoint before "
+                                                      "the divergence), or rollback = do that resume in the same job")
+    max_rollbacks: int = knob(3, "train.on_divergence=rollback: at most this many rollbacks per run, then stop", min=1)
+    skip_divergent_batches: bool = knob(False, "resume=auto after a divergence (either way): skip the batches from the "
+                                        "resumed checkpoint's step to the first bad step instead of training on them again")
     engine: Literal["native", "deepspeed"] = knob("native", "who reduces gradients and steps the optimizer: native "
                                                    "(parallel.dense) or deepspeed (ZeRO-1/2, deepspeed.* keys; needs "
                                                    "the deepspeed extra)")

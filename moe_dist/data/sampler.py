@@ -73,6 +73,10 @@ class TrainSampler:
         self.consumed += self.global_batch
         return batches
 
+    def skip_steps(self, steps: int) -> None:
+        """Pass over the windows of the next ``steps`` optimizer steps without reading them."""
+        self.consumed += steps * self.global_batch
+
     def state_dict(self) -> dict:
         return {"consumed": self.consumed, "seed": self.seed, "seq_len": self.seq_len, "n_windows": self.n_windows}
 

@@ -108,6 +108,10 @@ class MoELayer(nn.Module):
         self.aux_loss: Optional[torch.Tensor] = None
         self.stats: Optional[MoEStats] = None
         self.last_routing: Optional[Routing] = None
+        # NaN/Inf router logits: raise (the default), or, for a trainer that skips such a step,
+        # count them (global over the stats group) in nonfinite_logits and carry the NaN forward
+        self.raise_on_nonfinite_logits = True
+        self.nonfinite_logits = 0
 
     def fresh_router(self) -> nn.Module:
         """A new router like this layer's, built on the CPU from the global RNG (what
@@ -153,6 +157,11 @@ class MoELayer(nn.Module):
     def discard_step(self) -> None:
         """The optimizer step was not applied (a non-finite loss): forget its expert-bias counts."""
         self._pending_counts = None
+
+    def take_nonfinite_logits(self) -> int:
+        """The NaN/Inf router logits counted since the last call (see ``raise_on_nonfinite_logits``)."""
+        bad, self.nonfinite_logits = self.nonfinite_logits, 0
+        return bad
 
     def extra_metrics(self) -> dict:
         """Router figures and the expert bias, for metrics.jsonl (host values; call at log time)."""
@@ -261,8 +270,10 @@ class MoELayer(nn.Module):
         routed, plan = dispatch(x2, routing.expert_ids, routing.gates, keep, E, self.groups.ep, peer_counts,
                                 read_along=torch.stack([nonfinite_g, tokens_g]))
         bad, global_tokens = plan.read_along
-        if bad:  # the same global count on every rank: all raise here, none waits in a collective
-            raise nonfinite_logits_error(f"layer {ctx.layer_idx} router", bad, global_tokens * E)
+        if bad:  # the same global count on every rank: all take the same branch, none waits in a collective
+            if self.raise_on_nonfinite_logits:
+                raise nonfinite_logits_error(f"layer {ctx.layer_idx} router", bad, global_tokens * E)
+            self.nonfinite_logits += int(bad)  # the output holds NaN; the trainer skips the step
         y = self.experts(routed, plan.local_counts, plan.exchange)
         out = combine(y, plan, n_tok)
         if self.shared_expert is not None:

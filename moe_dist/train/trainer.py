@@ -8,12 +8,15 @@ ranks computes what one process computes on the whole batch.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import platform
+import statistics
 import sys
 import time
+from collections import deque
 from typing import Callable, Optional
 
 import torch
@@ -32,7 +35,9 @@ from ..model import count_parameters
 from ..parallel.kernel_choice import agree_expert_kernels
 from ..moe import collect_aux_loss, moe_layers
 from .checkpoint import TrainingCheckpoints, latest_checkpoint, load_checkpoint
-from .engines import create_engine
+from .checkpoint.collective import broadcast
+from .checkpoint.divergence import last_good_step, read_record, record_divergence, take_pending
+from .engines import create_engine, engine_scope
 from .evaluate import autocast, evaluate, format_report, unigram_baseline, validation_batches
 from .metrics import MetricsLogger, MoEStepStats, read_metrics
 from .model_setup import build_meta_model, check_weights_directory, is_weights_directory, weights_filler
@@ -44,7 +49,23 @@ from .tracking import check_tracking, start_tracking
 
 
 class TrainingDiverged(JobStopped):
-    """Too many consecutive non-finite steps, or non-finite state about to be saved."""
+    """Too many bad steps in a row (see :meth:`Trainer.check_finite`), or non-finite state about to be saved."""
+
+
+class RollingBack(Exception):
+    """``train.on_divergence=rollback``: the run diverged, its checkpoints after the divergence are
+    set aside; :func:`train` starts the trainer again with ``resume=auto``."""
+
+
+@dataclasses.dataclass
+class Divergence:
+    """Bad steps ``first_bad_step..stopped_at`` (skipped: non-finite, or a loss spike), never
+    ``train.max_nonfinite_steps`` healthy ones in a row between them; ``why``: the sentence that
+    says what stopped the run."""
+
+    first_bad_step: int
+    stopped_at: int
+    why: str
 
 
 # set by `moe-dist ... --nproc N` when the user had no OMP_NUM_THREADS: the launcher's value is then
@@ -122,8 +143,9 @@ class Trainer:
     """The training loop around a model it builds, an engine (``train.engine``: how the model is spread
     and updated) and the checkpoints (``ckpt.*``, ``resume``), both given their parts explicitly."""
 
-    def __init__(self, cfg: Config, rt: Optional[Runtime] = None):
+    def __init__(self, cfg: Config, rt: Optional[Runtime] = None, rollbacks: Optional[list] = None):
         self.cfg = cfg
+        self.rollbacks = rollbacks if rollbacks is not None else []  # this job's rollbacks, carried by train()
         self._owns_runtime = rt is None
         self.rt = setup_runtime(cfg, rt)
         self.is_main = self.rt.is_main
@@ -178,15 +200,18 @@ class Trainer:
         self.checkpoints = TrainingCheckpoints(  # ckpt.* keys
             self.run_dir, config_to_dict(cfg), runtime=self.rt, model=self.model, optimizer=self.engine.optimizer,
             sampler=self.sampler, diagnostics=self.diagnostics, tokenizer_sha256=self.data.tokenizer.sha256,
-            lr_schedule=lambda step: lr_at(step, cfg.train), log=self.log)
+            lr_schedule=lambda step: lr_at(step, cfg.train), counters=self.counters, log=self.log)
         self.step = self.checkpoints.resume()  # resume=auto|<path>: model, optimizer, sampler, RNG; tidies the run dir
         if self.checkpoints.resumed_from:
             self.engine.state_loaded()  # DeepSpeed: the loaded state into its ZeRO partitions
+        self._reset_health(self.checkpoints.loaded_counters)
+        for layer in self.moe:  # NaN router logits make a skipped step, not an error
+            layer.raise_on_nonfinite_logits = False
         # log.wandb: rank 0's W&B run, continued from run.dir unless resume=none starts a new timeline
         self.tracker = start_tracking(cfg, self.is_main, new_timeline=cfg.resume == "none")
         self.metrics = MetricsLogger(self.run_dir if self.is_main else None, cfg.run.tensorboard, self.tracker)
+        self._take_up_divergence()
         self.preemption = PreemptionHandler(self.rt.device)  # SIGUSR1/SIGTERM/SIGHUP: checkpoint and exit 75
-        self.nonfinite_in_a_row, self.skipped_steps = 0, 0
         if self.is_main:
             save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
             self._write_run_info()
@@ -202,6 +227,53 @@ class Trainer:
         dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
         for decision in agree_expert_kernels(self.model, rows, dtype, self.rt.device, seed=cfg.train.seed):
             self.log(decision.describe())
+
+    # ---- the run's health across steps, resumes and rollbacks -----------------------------
+    def _reset_health(self, counters: dict) -> None:
+        """The counters a checkpoint keeps (``counters``: its meta.json's, empty on a fresh start)."""
+        self.skipped_steps = int(counters.get("skipped_steps", 0))
+        self.rollback_count = max(int(counters.get("rollbacks", 0)), len(self.rollbacks))
+        self.recent_losses = deque(counters.get("recent_losses", []), maxlen=self.cfg.train.spike_window)
+        self.nonfinite_in_a_row, self.healthy_in_a_row, self.first_bad_step = 0, 0, None
+
+    def counters(self) -> dict:
+        """What a checkpoint keeps of the run's health (JSON)."""
+        return {"skipped_steps": self.skipped_steps, "rollbacks": self.rollback_count,
+                "recent_losses": list(self.recent_losses)}
+
+    def _take_up_divergence(self) -> None:
+        """After ``resume=auto`` from before a divergence (a stop or a rollback): continue its counters,
+        skip the batches up to its first bad step if ``train.skip_divergent_batches``, log the rollback
+        (metrics.jsonl, the summary). Any other start only moves the record to its history."""
+        mine = read_record(self.run_dir)["pending"] if self.is_main else None
+        pending = broadcast(mine, self.checkpoints.checkpointer.group)
+        if pending is None:
+            return
+        skipped = 0
+        if self.cfg.resume == "auto":
+            self.skipped_steps = max(self.skipped_steps, int(pending["skipped_steps"]))
+            self.rollback_count = max(self.rollback_count, int(pending["rollbacks"]) + int(pending["automatic"]))
+            first = int(pending["first_bad_step"])
+            if self.cfg.train.skip_divergent_batches and first > self.step:
+                skipped = first - self.step
+                self.sampler.skip_steps(skipped)
+                self.log(f"resume: skipped the batches of steps {self.step + 1}..{first} (up to the first bad step "
+                         "of the divergence; train.skip_divergent_batches=true)")
+            event = {"first_bad_step": first, "stopped_at": pending["stopped_at"], "resumed_at": self.step,
+                     "skipped_batches": skipped, "automatic": bool(pending["automatic"])}
+            if pending["automatic"]:
+                self.rollbacks.append(event)
+            self.metrics.log({"step": self.step, "rollback": event})
+        if self.is_main:
+            take_pending(self.run_dir, self.step if self.cfg.resume == "auto" else None, skipped)
+
+    def loss_spike(self, loss: float) -> bool:
+        """``loss`` exceeds ``train.spike_factor`` x the median of the recent healthy losses (the same
+        answer on every rank: the loss and the history are global figures)."""
+        factor = self.cfg.train.spike_factor
+        if factor is None or len(self.recent_losses) < self.recent_losses.maxlen:
+            return False
+        return loss > factor * statistics.median(self.recent_losses)
 
     # ---- reporting ------------------------------------------------------------------------
     def log(self, msg: str) -> None:
@@ -250,8 +322,10 @@ class Trainer:
         set_lr(self.engine.optimizer, lr)
         micro_batches = self.sampler.next_step()
         step_tokens = cfg.global_batch * cfg.seq_len
-        sums = torch.zeros(2, dtype=torch.float64, device=dev)  # [LM loss sum, aux loss share]
+        sums = torch.zeros(3, dtype=torch.float64, device=dev)  # [LM loss sum, aux loss share, NaN router logits?]
         self.moe_stats.reset()
+        for layer in self.moe:  # NaN router logits counted by evaluation forwards are not this step's
+            layer.take_nonfinite_logits()
         for m, batch in enumerate(micro_batches):
             self._set_context(m)
             self.engine.set_gradient_sync(m == len(micro_batches) - 1)
@@ -262,12 +336,18 @@ class Trainer:
             aux = collect_aux_loss(self.model).to(dev) / len(micro_batches)
             self.engine.backward(lm_sum / step_tokens + aux)
             self.moe_stats.add()
-            sums += torch.stack([lm_sum.detach().double(), aux.detach().double()])
+            sums[:2] += torch.stack([lm_sum.detach().double(), aux.detach().double()])
+        router_bad = {layer.context.layer_idx: bad for layer in self.moe if (bad := layer.take_nonfinite_logits())}
+        sums[2] = float(bool(router_bad))  # the layers' counts are global already; the all-reduce makes it certain
         if self.rt.distributed:
             dist.all_reduce(sums, group=self.rt.groups.dp)
-        lm_total, aux_total = sums.tolist()  # the step's one read of the losses
-        # reduce, clip, update; a step whose global loss or gradient norm is not finite is not applied
-        grad_norm = self.engine.step(loss_finite=math.isfinite(lm_total) and math.isfinite(aux_total))
+        lm_total, aux_total, router_flag = sums.tolist()  # the step's one read of the losses
+        loss = lm_total / step_tokens
+        spike = math.isfinite(loss) and self.loss_spike(loss)
+        # reduce, clip, update; a step whose global loss or gradient norm is not finite, whose router
+        # logits were not, or whose loss spiked is not applied
+        grad_norm = self.engine.step(loss_finite=math.isfinite(lm_total) and math.isfinite(aux_total)
+                                     and not router_flag and not spike)
         skipped = self.engine.skipped
         self.engine.zero_grad()
         for layer in self.moe:  # the router's per-step state and the expert bias; a skipped step's counts are dropped
@@ -276,35 +356,95 @@ class Trainer:
             else:
                 layer.after_optimizer_step()
         self.step += 1
-        row = {"loss": lm_total / step_tokens, "aux_loss": aux_total, "lr": lr, "grad_norm": grad_norm}
+        row = {"loss": loss, "aux_loss": aux_total, "lr": lr, "grad_norm": grad_norm}
         if skipped:
             row["skipped"] = True
+        if spike:
+            row["spike"] = True
+        if router_flag:
+            row["router_nonfinite"] = router_bad or True
         return row
 
-    def check_finite(self, row: dict) -> Optional[TrainingDiverged]:
-        """Count a skipped step; after ``train.max_nonfinite_steps`` of them in a row, the error that
-        stops training (raised once the step's metrics row is written). An engine that cannot skip
-        (DeepSpeed) stops at the first non-finite step, before anything is saved."""
-        finite = math.isfinite(row["loss"]) and math.isfinite(row["aux_loss"]) and math.isfinite(row["grad_norm"])
-        if finite:
-            self.nonfinite_in_a_row = 0
-            return None
+    def check_finite(self, row: dict) -> Optional[Divergence]:
+        """Count a skipped step (non-finite loss, gradient norm or router logits, or a loss spike);
+        after ``train.max_nonfinite_steps`` of them in a row, the divergence that stops (or rolls back)
+        training, raised once the step's metrics row is written. The divergence began at the first
+        bad step not followed by ``train.max_nonfinite_steps`` healthy steps in a row. An engine that
+        did not skip a non-finite step stops at once, before anything is saved."""
         limit = self.cfg.train.max_nonfinite_steps
+        finite = math.isfinite(row["loss"]) and math.isfinite(row["aux_loss"]) and math.isfinite(row["grad_norm"])
+        if finite and not row.get("skipped"):
+            self.nonfinite_in_a_row = 0
+            self.healthy_in_a_row += 1
+            if self.healthy_in_a_row >= limit:
+                self.first_bad_step = None
+            self.recent_losses.append(row["loss"])
+            return None
+        self.healthy_in_a_row = 0
+        if self.first_bad_step is None:
+            self.first_bad_step = self.step
         if not row.get("skipped"):
-            return TrainingDiverged(f"step {self.step}: loss {row['loss']}, gradient norm {row['grad_norm']} are not "
-                                    f"finite and train.engine={self.cfg.train.engine} cannot skip the update; stopped "
-                                    "before saving (lower train.lr; resume=auto continues from the last checkpoint)")
+            return Divergence(self.first_bad_step, self.step,
+                              f"step {self.step}: loss {row['loss']}, gradient norm {row['grad_norm']} are not finite "
+                              f"and train.engine={self.cfg.train.engine} did not skip the update; stopped before saving")
         self.nonfinite_in_a_row += 1
         self.skipped_steps += 1
-        self.log(f"step {self.step}: loss {row['loss']:.4g}, gradient norm {row['grad_norm']:.4g}: not finite, the "
-                 f"update was skipped ({self.nonfinite_in_a_row} in a row, train.max_nonfinite_steps={limit})")
+        self.log(f"step {self.step}: {self._bad_step_words(row)}: the update was skipped ({self.nonfinite_in_a_row} in "
+                 f"a row, train.max_nonfinite_steps={limit})")
         if self.nonfinite_in_a_row < limit:
             return None
         first = self.step - self.nonfinite_in_a_row + 1
-        return TrainingDiverged(f"training diverged: steps {first}..{self.step} had a non-finite loss or gradient "
-                                f"norm ({limit} in a row = train.max_nonfinite_steps), none was applied; the last "
-                                f"applied step is {first - 1}. Lower train.lr (or raise train.warmup_steps) and "
-                                "resume=auto continues from the last checkpoint")
+        return Divergence(self.first_bad_step, self.step,
+                          f"training diverged: steps {first}..{self.step} were bad (a non-finite loss, gradient norm "
+                          f"or router logits, or a loss spike; {limit} in a row = train.max_nonfinite_steps), none "
+                          f"was applied; the last applied step is {first - 1}")
+
+    def _bad_step_words(self, row: dict) -> str:
+        if row.get("router_nonfinite"):
+            bad = row["router_nonfinite"]
+            where = ", ".join(f"layer {i}: {n}" for i, n in bad.items()) if isinstance(bad, dict) else "on another rank"
+            return f"router logits not finite ({where} NaN/Inf values)"
+        if row.get("spike"):
+            return (f"loss {row['loss']:.4g} spiked over train.spike_factor={self.cfg.train.spike_factor} x the median "
+                    f"{statistics.median(self.recent_losses):.4g} of the last {len(self.recent_losses)} healthy steps")
+        return f"loss {row['loss']:.4g}, gradient norm {row['grad_norm']:.4g}: not finite"
+
+    def diverged(self, divergence: Divergence) -> TrainingDiverged:
+        """Collective. Set aside the checkpoints after the last healthy state and record the
+        divergence (rank 0); raise :class:`RollingBack` when ``train.on_divergence=rollback`` may roll
+        back once more, else return the error that stops the run, naming the checkpoint
+        ``resume=auto`` will take."""
+        cfg = self.cfg.train
+        self.checkpoints.wait()  # an async save in flight is set aside with the others
+        good = last_good_step(divergence.first_bad_step)
+        may_roll = cfg.on_divergence == "rollback" and self.rollback_count < cfg.max_rollbacks
+        event = None
+        if self.is_main:
+            event = record_divergence(self.run_dir, {
+                "first_bad_step": divergence.first_bad_step, "last_good_step": good, "stopped_at": divergence.stopped_at,
+                "reason": divergence.why, "skipped_steps": self.skipped_steps, "rollbacks": self.rollback_count},
+                rollback=may_roll)
+        event = broadcast(event, self.checkpoints.checkpointer.group)
+        when = " at the next start (`moe-dist eval` is reading the run directory)" if event["set_aside_later"] else ""
+        aside = f"; set aside{when}: {', '.join(event['set_aside'])}" if event["set_aside"] else ""
+        if event["resume_from"] is None:
+            where = f"resume=auto starts from step 0 (no checkpoint of step {good} or before{aside})"
+        else:
+            where = f"resume=auto continues from {event['resume_from']} (step {event['resume_step']}{aside})"
+        began = (f"the divergence began at step {divergence.first_bad_step}, so the last trusted state is step "
+                 f"{good}'s")
+        if event["automatic"]:
+            self.log(f"{divergence.why}; {began}; rolling back ({self.rollback_count + 1} of train.max_rollbacks="
+                     f"{cfg.max_rollbacks}): {where}")
+            raise RollingBack(divergence.why)
+        window = ""
+        if event["resume_step"] < divergence.first_bad_step and not cfg.skip_divergent_batches:
+            window = (f"; train.skip_divergent_batches=true also skips the batches of steps {event['resume_step'] + 1}.."
+                      f"{divergence.first_bad_step}")
+        limit = (f" after {self.rollback_count} rollback(s) (train.max_rollbacks={cfg.max_rollbacks})"
+                 if cfg.on_divergence == "rollback" and not may_roll else "")
+        return TrainingDiverged(f"{divergence.why}{limit}; {began}. Lower train.lr (or raise train.warmup_steps); "
+                                f"{where}{window}")
 
     def probe_fluctuation(self) -> dict:
         """Routing fluctuation of a fixed probe set (each rank's first validation batch) since the
@@ -389,7 +529,7 @@ class Trainer:
                         row["moe"][layer].update({k: v for k, v in figs.items() if k != "load"}, **fluct.get(layer, {}))
                     self.metrics.log(row)
                 if diverged:
-                    raise diverged
+                    raise self.diverged(diverged)
                 if self._bar is not None:
                     self._bar.update(1)
                     self._bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
@@ -410,6 +550,7 @@ class Trainer:
         summary = {"steps": self.step, "train_loss": row["loss"], "val_loss": last_val["loss"], "val_ppl": last_val["ppl"],
                    "unigram_loss": baseline["loss"], "unigram_ppl": baseline["ppl"], "val_tokens": last_val["tokens"],
                    "train_seconds": round(wall, 1), "tokens": tokens_seen, "parameters": self.params,
+                   "skipped_steps": self.skipped_steps, "rollbacks": self.rollbacks,
                    "peak_rss_gib": gather_peak_rss_gib(self.rt),  # every rank's, in order
                    **cuda_memory_gib(self.rt.device)}  # rank 0's
         self.metrics.close()
@@ -450,12 +591,25 @@ class Trainer:
 
 
 def train(cfg: Config, rt: Optional[Runtime] = None) -> dict:
-    """Train as configured; returns the summary (same on every rank)."""
-    trainer = Trainer(cfg, rt)
+    """Train as configured; returns the summary (same on every rank). With
+    ``train.on_divergence=rollback`` a run that diverges starts again from its last checkpoint
+    before the divergence (``resume=auto``), at most ``train.max_rollbacks`` times."""
+    owns = rt is None
+    rt = setup_runtime(cfg, rt)
+    rollbacks: list = []
     try:
-        return trainer.fit()
+        with engine_scope(cfg, rt):
+            while True:
+                trainer = Trainer(cfg, rt, rollbacks=rollbacks)
+                try:
+                    return trainer.fit()
+                except RollingBack:
+                    cfg = dataclasses.replace(cfg, resume="auto")
+                finally:
+                    trainer.close()
     finally:
-        trainer.close()
+        if owns:
+            shutdown(rt)
 
 
 def gather_peak_rss(rt: Runtime) -> list[int]:

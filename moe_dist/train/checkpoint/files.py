@@ -250,13 +250,13 @@ def _tree_bytes(path: str) -> int:
                if os.path.exists(os.path.join(d, f)))
 
 
-def set_aside(path: str) -> str:
-    """Rename a damaged checkpoint to ``step_N.damaged`` (``.damaged-2``, ... if taken): never
-    deleted, never loaded, never pruned. Returns its new path."""
-    target, n = path + DAMAGED_SUFFIX, 1
+def set_aside(path: str, suffix: str = DAMAGED_SUFFIX) -> str:
+    """Rename a damaged checkpoint to ``step_N.damaged`` (or ``step_N<suffix>``; ``-2``, ... appended
+    if taken): never deleted, never loaded, never pruned. Returns its new path."""
+    target, n = path + suffix, 1
     while os.path.exists(target):
         n += 1
-        target = f"{path}{DAMAGED_SUFFIX}-{n}"
+        target = f"{path}{suffix}-{n}"
     os.rename(path, target)
     return target
 

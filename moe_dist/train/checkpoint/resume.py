@@ -19,6 +19,7 @@ import torch.nn as nn
 from ...config import ConfigError
 from .checkpointer import Checkpointer
 from .collective import barrier, broadcast
+from .divergence import set_aside_pending
 from .files import META, CheckpointError, DamagedCheckpoint, latest_checkpoint, remove_leftovers, scan, set_aside
 
 if TYPE_CHECKING:
@@ -87,20 +88,23 @@ class TrainingCheckpoints:
     loaded in place), ``sampler`` and ``diagnostics`` (``state_dict`` / ``load_state_dict``, kept
     in ``meta.json``), ``config`` (the resolved config as a dict: ``ckpt.*``, ``resume``, the
     model checks, saved in ``meta.json``), the tokenizer's SHA-256, ``lr_schedule`` (step ->
-    learning rate), ``runtime`` (ranks, device, data-parallel group) and ``log``. The step is an
+    learning rate), ``counters`` (the run's own JSON counters, kept in ``meta.json`` and given
+    back as :attr:`loaded_counters` after a resume), ``runtime`` (ranks, device, data-parallel group) and ``log``. The step is an
     argument of :meth:`save` and the result of :meth:`resume`.
     """
 
     def __init__(self, run_dir: str, config: dict, *, runtime: "Runtime", model: nn.Module,
                  optimizer: torch.optim.Optimizer, sampler, tokenizer_sha256: str, lr_schedule: Callable[[int], float],
-                 diagnostics=None, log: Callable[[str], None] = print):
+                 diagnostics=None, counters: Optional[Callable[[], dict]] = None, log: Callable[[str], None] = print):
         self.run_dir, self.config, self.rt = run_dir, config, runtime
         self.model, self.optimizer, self.sampler, self.diagnostics = model, optimizer, sampler, diagnostics
         self.tokenizer_sha256, self.lr_schedule, self.log = tokenizer_sha256, lr_schedule, log
+        self.counters = counters
         ckpt = config["ckpt"]
         self.checkpointer = Checkpointer(run_dir, keep=ckpt["keep"], async_save=ckpt["async_save"],
                                          verify=ckpt["verify"], log=log)
         self.resumed_from: Optional[str] = None
+        self.loaded_counters: dict = {}  # the resumed checkpoint's ``counters`` (empty on a fresh start)
 
     # ---- save ------------------------------------------------------------------------------------------
     def meta(self, step: int) -> dict:
@@ -109,7 +113,8 @@ class TrainingCheckpoints:
                 "vocab_size": config["model"]["vocab_size"], "tokenizer_sha256": self.tokenizer_sha256,
                 "lr": self.lr_schedule(max(step - 1, 0)),
                 "schedule": {k: config["train"][k] for k in SCHEDULE_KEYS},
-                "config": config, "diagnostics": self._diagnostics_state()}
+                "config": config, "diagnostics": self._diagnostics_state(),
+                "counters": self.counters() if self.counters is not None else {}}
 
     def _diagnostics_state(self) -> Optional[dict]:
         """The routing diagnostics' histories and the probe set's last assignments (JSON; gathered
@@ -160,6 +165,9 @@ class TrainingCheckpoints:
         if self.rt.is_main:
             for leftover, size in remove_leftovers(self.run_dir):  # first: they may hold the space we need
                 self.log(f"checkpoint: removed {leftover}, left by a save that did not finish ({size / 2**20:.1f} MiB)")
+            for aside in set_aside_pending(self.run_dir):  # a divergence's, deferred while `moe-dist eval` read
+                self.log(f"checkpoint: set {os.path.basename(aside)} aside (written after the last trusted state "
+                         "of the divergence recorded in divergence.json)")
             decision = self._resolve()
         paths, notes, error = broadcast(decision, group)
         for note in notes:
@@ -187,6 +195,7 @@ class TrainingCheckpoints:
             if meta.get("diagnostics") and self.diagnostics is not None:
                 self.diagnostics.load_state_dict(meta["diagnostics"])
             self.resumed_from = os.path.abspath(path)
+            self.loaded_counters = dict(meta.get("counters") or {})
             self._report(path, step, meta, manifest)
             break
         if self.rt.is_main:

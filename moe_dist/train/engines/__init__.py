@@ -3,11 +3,12 @@ replicated dense weights, expert parallelism) and ``deepspeed`` (DeepSpeed ZeRO-
 :func:`create_engine` is the one place that picks one from ``train.engine``."""
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 from .base import Engine
 
-__all__ = ["Engine", "create_engine"]
+__all__ = ["Engine", "create_engine", "engine_scope"]
 
 
 def create_engine(cfg, rt, log: Callable[[str], None] = print) -> Engine:
@@ -19,3 +20,16 @@ def create_engine(cfg, rt, log: Callable[[str], None] = print) -> Engine:
     from .native import NativeEngine
 
     return NativeEngine(cfg, rt, log)
+
+
+@contextlib.contextmanager
+def engine_scope(cfg, rt) -> Iterator[None]:
+    """What the ``train.engine`` keeps for a whole job, across the trainers a rollback starts one
+    after the other: DeepSpeed's one-process group (its group caches outlive an engine)."""
+    if cfg.train.engine != "deepspeed":
+        yield
+        return
+    from .deepspeed import single_process_group
+
+    with single_process_group(rt):
+        yield

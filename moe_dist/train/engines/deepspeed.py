@@ -33,6 +33,10 @@ per parameter with ``deepspeed.utils.safe_get_full_optimizer_state`` before a sa
 scattered back with ``safe_set_full_optimizer_state`` after a resume, so a run can move
 between the engines, world sizes and expert-parallel sizes. DeepSpeed's own
 ``engine.save_checkpoint`` is not used.
+
+A non-finite step is skipped like the native engine's: DeepSpeed's ZeRO overflow check (NaN/Inf
+in any gradient partition) is switched on for fp32 weights, and the trainer's verdict on the
+loss (non-finite, a spike, NaN router logits) raises the same flag, so no update is applied.
 """
 from __future__ import annotations
 
@@ -327,6 +331,24 @@ class ZeroStateView:
         self.release()
 
 
+def _skip_by_overflow(zero, skip_requested: Callable[[], bool]) -> None:
+    """Make the ZeRO-1/2 optimizer ``zero`` skip every step with a NaN/Inf gradient (its
+    ``check_grad_overflow``, on for fp32 weights too) and every step ``skip_requested()`` asks to
+    skip: its overflow flag is raised after its own check, so DeepSpeed's skip path (no update,
+    gradients dropped) runs."""
+    if not hasattr(zero, "check_grad_overflow") or not hasattr(zero, "check_overflow"):
+        raise ConfigError("train.engine=deepspeed: this DeepSpeed version's ZeRO optimizer has no overflow check, so a "
+                          "non-finite step could not be skipped; allowed: deepspeed==0.19.8, or train.engine=native")
+    zero.check_grad_overflow = True
+    check = zero.check_overflow
+
+    def check_overflow(*args, **kwargs):
+        check(*args, **kwargs)
+        zero.overflow = bool(zero.overflow) or skip_requested()
+
+    zero.check_overflow = check_overflow
+
+
 def _single_process_group(rt) -> bool:
     """DeepSpeed needs torch.distributed even for one process: start a 1-rank gloo group."""
     if dist.is_initialized():
@@ -337,6 +359,18 @@ def _single_process_group(rt) -> bool:
     dist.init_process_group("gloo" if rt.device.type == "cpu" else "nccl", init_method=f"tcp://127.0.0.1:{port}",
                             rank=0, world_size=1, timeout=datetime.timedelta(seconds=600))
     return True
+
+
+@contextlib.contextmanager
+def single_process_group(rt) -> Iterator[None]:
+    """A 1-rank group for the block when torch.distributed is not started (the engines built inside
+    reuse it: DeepSpeed keeps its groups in module globals, which a destroyed group would leave stale)."""
+    owned = _single_process_group(rt)
+    try:
+        yield
+    finally:
+        if owned and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 class DeepSpeedEngine(Engine):
@@ -351,6 +385,8 @@ class DeepSpeedEngine(Engine):
         self._owns_single_group = _single_process_group(self.rt)
         self.ds_engine = build_deepspeed_engine(model, self.rt, self.cfg, log=self.log, fill=fill)
         self.optimizer = ZeroStateView(self.ds_engine, model)
+        self._skip_next = False
+        _skip_by_overflow(self.ds_engine.optimizer, lambda: self._skip_next)
         # DeepSpeed divides every gradient by the data-parallel world size; our loss shares want sums
         self._loss_factor = float(dist.get_world_size())
 
@@ -368,12 +404,16 @@ class DeepSpeedEngine(Engine):
         self.ds_engine.backward(loss * self._loss_factor, scale_wrt_gas=False)
 
     def step(self, loss_finite: bool = True) -> float:
-        """DeepSpeed applies the step whatever the norm (fp32 / bf16 have no overflow skip): a
-        non-finite step is reported (:attr:`skipped` stays False) and the trainer stops on it."""
+        """DeepSpeed's own overflow skip: its ZeRO optimizer checks every gradient partition for
+        NaN/Inf (all-reduced over its data-parallel group, so every rank decides alike) and then
+        drops the gradients without an update; a non-finite loss (or a loss spike) with finite
+        gradients takes the same path. A skipped step reports the norm DeepSpeed gives (inf) or NaN."""
         lr = self.optimizer.param_groups[0]["lr"]
         for group in self.ds_engine.optimizer.param_groups:
             group["lr"] = lr
-        self.ds_engine.step()  # reduce (stage 1), clip, step, zero the gradients
+        self._skip_next = not loss_finite  # the same on every rank: global figures
+        self.ds_engine.step()  # reduce (stage 1), check overflow, clip, step, zero the gradients
+        self.skipped = bool(self.ds_engine.optimizer.overflow)
         norm = self.ds_engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 

@@ -1,0 +1,93 @@
+"""What a run that diverged leaves for the next start: checkpoints set aside and a record.
+
+When training stops (or rolls back) for divergence, every complete checkpoint written after
+the last healthy state (see :func:`last_good_step`) is renamed ``step_N.diverged``: kept, never
+loaded by ``resume=auto``, never pruned. While ``moe-dist eval`` reads the run directory nothing
+is moved under it (``read.lock``): the renames then wait for the next start, which makes them
+before it picks a checkpoint (:func:`set_aside_pending`). ``run.dir/divergence.json`` records
+the event::
+
+    {"pending": {first_bad_step, last_good_step, stopped_at, reason, set_aside, resume_from,
+                 resume_step, skipped_steps, rollbacks, automatic} or null,
+     "history": [the events already taken up by a resume, each with resumed_at and skipped_batches]}
+
+The next start takes the pending event up (:func:`take_pending`): ``resume=auto`` continues
+from ``resume_from``, the run's counters continue from the event's, and the batches of steps
+``resume_step + 1 .. first_bad_step`` may be skipped (``train.skip_divergent_batches``).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+from ..run_lock import readers_excluded
+from .files import scan, set_aside, write_json_durably
+
+RECORD = "divergence.json"
+DIVERGED_SUFFIX = ".diverged"
+
+
+def last_good_step(first_bad_step: int) -> int:
+    """The last step whose state is trusted when step ``first_bad_step`` was the first bad one: the
+    state after step ``first_bad_step - 1`` produced that bad step, so the last step whose
+    successor was still healthy is ``first_bad_step - 2``."""
+    return max(first_bad_step - 2, 0)
+
+
+def set_aside_after(run_dir: str, step: int) -> list[str]:
+    """Rename every complete checkpoint of a step after ``step`` to ``step_N.diverged``; returns the new paths."""
+    return [set_aside(path, DIVERGED_SUFFIX) for saved, path in scan(run_dir)[0] if saved > step]
+
+
+def set_aside_pending(run_dir: str) -> list[str]:
+    """Rank 0 at a start, while it holds ``read.lock``: the renames a pending divergence could not make
+    while a reader was there (none left otherwise); returns the new paths."""
+    pending = read_record(run_dir)["pending"]
+    return set_aside_after(run_dir, int(pending["last_good_step"])) if pending else []
+
+
+def read_record(run_dir: str) -> dict:
+    path = os.path.join(run_dir, RECORD)
+    if not os.path.exists(path):
+        return {"pending": None, "history": []}
+    with open(path, encoding="utf-8") as f:
+        record = json.load(f)
+    return {"pending": record.get("pending"), "history": list(record.get("history") or [])}
+
+
+def record_divergence(run_dir: str, event: dict, rollback: bool) -> dict:
+    """Rank 0: set aside the checkpoints after the event's ``last_good_step`` (at the next start if a
+    reader is there: ``set_aside_later``) and record the event as pending. Returns the event completed with ``set_aside``, ``resume_from`` (the checkpoint
+    ``resume=auto`` will take, or None: step 0), ``resume_step`` and ``automatic``: whether the job
+    rolls back by itself (``rollback`` asked for it, and there is a checkpoint to roll back to: a
+    start from step 0 is the operator's call)."""
+    good = event["last_good_step"]
+    with readers_excluded(run_dir) as alone:  # never move what `moe-dist eval` is reading
+        later = [os.path.basename(p) + DIVERGED_SUFFIX for saved, p in scan(run_dir)[0] if saved > good]
+        if alone:
+            later = [os.path.basename(p) for p in set_aside_after(run_dir, good)]
+    trusted = [p for saved, p in scan(run_dir)[0] if saved <= good]
+    resume_from = trusted[-1] if trusted else None
+    event = {**event, "set_aside": later, "set_aside_later": not alone, "resume_from": resume_from,
+             "resume_step": _step_of(resume_from), "automatic": rollback and resume_from is not None}
+    record = read_record(run_dir)
+    if record["pending"]:  # a stop nobody resumed from: history too
+        record["history"].append({**record["pending"], "resumed_at": None, "skipped_batches": 0})
+    record["pending"] = event
+    write_json_durably(os.path.join(run_dir, RECORD), record)
+    return event
+
+
+def take_pending(run_dir: str, resumed_at: int, skipped_batches: int) -> None:
+    """Rank 0, once a start has taken the pending event up: move it to the history."""
+    record = read_record(run_dir)
+    if record["pending"] is None:
+        return
+    record["history"].append({**record["pending"], "resumed_at": resumed_at, "skipped_batches": skipped_batches})
+    record["pending"] = None
+    write_json_durably(os.path.join(run_dir, RECORD), record)
+
+
+def _step_of(path: Optional[str]) -> int:
+    return int(os.path.basename(path).split("_")[1]) if path else 0

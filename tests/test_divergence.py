@@ -1,0 +1,211 @@
+"""Divergence with real runs of `moe-dist train` (configs/test.yaml): the checkpoints written after
+the last healthy state are set aside and resume=auto continues from before the divergence
+(optionally skipping its batches), automatic rollbacks, the skipped-step count across resumes,
+NaN router logits as skipped steps, and the DeepSpeed engine skipping non-finite steps."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow
+
+
+def train(tmp, run, *args, nproc=2):
+    """`moe-dist train --nproc N` on configs/test.yaml; returns (exit code, stdout, stderr)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    ep = [] if nproc == 2 else ["parallel.ep=1"]
+    cmd = [sys.executable, "-m", "moe_dist.cli", "train", "--config", "configs/test.yaml", "--nproc", str(nproc),
+           "run.progress=false", "run.plots=false", "run.tensorboard=false", f"run.dir={run}",
+           f"data.cache_dir={tmp / 'cache'}", *ep, *args]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return res.returncode, res.stdout, res.stderr
+
+
+def rows(run):
+    with open(run / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def listing(run):
+    return sorted(os.listdir(run / "checkpoints"))
+
+
+def all_finite(checkpoint, tmp):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(checkpoint), str(tmp / "state.pt"))
+    state = torch.load(tmp / "state.pt", weights_only=True)
+    floats = [v for v in state.values() if torch.is_tensor(v) and v.is_floating_point()]
+    return len(floats) > 20 and all(torch.isfinite(v).all() for v in floats)
+
+
+def test_a_divergence_sets_aside_later_checkpoints_and_resume_auto_continues_before_it(tmp_path):
+    """4 sane steps, then train.lr=10000 to step 12 (2 ranks; one automatic rollback, then the stop),
+    then resume=auto with a sane rate on 1 rank, skipping the batches of the divergence."""
+    run = tmp_path / "run"
+    code, out, err = train(tmp_path, run, "train.steps=4", "ckpt.every=2")
+    assert code == 0, out + err
+    code, out, err = train(tmp_path, run, "train.steps=12", "ckpt.every=2", "train.lr=10000", "resume=auto",
+                           "train.max_nonfinite_steps=2", "train.on_divergence=rollback", "train.max_rollbacks=1")
+    assert code == 1, out + err
+    record = json.loads((run / "divergence.json").read_text())
+    pending = record["pending"]
+    first, good = pending["first_bad_step"], pending["last_good_step"]
+    assert good == first - 2 >= 4  # the 4 sane steps are trusted
+    # the first divergence rolled back (the same one, deterministic), the second stopped
+    assert out.count("rolling back (1 of train.max_rollbacks=1): resume=auto continues from ") == 1
+    assert [(e["first_bad_step"], e["automatic"], e["resumed_at"]) for e in record["history"]] == [(first, True, good)]
+    assert [r["rollback"]["automatic"] for r in rows(run) if "rollback" in r] == [True]
+    assert not pending["automatic"] and pending["rollbacks"] == 1
+    kept = [n for n in listing(run) if n.startswith("step_") and n[5:].isdigit()]
+    aside = [n for n in listing(run) if ".diverged" in n]
+    assert kept and all(int(n[5:]) <= good for n in kept) and kept[-1] == f"step_{good:06d}"
+    assert aside and all(int(n[5:11]) > good for n in aside)
+    assert all(n.startswith("step_") for n in listing(run))
+    resume_step = good
+    assert pending["resume_from"] == str(run / "checkpoints" / kept[-1]) and pending["resume_step"] == resume_step
+    assert err.count("\n") == 1 and err.startswith("moe-dist train: training diverged: ")
+    assert " after 1 rollback(s) (train.max_rollbacks=1); " in err
+    assert f"resume=auto continues from {run / 'checkpoints' / kept[-1]} (step {resume_step}; set aside: " in err
+    assert f"train.skip_divergent_batches=true also skips the batches of steps {resume_step + 1}..{first}" in err
+    skipped = pending["skipped_steps"]
+    assert skipped == rows(run)[-1]["skipped_steps"] >= 2
+
+    code, out, err = train(tmp_path, run, "train.steps=8", "ckpt.every=2", "train.lr=0.002", "resume=auto",
+                           "train.skip_divergent_batches=true", nproc=1)
+    assert code == 0, out + err
+    assert f"resumed from {run / 'checkpoints' / kept[-1]} at step {resume_step} (saved by 2 rank(s)" in out
+    assert f"resume: skipped the batches of steps {resume_step + 1}..{first}" in out
+    after = [r for r in rows(run) if r["step"] > resume_step]
+    back = [r for r in rows(run) if "rollback" in r]
+    assert back[-1] == {"step": resume_step, "rollback": {
+        "first_bad_step": first, "stopped_at": pending["stopped_at"], "resumed_at": resume_step,
+        "skipped_batches": first - resume_step, "automatic": False}}
+    assert [r["step"] for r in after] == list(range(resume_step + 1, 9))
+    assert not any(r.get("skipped") for r in after) and all(r["skipped_steps"] == skipped for r in after)
+    record = json.loads((run / "divergence.json").read_text())
+    assert record["pending"] is None and record["history"][-1]["resumed_at"] == resume_step
+    meta = json.loads((run / "checkpoints" / "step_000008" / "meta.json").read_text())
+    assert meta["sampler"]["consumed"] == (8 + first - resume_step) * 8  # the skipped batches stay skipped
+    assert meta["counters"]["skipped_steps"] == skipped
+    assert json.loads((run / "summary.json").read_text())["skipped_steps"] == skipped
+
+
+def poisoned_run(tmp, run, poison, *args):
+    """tests/divergence_case.py: configs/test.yaml on 1 process, the loss of step 6 poisoned; (stdout, summary)."""
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "divergence_case.py"), str(run),
+                          str(tmp / "cache"), poison, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout, json.loads(res.stdout.split("SUMMARY ")[-1])
+
+
+@pytest.mark.parametrize("engine", ["native", "deepspeed"])
+def test_a_rollback_recovers_a_run_and_the_summary_lists_it(tmp_path, engine):
+    """One poisoned loss (a NaN at step 6) makes the run roll back to step 4's checkpoint, skip the
+    batches of steps 5-6, and finish."""
+    if engine == "deepspeed":
+        pytest.importorskip("deepspeed")
+    run = tmp_path / "run"
+    out, summary = poisoned_run(tmp_path, run, "nan", f"train.engine={engine}", "train.skip_divergent_batches=true")
+    event = {"first_bad_step": 6, "stopped_at": 6, "resumed_at": 4, "skipped_batches": 2, "automatic": True}
+    assert summary == {"steps": 8, "rollbacks": [event], "skipped_steps": 1}
+    assert "rolling back (1 of train.max_rollbacks=3): resume=auto continues from " in out
+    assert [(r["step"], r.get("skipped", False)) for r in rows(run) if "loss" in r] == [
+        (s, False) for s in range(1, 9)]  # the skipped step 6 was rolled back with its row
+    assert [r for r in rows(run) if "rollback" in r] == [{"step": 4, "rollback": event}]
+    assert listing(run) == ["step_000002", "step_000004", "step_000006", "step_000008"]
+    meta = json.loads((run / "checkpoints" / "step_000008" / "meta.json").read_text())
+    assert meta["sampler"]["consumed"] == (8 + 2) * 8 and meta["counters"]["rollbacks"] == 1
+
+
+@pytest.mark.parametrize("engine", ["native", "deepspeed"])
+def test_a_loss_spike_is_a_skipped_step_that_changes_nothing(tmp_path, engine):
+    """A finite loss 10x the recent median (train.spike_factor=3) at step 6: skipped, so the
+    checkpoints of steps 5 and 6 hold the same weights and optimizer state; training goes on."""
+    if engine == "deepspeed":
+        pytest.importorskip("deepspeed")
+    run = tmp_path / "run"
+    out, summary = poisoned_run(tmp_path, run, "spike", f"train.engine={engine}", "train.spike_factor=3",
+                                "train.spike_window=3", "train.max_nonfinite_steps=2", "ckpt.every=1")
+    assert summary == {"steps": 8, "rollbacks": [], "skipped_steps": 1}
+    assert "step 6: loss " in out and " spiked over train.spike_factor=3.0 x the median " in out
+    assert [(r["step"], r.get("skipped", False), r.get("spike", False)) for r in rows(run) if r["step"] in (5, 6, 7)] == [
+        (5, False, False), (6, True, True), (7, False, False)]
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    states = []
+    for step in (5, 6, 7):
+        dcp_to_torch_save(str(run / "checkpoints" / f"step_{step:06d}"), str(tmp_path / f"{step}.pt"))
+        state = torch.load(tmp_path / f"{step}.pt", weights_only=True)
+        states.append({k: v for k, v in state.items() if torch.is_tensor(v) and v.is_floating_point()
+                       and not k.startswith("rng.")})
+    assert len(states[0]) > 20 and states[0].keys() == states[1].keys()
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])  # step 6 changed nothing
+    assert not all(torch.equal(states[1][k], states[2][k]) for k in states[1])  # step 7 did
+    # a resume continues the skipped-step count (a fresh process: no poisoned step in its 2 steps)
+    out, summary = poisoned_run(tmp_path, run, "spike", f"train.engine={engine}", "train.steps=10", "resume=auto")
+    assert summary == {"steps": 10, "rollbacks": [], "skipped_steps": 1}
+    assert [r["skipped_steps"] for r in rows(run)] == [0] * 5 + [1] * 5
+
+
+def test_nan_router_logits_are_skipped_steps_on_two_ranks(tmp_path):
+    run = tmp_path / "run"
+    code, out, err = train(tmp_path, run, "train.lr=1e15", "train.warmup_steps=0", "train.steps=10",
+                           "train.max_nonfinite_steps=3")
+    assert code == 1, out + err
+    assert "Traceback" not in out + err and "FloatingPointError" not in out + err
+    assert err.count("\n") == 1 and err.startswith("moe-dist train: training diverged: steps 2..4 were bad"), err
+    assert "step 2: router logits not finite (layer 0: " in out
+    got = [(r["step"], r.get("skipped", False), "router_nonfinite" in r, r["skipped_steps"]) for r in rows(run)]
+    assert got[0] == (1, False, False, 0) and got[1:] == [(2, True, True, 1), (3, True, True, 2), (4, True, True, 3)]
+
+
+def test_deepspeed_skips_non_finite_steps_and_saves_only_finite_state(tmp_path):
+    pytest.importorskip("deepspeed")
+    run = tmp_path / "run"
+    code, out, err = train(tmp_path, run, "train.engine=deepspeed", "train.lr=1e4", "train.warmup_steps=1",
+                           "ckpt.every=2", "train.steps=12", "train.max_nonfinite_steps=3", nproc=1)
+    assert code == 1, out + err
+    assert err.strip().splitlines()[-1].startswith("moe-dist train: training diverged: steps 2..4 were bad")
+    assert [(r["step"], r.get("skipped", False)) for r in rows(run)] == [(1, False), (2, True), (3, True), (4, True)]
+    assert listing(run) == ["step_000002.diverged"]  # saved at a skipped step: the state after step 1
+    assert all_finite(run / "checkpoints" / "step_000002.diverged", tmp_path)
+
+
+def _complete(run, step):
+    """A directory that scan() counts as the complete checkpoint of ``step`` (a manifest, no tensors)."""
+    from moe_dist.train.checkpoint.files import FORMAT, FORMAT_VERSION, MARKER, step_dir
+
+    path = step_dir(str(run), step)
+    os.makedirs(path)
+    with open(os.path.join(path, MARKER), "w") as f:
+        json.dump({"format": FORMAT, "version": FORMAT_VERSION, "files": {}}, f)
+
+
+def test_checkpoints_a_reader_holds_are_set_aside_at_the_next_start(tmp_path):
+    """While `moe-dist eval` holds read.lock, a divergence moves nothing; the next start does."""
+    from moe_dist.train.checkpoint.divergence import read_record, record_divergence, set_aside_pending
+    from moe_dist.train.run_lock import RunDirReadLock
+
+    run = tmp_path / "run"
+    for step in (2, 4, 6, 8):
+        _complete(run, step)
+    reader = RunDirReadLock(str(run))
+    assert reader.acquire(wait_s=0) is None
+    event = record_divergence(str(run), {"first_bad_step": 7, "last_good_step": 5, "stopped_at": 9}, rollback=True)
+    assert event["set_aside"] == ["step_000006.diverged", "step_000008.diverged"] and event["set_aside_later"]
+    assert event["resume_from"] == str(run / "checkpoints" / "step_000004") and event["automatic"]
+    assert listing(run) == ["step_000002", "step_000004", "step_000006", "step_000008"]  # untouched
+    reader.release()
+    assert [os.path.basename(p) for p in set_aside_pending(str(run))] == event["set_aside"]
+    assert listing(run) == ["step_000002", "step_000004", "step_000006.diverged", "step_000008.diverged"]
+    assert set_aside_pending(str(run)) == [] and read_record(str(run))["pending"]["first_bad_step"] == 7
+    event = record_divergence(str(run), {"first_bad_step": 3, "last_good_step": 1, "stopped_at": 5}, rollback=True)
+    assert event["set_aside"] == ["step_000002.diverged", "step_000004.diverged"] and not event["set_aside_later"]
+    assert event["resume_from"] is None and not event["automatic"]  # no checkpoint to roll back to
+    assert len(read_record(str(run))["history"]) == 1  # the first event, never resumed from
