@@ -4,10 +4,12 @@ with its own address, host name and hosts file), and the project's launcher acro
 * the cluster: every node has its name, resolves the others, reaches them only over its own link
   and nothing outside; it is removed again after an exception and after a crashed owner;
 * ``launch/torchrun.sh`` on 2 nodes x 2 processes (``parallel.ep=4``: every MoE layer's experts
-  span both nodes) gives the losses of 1 process on the whole batch (1e-5), and so do 2 nodes x 1
-  process meeting at ``MASTER_ADDR=node0`` (a host name);
-* the traffic: a 2-node run moves what FSDP and the token all-to-alls must carry over the nodes'
-  links, a 1-node run (both ranks on one node) moves nothing over them.
+  span both nodes) gives the losses of 1 process on the whole batch (1e-5), and moves what FSDP
+  and the token all-to-alls must carry over the nodes' links;
+* a node lost mid-run (its processes killed; its link unplugged): the surviving rank ends with one
+  line naming the lost node and its ranks, nothing is half-saved; a run of 2 nodes x 1 process
+  that met at ``MASTER_ADDR=node0`` (a host name) and lost node1 continues with ``resume=auto`` on
+  node0 alone (2 processes) on the uninterrupted run's loss curve, moving nothing over the links.
 
 Needs root and ``ip netns``; skipped with the reason elsewhere.
 """
@@ -70,8 +72,8 @@ def _losses(run_dir) -> list[float]:
     return [json.loads(line)["loss"] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
 
 
-def launch_nodes(c: Cluster, tmp, name: str, nodes: int, nproc: int, *overrides, master="node0"):
-    """``launch/torchrun.sh`` on the first ``nodes`` nodes; waits; returns [(rc, out, err)] per node."""
+def start_nodes(c: Cluster, tmp, name: str, nodes: int, nproc: int, *overrides, master="node0"):
+    """Start ``launch/torchrun.sh`` on the first ``nodes`` nodes; [(Popen, stdout file, stderr file)]."""
     procs, rdzv_id = [], f"{name}-{time.time_ns()}"
     for i in range(nodes):
         env = _env(NPROC_PER_NODE=str(nproc), NNODES=str(nodes), NODE_RANK=str(i), MASTER_ADDR=master,
@@ -80,18 +82,27 @@ def launch_nodes(c: Cluster, tmp, name: str, nodes: int, nproc: int, *overrides,
         err = open(tmp / f"{name}.node{i}.err", "w+")
         procs.append((c.popen(c.nodes[i], ["bash", "launch/torchrun.sh", *_config(tmp, name, *overrides)], env=env,
                               cwd=ROOT, stdout=out, stderr=err), out, err))
+    return procs
+
+
+def finish(proc, timeout: float):
+    """Wait for one node's launcher (killed after ``timeout`` s); (rc, stdout, stderr)."""
+    p, out, err = proc
+    try:
+        p.wait(timeout=max(1.0, timeout))
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+    out.seek(0)
+    err.seek(0)
+    return p.returncode, out.read(), err.read()
+
+
+def launch_nodes(c: Cluster, tmp, name: str, nodes: int, nproc: int, *overrides, master="node0"):
+    """``launch/torchrun.sh`` on the first ``nodes`` nodes; waits; returns [(rc, out, err)] per node."""
+    procs = start_nodes(c, tmp, name, nodes, nproc, *overrides, master=master)
     deadline = time.monotonic() + RUN_TIMEOUT
-    results = []
-    for p, out, err in procs:
-        try:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-        out.seek(0)
-        err.seek(0)
-        results.append((p.returncode, out.read(), err.read()))
-    return results
+    return [finish(p, deadline - time.monotonic()) for p in procs]
 
 
 def _assert_ok(results):
@@ -124,7 +135,7 @@ def test_nodes_have_their_names_and_reach_each_other_only_over_their_links(clust
         r = c.run(nd, ["getent", "hosts", *(m.hostname for m in c.nodes)])
         assert r.stdout.split() == [w for m in c.nodes for w in (m.address, m.hostname)], r.stdout + r.stderr
         routes = c.run(nd, ["ip", "-o", "route", "show"]).stdout
-        assert "default" not in routes and f"dev eth0" in routes  # nothing leaves the machine
+        assert "default" not in routes and "dev eth0" in routes  # nothing leaves the machine
     # a TCP connection from node1 to node0 by name, counted on both links
     server = c.popen(c.nodes[0], [sys.executable, "-c", textwrap.dedent("""
         import socket
@@ -163,7 +174,7 @@ def test_a_cluster_is_removed_after_an_exception_and_after_its_owner_died():
             c.node("node7")
     assert not _leftovers(names)
     # a cluster whose owner process died (a crashed test run) is found and removed
-    code = f"""
+    code = """
         import os
         from moe_dist.testing.cluster import Cluster
         c = Cluster(1); c.up(); print(c.prefix, flush=True); os._exit(0)"""
@@ -195,66 +206,150 @@ def test_cluster_refuses_clearly_without_root():
         r.stdout + r.stderr
 
 
-def test_torchrun_on_two_nodes_of_two_processes_matches_one_process(cluster, reference, tmp_path):
-    c = cluster
-    before = [c.link_bytes(nd) for nd in c.nodes]
-    results = launch_nodes(c, tmp_path, "ep4", 2, 2, "parallel.ep=4")
-    _assert_ok(results)
-    moved = [sum(c.link_bytes(nd)) - sum(b) for nd, b in zip(c.nodes, before)]
-    out = results[0][1]
-    assert "parallel: 4 process(es) [torchrun, gloo" in out and "ep=4" in out, out
-    assert out.count(f"done: {STEPS} steps") == 1 and results[1][1].count("done:") == 0
-    info = json.load(open(tmp_path / "ep4" / "run.json"))
-    assert (info["world_size"], info["ep"]) == (4, 4)
-    losses = _losses(tmp_path / "ep4")
-    assert losses == pytest.approx(reference, rel=1e-5, abs=0)
-    assert min(moved) > 1_000_000, moved  # the experts of every layer span both nodes
-
-
 def dense_parameter_bytes(run_dir) -> int:
-    """fp32 bytes of the dense (FSDP-sharded) weights: total minus the experts'. From run.json's counts:
-    the active count has top_k of each layer's num_experts experts."""
-    info = json.load(open(os.path.join(run_dir, "run.json")))
+    """fp32 bytes of the dense (FSDP-sharded) weights: all but the experts. run.json counts the
+    parameters in total and those active per token (top_k of each MoE layer's num_experts experts)."""
     from moe_dist.config import load_config
 
+    info = json.load(open(os.path.join(run_dir, "run.json")))
     conf = load_config(os.path.join(run_dir, "config.yaml"))
-    moe = conf.model.moe
-    layers = conf.model.n_layers  # configs/test.yaml: moe.layers=every
+    moe, layers = conf.model.moe, conf.model.n_layers  # configs/test.yaml: an MoE block in every layer
     total, active = info["parameters"]["total"], info["parameters"]["active"]
     per_expert = (total - active) // (layers * (moe.num_experts - moe.top_k))
     return 4 * (total - layers * moe.num_experts * per_expert)
 
 
-def test_two_nodes_meet_at_a_host_name_and_carry_the_inter_node_traffic(cluster, reference, tmp_path):
+def test_torchrun_on_two_nodes_of_two_processes_matches_one_process(cluster, reference, tmp_path):
     c = cluster
     before = [c.link_bytes(nd) for nd in c.nodes]
-    results = launch_nodes(c, tmp_path, "ep2", 2, 1, "parallel.ep=2", master="node0")
+    results = launch_nodes(c, tmp_path, "ep4", 2, 2, "parallel.ep=4")
     _assert_ok(results)
     after = [c.link_bytes(nd) for nd in c.nodes]
-    assert _losses(tmp_path / "ep2") == pytest.approx(reference, rel=1e-5, abs=0)
+    out = results[0][1]
+    assert "parallel: 4 process(es) [torchrun, gloo" in out and "ep=4" in out, out
+    assert out.count(f"done: {STEPS} steps") == 1 and results[1][1].count("done:") == 0
+    info = json.load(open(tmp_path / "ep4" / "run.json"))
+    assert (info["world_size"], info["ep"]) == (4, 4)
+    assert _losses(tmp_path / "ep4") == pytest.approx(reference, rel=1e-5, abs=0)
+
+    # the inter-node traffic: one link's two ends agree (what node1 sends, node0 receives)
     rx = [a[0] - b[0] for a, b in zip(after, before)]
     tx = [a[1] - b[1] for a, b in zip(after, before)]
-    # one link's two ends: what node1 sends, node0 receives (the bridge adds nothing)
     assert rx[0] == tx[1] and rx[1] == tx[0], (rx, tx)
-    # what must cross per step at the least: FSDP gathers the other rank's half of the dense weights
-    # (forward) and sends it its half of their gradients (reduce-scatter), each way
-    dense = dense_parameter_bytes(tmp_path / "ep2")
+    # at the least, each step, whatever the algorithms: a node receives the other node's half of the
+    # dense weights (FSDP's all-gather) and its partial gradients of this node's half (reduce-scatter)
+    dense = dense_parameter_bytes(tmp_path / "ep4")
     least = STEPS * dense
-    # at the most: the dense weights gathered twice (forward, backward) and their gradients, and every
-    # routed token's vector crossing in the 4 all-to-alls of each MoE layer (dispatch, combine, and
-    # their gradients), for the training steps and one evaluation batch; x2 for TCP/IP and control
-    tokens = 8 * 64 // 2 * 2  # the batch's tokens on one rank x top_k
+    # at the most: per step the dense weights gathered twice (forward, backward; every remote shard to
+    # each of the 2 local ranks) and their gradients reduced (as an all-reduce: twice), and every routed
+    # token of the node's ranks crossing in each MoE layer's 4 all-to-alls (dispatch, combine and their
+    # gradients); the same for one evaluation batch, the start-up broadcast; x2 for TCP/IP and control
+    tokens = 8 * 64 // 2 * 2  # the node's tokens (half the global batch) x top_k
     a2a = 4 * 2 * tokens * 64 * 4
-    most = 2 * ((STEPS + 1) * (1.5 * dense + a2a) + 3 * dense)  # + the initial broadcast of the weights
+    most = 2 * ((STEPS + 1) * (4 * dense + a2a) + 3 * dense)
+    print(f"2 nodes x 2 processes, ep=4, {STEPS} steps: node0 received {rx[0]:,} and sent {tx[0]:,} bytes "
+          f"(bounds {least:,}..{most:,})")
     for moved in rx + tx:
         assert least < moved < most, (least, moved, most)
 
 
-def test_one_node_run_moves_nothing_over_the_links(cluster, reference, tmp_path):
+# A run that outlives the kill: constant learning rate after the warm-up (min_lr_ratio=1), so that its
+# curve does not depend on train.steps and a short uninterrupted run is its reference
+LOST = ["parallel.ep=2", "train.min_lr_ratio=1", "ckpt.every=5", "ckpt.verify=false"]
+LOST_STEPS, RESUMED_STEPS = 3000, 12
+
+
+def _wait_for_step(run_dir, step: int, procs, timeout: float = RUN_TIMEOUT) -> None:
+    deadline, path = time.monotonic() + timeout, os.path.join(run_dir, "metrics.jsonl")
+    while time.monotonic() < deadline:
+        if os.path.exists(path) and sum(1 for _ in open(path)) >= step:
+            return
+        assert all(p.poll() is None for p, _, _ in procs), "a node's launcher ended before the step"
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not reached within {timeout} s")
+
+
+def _one_rank_line(err: str) -> str:
+    """The rank's own line, and no traceback from moe_dist (torchrun adds its own report after it)."""
+    lines = [line for line in err.splitlines() if line.startswith("moe-dist train:")]
+    assert len(lines) == 1, err[-4000:]
+    assert f'File "{ROOT}/moe_dist' not in err, err[-4000:]
+    return lines[0]
+
+
+def _checkpoints_complete(run_dir) -> list[str]:
+    where = os.path.join(run_dir, "checkpoints")
+    names = sorted(os.listdir(where)) if os.path.isdir(where) else []
+    assert all(n.startswith("step_") and os.path.exists(os.path.join(run_dir, "checkpoints", n, "COMPLETE"))
+                         for n in names), names  # nothing half-saved
+    return names
+
+
+def test_a_killed_node_is_named_and_the_run_resumes_on_the_other_node(cluster, tmp_path):
     c = cluster
+    procs = start_nodes(c, tmp_path, "lost", 2, 1, *LOST, f"train.steps={LOST_STEPS}")
+    _wait_for_step(tmp_path / "lost", 7, procs)  # past the checkpoint of step 5
+    t0 = time.monotonic()
+    c.kill_node(c.nodes[1])  # every process of node1, as if the machine died
+    rc, out, err = finish(procs[0], 120)
+    seconds = time.monotonic() - t0
+    finish(procs[1], 5)
+    assert rc == 1, out[-2000:] + err[-4000:]
+    line = _one_rank_line(err)
+    assert line.startswith("moe-dist train: rank 0: the collective ") and "another rank went away" in line, line
+    assert line.endswith("; lost node node1 (rank 1): none of its ranks answered a roll call within 10 s"), line
+    assert seconds < 60, seconds  # a connection reset: no waiting for parallel.timeout_s
+    print(f"killed node: the survivor ended {seconds:.1f} s after the kill")
+    names = _checkpoints_complete(tmp_path / "lost")
+    assert names, "no checkpoint"
+    before_kill = _losses(tmp_path / "lost")
+
+    # resume=auto on the remaining node alone (2 processes, same global batch): the same loss curve as an
+    # uninterrupted run, and nothing crosses the links (both ranks talk over node0's loopback)
+    ref = subprocess.run([sys.executable, "-m", "moe_dist.cli", "train", "--config",
+                          *_config(tmp_path, "uninterrupted", *LOST, "parallel.ep=1", f"train.steps={RESUMED_STEPS}")],
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert ref.returncode == 0, ref.stdout + ref.stderr
     before = [c.link_bytes(nd) for nd in c.nodes]
-    results = launch_nodes(c, tmp_path, "onenode", 1, 2, "parallel.ep=2", master="node0")
-    _assert_ok(results)
+    (rc, out, err), = launch_nodes(c, tmp_path, "lost", 1, 2, *LOST, f"train.steps={RESUMED_STEPS}", "resume=auto")
+    assert rc == 0, out[-2000:] + err[-4000:]
     moved = [sum(c.link_bytes(nd)) - sum(b) for nd, b in zip(c.nodes, before)]
-    assert _losses(tmp_path / "onenode") == pytest.approx(reference, rel=1e-5, abs=0)
-    assert moved == [0, 0], moved  # both ranks talk over node0's loopback
+    assert moved == [0, 0], moved
+    start = int(names[-1].split("_")[1])
+    assert f"checkpoints/{names[-1]} at step {start} (saved by 2 rank(s)" in out, out[-2000:]
+    rows = [json.loads(line) for line in open(tmp_path / "lost" / "metrics.jsonl")]
+    resumed = {r["step"]: r["loss"] for r in rows[-(RESUMED_STEPS - start):]}
+    assert sorted(resumed) == list(range(start + 1, RESUMED_STEPS + 1)), [r["step"] for r in rows]
+    uninterrupted = _losses(tmp_path / "uninterrupted")
+    # 2 nodes x 1 process that met at MASTER_ADDR=node0 (a host name), then 1 node x 2 processes: one curve
+    n = min(len(before_kill), RESUMED_STEPS)
+    assert before_kill[:n] == pytest.approx(uninterrupted[:n], rel=1e-5, abs=0)
+    assert [resumed[s] for s in sorted(resumed)] == pytest.approx(uninterrupted[start:], rel=1e-5, abs=0)
+
+
+def test_an_unplugged_node_is_named_after_the_collective_timeout(cluster, tmp_path):
+    c = cluster
+    timeout_s = 12
+    procs = start_nodes(c, tmp_path, "unplugged", 2, 1, *LOST, f"train.steps={LOST_STEPS}",
+                        f"parallel.timeout_s={timeout_s}")
+    _wait_for_step(tmp_path / "unplugged", 3, procs)
+    t0 = time.monotonic()
+    c.set_link(c.nodes[1], False)  # no connection reset reaches node0: only silence
+    rc, out, err = finish(procs[0], timeout_s + 120)
+    seconds = time.monotonic() - t0
+    assert rc == 1, out[-2000:] + err[-4000:]
+    line = _one_rank_line(err)
+    assert f"did not complete within parallel.timeout_s={timeout_s} s" in line, line
+    assert line.endswith("; lost node node1 (rank 1): none of its ranks answered a roll call within 2 s"), line
+    assert timeout_s <= seconds < timeout_s + 60, seconds
+    print(f"unplugged node: the survivor ended {seconds:.1f} s after the unplug (parallel.timeout_s={timeout_s})")
+    _checkpoints_complete(tmp_path / "unplugged")
+    # the unplugged node's rank times out as well and knows that it is the one cut off
+    err1, deadline = "", time.monotonic() + 60
+    while "moe-dist train:" not in err1 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        err1 = open(tmp_path / "unplugged.node1.err").read()
+    line1 = _one_rank_line(err1)
+    assert line1.startswith("moe-dist train: rank 1: the collective ") and line1.endswith(
+        "; this node (node1) cannot reach the job's rendezvous store either: it is cut off from the others, "
+        "or the store's node is lost"), line1
