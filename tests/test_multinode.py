@@ -41,8 +41,15 @@ def cluster():
     if reason:
         pytest.skip(reason)
     remove_stale()
-    with Cluster(2) as c:
+    c = Cluster(2)
+    try:
+        c.up()  # removes what it made when it fails
+    except ClusterUnavailable as e:  # e.g. a firewall between the bridge's ports
+        pytest.skip(str(e))
+    try:
         yield c
+    finally:
+        c.down()
 
 
 @pytest.fixture(autouse=True)

@@ -74,9 +74,9 @@ class Cluster:
     rate: Optional[str] = None
     tag: Optional[str] = None  # None: a random one, so that clusters of concurrent runs never collide
     subnet: str = DEFAULT_SUBNET
-    nodes: list[Node] = field(default_factory=list)
-    iptables_rule: Optional[list[str]] = None
     persistent: bool = False  # True: outlives this process (the command line's `up`)
+    nodes: list[Node] = field(default_factory=list, init=False)
+    iptables_rule: Optional[list[str]] = field(default=None, init=False)  # the ACCEPT rule inserted for the bridge
 
     def __post_init__(self):
         if not 1 <= self.n <= 200:
@@ -126,9 +126,34 @@ class Cluster:
                 self._add_node(nd, hosts)
             self.iptables_rule = _allow_bridge(self.bridge)
             self._save_state()
+            self._check_links()
         except BaseException:
             self.down()
             raise
+
+    def _check_links(self) -> None:
+        """Every node reaches the first one by name over TCP; else ClusterUnavailable with the reason
+        (a firewall between bridge ports, for example nftables rules that this module does not know)."""
+        if self.n < 2:
+            return
+        port = 28999
+        listen = ("import socket,sys; s=socket.create_server(('0.0.0.0',%d)); s.settimeout(20); print('up',flush=True)\n"
+                  "for _ in range(%d): s.accept()[0].close()" % (port, self.n - 1))
+        server = self.popen(self.nodes[0], [sys.executable, "-c", listen], stdout=subprocess.PIPE, text=True)
+        try:
+            if server.stdout.readline().strip() != "up":
+                raise ClusterUnavailable("cannot start a listener on the first node of the cluster")
+            connect = f"import socket; socket.create_connection(('{self.nodes[0].hostname}', {port}), timeout=10).close()"
+            for nd in self.nodes[1:]:
+                r = self.run(nd, [sys.executable, "-c", connect], timeout=30)
+                if r.returncode:
+                    raise ClusterUnavailable(
+                        f"{nd.hostname} cannot reach {self.nodes[0].hostname} over the bridge {self.bridge} "
+                        f"(a firewall between bridge ports? iptables / nft FORWARD rules): "
+                        f"{(r.stderr.strip().splitlines() or ['exit code %d' % r.returncode])[-1]}")
+        finally:
+            server.kill()
+            server.wait()
 
     def _add_node(self, nd: Node, hosts: str) -> None:
         _ip("netns", "add", nd.netns)
