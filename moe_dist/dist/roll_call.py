@@ -79,15 +79,16 @@ def _ranks(ranks: list[int]) -> str:
 
 def lost_nodes_line(wait_s: float) -> str:
     """A clause naming the lost node(s) and their ranks after a roll call of ``wait_s`` seconds, or
-    why none can be named; "" when the job runs on one host (its launcher names a dead rank) or
-    before :func:`remember_hosts`."""
-    if len(set(_hosts)) < 2:
+    why none can be named; "" when the job runs on one host (its launcher names a dead rank), or
+    without a recorded store (before :func:`remember_hosts`, or a group made by someone else)."""
+    if len(set(_hosts)) < 2 or _store_at is None:
         return ""
     me = _hosts[_rank] if _rank < len(_hosts) else socket.gethostname()
     answered = roll_call(wait_s)
     if answered is None:
-        return (f"this node ({me}) cannot reach the job's rendezvous store either: it is cut off from the others, "
-                "or the store's node is lost")
+        host, port = _store_at
+        return (f"the job's rendezvous store at {host}:{port} cannot be reached either: this node ({me}) is cut off "
+                f"from the others, or {host} is lost")
     by_host: dict[str, list[int]] = {}
     for r, h in enumerate(_hosts):
         by_host.setdefault(h, []).append(r)
@@ -95,7 +96,8 @@ def lost_nodes_line(wait_s: float) -> str:
     silent = sorted(set(range(len(_hosts))) - answered)
     if lost:
         names = "; ".join(f"node {h} ({_ranks(by_host[h])})" for h in lost)
-        return f"lost {names}: none of its ranks answered a roll call within {wait_s:g} s"
+        whose = "its" if len(lost) == 1 else "their"
+        return f"lost {names}: none of {whose} ranks answered a roll call within {wait_s:g} s"
     if silent:
         return f"{_ranks(silent)} did not answer a roll call within {wait_s:g} s (every node has ranks that did)"
     return "every rank answered a roll call: no node is lost"
