@@ -55,10 +55,14 @@ def cluster():
 
 @pytest.fixture(autouse=True)
 def _clean_nodes(request):
-    """After every test: no process left on a node, every link plugged in (also after a failure)."""
+    """Before every test, the bridge allowed through iptables (a dockerd started meanwhile, as CI's
+    engine set-up does, sets the FORWARD policy to DROP); after it, no process left on a node and
+    every link plugged in (also after a failure)."""
+    c = request.getfixturevalue("cluster") if "cluster" in request.fixturenames else None
+    if c is not None:
+        c.allow_forwarding()
     yield
-    if "cluster" in request.fixturenames:
-        c = request.getfixturevalue("cluster")
+    if c is not None:
         for nd in c.nodes:
             c.kill_node(nd)
             c.set_link(nd, True)

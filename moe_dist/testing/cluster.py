@@ -16,9 +16,10 @@ name through its own hosts file (``/etc/netns/<ns>/hosts``, which ``ip netns exe
 (torch's c10d rendezvous and gloo resolve the machine's own host name, so it must be the node's).
 Ranks on one node talk over that node's loopback; ranks on different nodes only over the veth,
 whose byte counters therefore show the inter-node traffic. ``rate`` puts a ``tc tbf`` limit on
-both directions of every node's link. Where the iptables FORWARD policy is DROP (it is once
-``dockerd`` has run, with bridge netfilter on), a rule lets the bridge's own traffic through
-while the cluster exists.
+both directions of every node's link. Where iptables exists, a rule lets the bridge's own traffic
+through the FORWARD chain while the cluster exists: once ``dockerd`` has run, its policy is DROP
+with bridge netfilter on, and bridged traffic between the nodes would be dropped
+(:meth:`Cluster.allow_forwarding` inserts it again if iptables appeared later).
 
 The names all start with :data:`PREFIX`, and every cluster records itself in
 :data:`STATE_DIR` (owner pid, names, iptables rule), so that :func:`remove_stale` and the command
@@ -124,12 +125,20 @@ class Cluster:
                 f"{nd.address}\t{nd.hostname}\n" for nd in self.nodes)
             for nd in self.nodes:
                 self._add_node(nd, hosts)
-            self.iptables_rule = _allow_bridge(self.bridge)
+            self.allow_forwarding()
             self._save_state()
             self._check_links()
         except BaseException:
             self.down()
             raise
+
+    def allow_forwarding(self) -> None:
+        """(Again) let the bridge's traffic through iptables' FORWARD chain: after an iptables or a
+        dockerd that appeared while the cluster exists (dockerd sets the FORWARD policy to DROP)."""
+        rule = _allow_bridge(self.bridge)
+        if rule and rule != self.iptables_rule:
+            self.iptables_rule = rule
+            self._save_state()
 
     def _check_links(self) -> None:
         """Every node reaches the first one by name over TCP; else ClusterUnavailable with the reason
@@ -350,14 +359,15 @@ def _state_path(prefix: str) -> str:
 
 
 def _allow_bridge(bridge: str) -> Optional[list[str]]:
-    """Insert an ACCEPT rule for the bridge when the FORWARD policy drops bridged traffic; the rule, or None."""
+    """Let the bridge's own traffic through the FORWARD chain (idempotent); the rule, or None without
+    iptables. Inserted whatever the policy is now: a dockerd started later sets it to DROP."""
     if shutil.which("iptables") is None:
         return None
-    r = _run(["iptables", "-S", "FORWARD"], check=False)
-    if r.returncode or "-P FORWARD DROP" not in r.stdout:
-        return None
     rule = ["FORWARD", "-i", bridge, "-o", bridge, "-j", "ACCEPT"]
-    _run(["iptables", "-I", *rule])
+    if _run(["iptables", "-S", "FORWARD"], check=False).returncode:  # no usable iptables (no netfilter tables)
+        return None
+    if _run(["iptables", "-C", *rule], check=False).returncode:
+        _run(["iptables", "-I", *rule])
     return rule
 
 
