@@ -15,9 +15,11 @@ and says so.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
+import sys
 import time
 from typing import Optional
 
@@ -57,20 +59,41 @@ def roll_call(wait_s: float) -> Optional[set[int]]:
         return None
     prefix = f"{_KEY}/{_attempt()}"
     try:
-        # a connection of its own: the group's may be gone, and its timeout is the long collective one
-        store = dist.TCPStore(_store_at[0], _store_at[1], is_master=False,
-                              timeout=datetime.timedelta(seconds=max(1.0, wait_s)))
-        store.set(f"{prefix}/{_rank}", socket.gethostname())
-        answered, deadline = {_rank}, time.monotonic() + wait_s
-        while True:
-            for r in range(len(_hosts)):
-                if r not in answered and store.check([f"{prefix}/{r}"]):
-                    answered.add(r)
-            if len(answered) == len(_hosts) or time.monotonic() >= deadline:
-                return answered
-            time.sleep(0.2)
+        with _quiet_stderr():
+            return _answer_and_wait(prefix, wait_s)
     except (RuntimeError, OSError):  # DistStoreError, a refused or timed-out connection
         return None
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """File descriptor 2 to /dev/null: torch's store logs a failed connection with a C++ stack trace,
+    which would bury the one line this roll call is for."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _answer_and_wait(prefix: str, wait_s: float) -> set[int]:
+    """Write this rank's answer, then collect the others' until all answered or ``wait_s`` passed."""
+    # a connection of its own: the group's may be gone, and its timeout is the long collective one
+    store = dist.TCPStore(_store_at[0], _store_at[1], is_master=False,
+                          timeout=datetime.timedelta(seconds=max(1.0, wait_s)))
+    store.set(f"{prefix}/{_rank}", socket.gethostname())
+    answered, deadline = {_rank}, time.monotonic() + wait_s
+    while True:
+        for r in range(len(_hosts)):
+            if r not in answered and store.check([f"{prefix}/{r}"]):
+                answered.add(r)
+        if len(answered) == len(_hosts) or time.monotonic() >= deadline:
+            return answered
+        time.sleep(0.2)
 
 
 def _ranks(ranks: list[int]) -> str:
