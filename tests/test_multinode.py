@@ -295,11 +295,13 @@ _TORCH_WARNING = re.compile(r"^\[?W\d{4} [\d:.]+ (\d+ )?\S+\] ")
 
 
 def _checkpoints_complete(run_dir) -> list[str]:
+    """The checkpoints, each complete: nothing half-saved passes for a checkpoint. A save that the
+    failure interrupted stays step_N.partial (resume=auto removes it, docs/operations.md)."""
     where = os.path.join(run_dir, "checkpoints")
     names = sorted(os.listdir(where)) if os.path.isdir(where) else []
-    assert all(n.startswith("step_") and os.path.exists(os.path.join(run_dir, "checkpoints", n, "COMPLETE"))
-                         for n in names), names  # nothing half-saved
-    return names
+    done = [n for n in names if not n.endswith(".partial")]
+    assert all(re.fullmatch(r"step_\d{6}", n) and os.path.exists(os.path.join(where, n, "COMPLETE")) for n in done), names
+    return done
 
 
 def test_a_killed_node_is_named_and_the_run_resumes_on_the_other_node(cluster, tmp_path):
