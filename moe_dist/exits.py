@@ -82,8 +82,14 @@ def _collective_failure(exc: BaseException, rank: int, command: str) -> Optional
     info = failed_collective(exc)
     if info is None or not (info.timed_out or info.peer_lost):
         return None
+    from .dist.roll_call import lost_nodes_line, roll_call_wait
+
     timeout = group_timeout()
-    line = f"moe-dist {command}: rank {rank}: " + info.describe(timeout.total_seconds() if timeout else None)
+    seconds = timeout.total_seconds() if timeout else None
+    line = f"moe-dist {command}: rank {rank}: " + info.describe(seconds)
+    lost = lost_nodes_line(roll_call_wait(seconds))  # "" on one host
+    if lost:
+        line += f"; {lost}"
     return ("timeout" if info.timed_out else "peer_lost"), line
 
 

@@ -85,7 +85,7 @@ def test_engines_and_checkpoints_do_not_import_the_trainer():
 # or from packages on a lower line (tests/test_imports.py is where this order is written down)
 LAYERS = (
     ("moe_dist.cli",),
-    ("moe_dist.local_launch", "moe_dist.torchrun_launch"),
+    ("moe_dist.local_launch", "moe_dist.torchrun_launch", "moe_dist.testing"),
     ("moe_dist.upcycle", "moe_dist.bench", "moe_dist.study"),
     ("moe_dist.plan",),
     ("moe_dist.hf",),

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .groups import ParallelGroups, build_parallel_groups, set_group_timeout
+from .roll_call import remember_hosts
 from ..checks import check_choice
 from ..errors import ConfigError, UserError
 from ..hardware import default_allocator_settings
@@ -283,6 +284,8 @@ def init_distributed(ep: int = 1, num_experts: Optional[int] = None, *, backend:
             raise ConfigError(f"parallel.ep={ep} must divide the world size {launch.world_size}")
         groups = build_parallel_groups(ep, num_experts)
         dp_mesh, mesh = _meshes(groups, dev, launch.world_size)
+        # to name a lost node after a failed collective (through the store the group was made with)
+        remember_hosts(*((launch.master_addr, launch.master_port) if owns else (None, None)))
     else:
         groups = build_parallel_groups(ep, num_experts)  # raises for ep > 1 on one process
         dp_mesh = mesh = None

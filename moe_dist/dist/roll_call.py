@@ -1,0 +1,131 @@
+"""Which node is gone after a collective failed: a roll call through the job's rendezvous store.
+
+A collective that lost its peer or timed out says neither which rank nor which machine is
+missing. At start-up every rank learns every rank's host name (:func:`remember_hosts`, one
+small all-gather) and the address of the job's rendezvous store (``tcp://MASTER_ADDR:MASTER_PORT``,
+on the first node). After a failure each surviving rank connects to that store anew, with a
+timeout of its own, writes its name there and waits a short while for the others'
+(:func:`roll_call`); the hosts none of whose ranks answered are the lost nodes. A rank that
+cannot reach the store at all is itself cut off from the job (or the store's node is gone),
+and says so.
+
+    remember_hosts("node0", 29500)         # every rank, once the default group exists
+    ...
+    lost_nodes_line(wait_s=10)             # after a failed collective: "node1 (ranks 2, 3) ..."
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+import sys
+import time
+from typing import Optional
+
+import torch.distributed as dist
+
+_KEY = "moe_dist/roll_call"
+_hosts: list[str] = []  # host name of every rank, by rank
+_store_at: Optional[tuple[str, int]] = None  # the rendezvous store's (host, port)
+_rank = 0
+
+
+def remember_hosts(store_host: Optional[str], store_port: Optional[int]) -> None:
+    """Collective: record every rank's host name and where the job's TCP store listens (None: the
+    group was not made from a TCP address; no roll call then). No-op on one process."""
+    global _hosts, _store_at, _rank
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return
+    names: list[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(names, socket.gethostname())
+    _hosts, _rank = [str(n) for n in names], dist.get_rank()
+    _store_at = (store_host, int(store_port)) if store_host and store_port else None
+
+
+def hosts() -> list[str]:
+    return list(_hosts)
+
+
+def _attempt() -> str:
+    # a torchrun restart reuses the store: answers of an earlier attempt must not count
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def roll_call(wait_s: float) -> Optional[set[int]]:
+    """Answer, then wait up to ``wait_s`` seconds for every rank's answer; the ranks that answered,
+    or None when the store cannot be reached (or was never recorded)."""
+    if _store_at is None or not _hosts:
+        return None
+    prefix = f"{_KEY}/{_attempt()}"
+    try:
+        with _quiet_stderr():
+            return _answer_and_wait(prefix, wait_s)
+    except (RuntimeError, OSError):  # DistStoreError, a refused or timed-out connection
+        return None
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """File descriptor 2 to /dev/null: torch's store logs a failed connection with a C++ stack trace,
+    which would bury the one line this roll call is for."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _answer_and_wait(prefix: str, wait_s: float) -> set[int]:
+    """Write this rank's answer, then collect the others' until all answered or ``wait_s`` passed."""
+    # a connection of its own: the group's may be gone, and its timeout is the long collective one
+    store = dist.TCPStore(_store_at[0], _store_at[1], is_master=False,
+                          timeout=datetime.timedelta(seconds=max(1.0, wait_s)))
+    store.set(f"{prefix}/{_rank}", socket.gethostname())
+    answered, deadline = {_rank}, time.monotonic() + wait_s
+    while True:
+        for r in range(len(_hosts)):
+            if r not in answered and store.check([f"{prefix}/{r}"]):
+                answered.add(r)
+        if len(answered) == len(_hosts) or time.monotonic() >= deadline:
+            return answered
+        time.sleep(0.2)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def lost_nodes_line(wait_s: float) -> str:
+    """A clause naming the lost node(s) and their ranks after a roll call of ``wait_s`` seconds, or
+    why none can be named; "" when the job runs on one host (its launcher names a dead rank), or
+    without a recorded store (before :func:`remember_hosts`, or a group made by someone else)."""
+    if len(set(_hosts)) < 2 or _store_at is None:
+        return ""
+    me = _hosts[_rank] if _rank < len(_hosts) else socket.gethostname()
+    answered = roll_call(wait_s)
+    if answered is None:
+        host, port = _store_at
+        return (f"the job's rendezvous store at {host}:{port} cannot be reached either: this node ({me}) is cut off "
+                f"from the others, or {host} is lost")
+    by_host: dict[str, list[int]] = {}
+    for r, h in enumerate(_hosts):
+        by_host.setdefault(h, []).append(r)
+    lost = [h for h, ranks in by_host.items() if not answered & set(ranks)]
+    silent = sorted(set(range(len(_hosts))) - answered)
+    if lost:
+        names = "; ".join(f"node {h} ({_ranks(by_host[h])})" for h in lost)
+        whose = "its" if len(lost) == 1 else "their"
+        return f"lost {names}: none of {whose} ranks answered a roll call within {wait_s:g} s"
+    if silent:
+        return f"{_ranks(silent)} did not answer a roll call within {wait_s:g} s (every node has ranks that did)"
+    return "every rank answered a roll call: no node is lost"
+
+
+def roll_call_wait(timeout_s: Optional[float]) -> float:
+    """How long survivors wait for each other's answers: a tenth of the collective timeout, 2 to 10 s."""
+    return min(10.0, max(2.0, (timeout_s or 100.0) / 10))

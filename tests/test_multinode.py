@@ -1,0 +1,374 @@
+"""Several nodes on one machine (moe_dist/testing/cluster.py: network namespaces on a bridge, each
+with its own address, host name and hosts file), and the project's launcher across them.
+
+* the cluster: every node has its name, resolves the others, reaches them only over its own link
+  and nothing outside; it is removed again after an exception and after a crashed owner;
+* ``launch/torchrun.sh`` on 2 nodes x 2 processes (``parallel.ep=4``: every MoE layer's experts
+  span both nodes) gives the losses of 1 process on the whole batch (1e-5), and moves what FSDP
+  and the token all-to-alls must carry over the nodes' links;
+* a node lost mid-run (its processes killed; its link unplugged): the surviving rank ends with one
+  line naming the lost node and its ranks, nothing is half-saved; a run of 2 nodes x 1 process
+  that met at ``MASTER_ADDR=node0`` (a host name) and lost node1 continues with ``resume=auto`` on
+  node0 alone (2 processes) on the uninterrupted run's loss curve, moving nothing over the links.
+
+Needs root and ``ip netns``; skipped with the reason elsewhere.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from moe_dist.testing.cluster import Cluster, ClusterUnavailable, recorded_clusters, remove_stale, unavailable_reason
+
+pytestmark = [pytest.mark.multinode, pytest.mark.slow]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUIET = ["run.progress=false", "run.plots=false", "run.tensorboard=false", "ckpt.save_final=false",
+         "eval.max_sequences=8"]
+STEPS = 4
+RUN_TIMEOUT = 240  # one launch on a busy 2-core machine: ~20-40 s alone
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    remove_stale()
+    c = Cluster(2)
+    try:
+        c.up()  # removes what it made when it fails
+    except ClusterUnavailable as e:  # e.g. a firewall between the bridge's ports
+        pytest.skip(str(e))
+    try:
+        yield c
+    finally:
+        c.down()
+
+
+@pytest.fixture(autouse=True)
+def _clean_nodes(request):
+    """Before every test, the bridge allowed through iptables (a dockerd started meanwhile, as CI's
+    engine set-up does, sets the FORWARD policy to DROP); after it, no process left on a node and
+    every link plugged in (also after a failure)."""
+    c = request.getfixturevalue("cluster") if "cluster" in request.fixturenames else None
+    if c is not None:
+        c.allow_forwarding()
+    yield
+    if c is not None:
+        for nd in c.nodes:
+            c.kill_node(nd)
+            c.set_link(nd, True)
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK")}
+    env.update(PYTHON=sys.executable, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def _config(tmp, name, *extra) -> list[str]:
+    return ["configs/test.yaml", f"run.dir={tmp}/{name}", f"data.cache_dir={tmp}/cache",
+            f"train.steps={STEPS}", *QUIET, *extra]
+
+
+def _losses(run_dir) -> list[float]:
+    return [json.loads(line)["loss"] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+def start_nodes(c: Cluster, tmp, name: str, nodes: int, nproc: int, *overrides, master="node0"):
+    """Start ``launch/torchrun.sh`` on the first ``nodes`` nodes; [(Popen, stdout file, stderr file)]."""
+    procs, rdzv_id = [], f"{name}-{time.time_ns()}"
+    for i in range(nodes):
+        env = _env(NPROC_PER_NODE=str(nproc), NNODES=str(nodes), NODE_RANK=str(i), MASTER_ADDR=master,
+                   RDZV_ID=rdzv_id)
+        out = open(tmp / f"{name}.node{i}.out", "w+")
+        err = open(tmp / f"{name}.node{i}.err", "w+")
+        procs.append((c.popen(c.nodes[i], ["bash", "launch/torchrun.sh", *_config(tmp, name, *overrides)], env=env,
+                              cwd=ROOT, stdout=out, stderr=err), out, err))
+    return procs
+
+
+def finish(proc, timeout: float):
+    """Wait for one node's launcher (killed after ``timeout`` s); (rc, stdout, stderr)."""
+    p, out, err = proc
+    try:
+        p.wait(timeout=max(1.0, timeout))
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+    out.seek(0)
+    err.seek(0)
+    return p.returncode, out.read(), err.read()
+
+
+def launch_nodes(c: Cluster, tmp, name: str, nodes: int, nproc: int, *overrides, master="node0"):
+    """``launch/torchrun.sh`` on the first ``nodes`` nodes; waits; returns [(rc, out, err)] per node."""
+    procs = start_nodes(c, tmp, name, nodes, nproc, *overrides, master=master)
+    deadline = time.monotonic() + RUN_TIMEOUT
+    return [finish(p, deadline - time.monotonic()) for p in procs]
+
+
+def _assert_ok(results):
+    for i, (rc, out, err) in enumerate(results):
+        assert rc == 0, f"node{i} exited {rc}:\n{out[-3000:]}\n{err[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The loss curve of 1 process on the whole batch (``parallel.ep=1``), in the root namespace."""
+    tmp = tmp_path_factory.mktemp("reference")
+    res = subprocess.run([sys.executable, "-m", "moe_dist.cli", "train", "--config",
+                          *_config(tmp, "one", "parallel.ep=1")], cwd=ROOT, env=_env(), capture_output=True,
+                         text=True, timeout=RUN_TIMEOUT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    losses = _losses(tmp / "one")
+    assert len(losses) == STEPS and losses[-1] < losses[0]
+    return losses
+
+
+def _python_on(c, node, code, **kw):
+    return c.run(node, [sys.executable, "-c", textwrap.dedent(code)], env=_env(), timeout=60, **kw)
+
+
+def test_nodes_have_their_names_and_reach_each_other_only_over_their_links(cluster):
+    c = cluster
+    for nd in c.nodes:
+        r = c.run(nd, ["hostname"])
+        assert r.returncode == 0 and r.stdout.strip() == nd.hostname, r.stderr
+        r = c.run(nd, ["getent", "hosts", *(m.hostname for m in c.nodes)])
+        assert r.stdout.split() == [w for m in c.nodes for w in (m.address, m.hostname)], r.stdout + r.stderr
+        routes = c.run(nd, ["ip", "-o", "route", "show"]).stdout
+        assert "default" not in routes and "dev eth0" in routes  # nothing leaves the machine
+    # a TCP connection from node1 to node0 by name, counted on both links
+    server = c.popen(c.nodes[0], [sys.executable, "-c", textwrap.dedent("""
+        import socket
+        s = socket.create_server(("0.0.0.0", 28711)); print("ready", flush=True)
+        conn, addr = s.accept(); n = 0
+        while True:
+            b = conn.recv(65536)
+            if not b: break
+            n += len(b)
+        print(n, addr[0], flush=True)""")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        before = [c.link_bytes(nd) for nd in c.nodes]
+        r = _python_on(c, c.nodes[1], """
+            import socket
+            with socket.create_connection(("node0", 28711), timeout=20) as s:
+                s.sendall(b"x" * 1_000_000)""")
+        assert r.returncode == 0, r.stderr
+        out = server.communicate(timeout=30)[0].split()
+    finally:
+        server.kill()
+    assert out == ["1000000", c.nodes[1].address]
+    rx0 = c.link_bytes(c.nodes[0])[0] - before[0][0]
+    tx1 = c.link_bytes(c.nodes[1])[1] - before[1][1]
+    assert 1_000_000 < rx0 < 1_100_000 and 1_000_000 < tx1 < 1_100_000, (rx0, tx1)  # payload + TCP/IP headers
+
+
+def test_a_cluster_is_removed_after_an_exception_and_after_its_owner_died():
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    with pytest.raises(KeyError):
+        with Cluster(1, rate="200mbit") as c:
+            names = [nd.netns for nd in c.nodes] + [c.bridge]
+            assert c.run(c.nodes[0], ["tc", "qdisc", "show", "dev", "eth0"]).stdout.startswith("qdisc tbf")
+            c.node("node7")
+    assert not _leftovers(names)
+    # a cluster whose owner process died (a crashed test run) is found and removed
+    code = """
+        import os
+        from moe_dist.testing.cluster import Cluster
+        c = Cluster(1); c.up(); print(c.prefix, flush=True); os._exit(0)"""
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=_env(), capture_output=True, text=True,
+                       timeout=60)
+    prefix = r.stdout.strip()
+    assert r.returncode == 0 and prefix in [st["prefix"] for st in recorded_clusters()], r.stderr
+    assert prefix in remove_stale()
+    assert not _leftovers([f"{prefix}-node0", f"{prefix}-br"]) and not os.path.exists(f"/etc/netns/{prefix}-node0")
+
+
+def _leftovers(names):
+    have = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout + \
+        subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    return [n for n in names if n in have]
+
+
+def test_cluster_refuses_clearly_without_root():
+    if os.geteuid() != 0:
+        assert "needs root" in unavailable_reason()
+        with pytest.raises(ClusterUnavailable, match="needs root"):
+            Cluster(2).up()
+        return
+    # as root: the same check run by an unprivileged user (nobody)
+    code = "from moe_dist.testing.cluster import main; raise SystemExit(main(['up', '2']))"
+    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code],
+                       env=_env(), capture_output=True, text=True, timeout=60, cwd="/")
+    assert r.returncode == 2 and r.stderr.strip() == "cluster: a namespace cluster needs root (ip netns, veth, bridge)", \
+        r.stdout + r.stderr
+
+
+def dense_parameter_bytes(run_dir) -> int:
+    """fp32 bytes of the dense (FSDP-sharded) weights: all but the experts. run.json counts the
+    parameters in total and those active per token (top_k of each MoE layer's num_experts experts)."""
+    from moe_dist.config import load_config
+
+    info = json.load(open(os.path.join(run_dir, "run.json")))
+    conf = load_config(os.path.join(run_dir, "config.yaml"))
+    moe, layers = conf.model.moe, conf.model.n_layers  # configs/test.yaml: an MoE block in every layer
+    total, active = info["parameters"]["total"], info["parameters"]["active"]
+    per_expert = (total - active) // (layers * (moe.num_experts - moe.top_k))
+    return 4 * (total - layers * moe.num_experts * per_expert)
+
+
+def test_torchrun_on_two_nodes_of_two_processes_matches_one_process(cluster, reference, tmp_path):
+    c = cluster
+    before = [c.link_bytes(nd) for nd in c.nodes]
+    results = launch_nodes(c, tmp_path, "ep4", 2, 2, "parallel.ep=4")
+    _assert_ok(results)
+    after = [c.link_bytes(nd) for nd in c.nodes]
+    out = results[0][1]
+    assert "parallel: 4 process(es) [torchrun, gloo" in out and "ep=4" in out, out
+    assert out.count(f"done: {STEPS} steps") == 1 and results[1][1].count("done:") == 0
+    info = json.load(open(tmp_path / "ep4" / "run.json"))
+    assert (info["world_size"], info["ep"]) == (4, 4)
+    assert _losses(tmp_path / "ep4") == pytest.approx(reference, rel=1e-5, abs=0)
+
+    # the inter-node traffic: one link's two ends agree (what node1 sends, node0 receives)
+    rx = [a[0] - b[0] for a, b in zip(after, before)]
+    tx = [a[1] - b[1] for a, b in zip(after, before)]
+    assert rx[0] == tx[1] and rx[1] == tx[0], (rx, tx)
+    # at the least, each step, whatever the algorithms: a node receives the other node's half of the
+    # dense weights (FSDP's all-gather) and its partial gradients of this node's half (reduce-scatter)
+    dense = dense_parameter_bytes(tmp_path / "ep4")
+    least = STEPS * dense
+    # at the most: per step the dense weights gathered twice (forward, backward; every remote shard to
+    # each of the 2 local ranks) and their gradients reduced (as an all-reduce: twice), and every routed
+    # token of the node's ranks crossing in each MoE layer's 4 all-to-alls (dispatch, combine and their
+    # gradients); the same for one evaluation batch, the start-up broadcast; x2 for TCP/IP and control
+    tokens = 8 * 64 // 2 * 2  # the node's tokens (half the global batch) x top_k
+    a2a = 4 * 2 * tokens * 64 * 4
+    most = 2 * ((STEPS + 1) * (4 * dense + a2a) + 3 * dense)
+    print(f"2 nodes x 2 processes, ep=4, {STEPS} steps: node0 received {rx[0]:,} and sent {tx[0]:,} bytes "
+          f"(bounds {least:,}..{most:,})")
+    for moved in rx + tx:
+        assert least < moved < most, (least, moved, most)
+
+
+# A run that outlives the kill: constant learning rate after the warm-up (min_lr_ratio=1), so that its
+# curve does not depend on train.steps and a short uninterrupted run is its reference
+LOST = ["parallel.ep=2", "train.min_lr_ratio=1", "ckpt.every=5", "ckpt.verify=false"]
+LOST_STEPS, RESUMED_STEPS = 3000, 12
+
+
+def _wait_for_step(run_dir, step: int, procs, timeout: float = RUN_TIMEOUT) -> None:
+    deadline, path = time.monotonic() + timeout, os.path.join(run_dir, "metrics.jsonl")
+    while time.monotonic() < deadline:
+        if os.path.exists(path) and sum(1 for _ in open(path)) >= step:
+            return
+        assert all(p.poll() is None for p, _, _ in procs), "a node's launcher ended before the step"
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not reached within {timeout} s")
+
+
+def _one_rank_line(err: str) -> str:
+    """The rank's own line: the only one of the job on the node (torch's socket warnings aside)."""
+    lines = [line for line in err.splitlines() if line.strip() and not _TORCH_WARNING.match(line)]
+    assert len(lines) == 1 and lines[0].startswith("moe-dist train:"), err[-4000:]
+    return lines[0]
+
+
+# torch's warnings, from C++ ([W1125 16:27:24.886935753 socket.cpp:207] [c10d] The hostname of the client
+# socket cannot be retrieved) and from torchrun (W1125 17:17:00.525000 10258 torch/distributed/run.py:865]
+# node_rank is only used for static rdzv_backend)
+_TORCH_WARNING = re.compile(r"^\[?W\d{4} [\d:.]+ (\d+ )?\S+\] ")
+
+
+def _checkpoints_complete(run_dir) -> list[str]:
+    """The checkpoints, each complete: nothing half-saved passes for a checkpoint. A save that the
+    failure interrupted stays step_N.partial (resume=auto removes it, docs/operations.md)."""
+    where = os.path.join(run_dir, "checkpoints")
+    names = sorted(os.listdir(where)) if os.path.isdir(where) else []
+    done = [n for n in names if not n.endswith(".partial")]
+    assert all(re.fullmatch(r"step_\d{6}", n) and os.path.exists(os.path.join(where, n, "COMPLETE")) for n in done), names
+    return done
+
+
+def test_a_killed_node_is_named_and_the_run_resumes_on_the_other_node(cluster, tmp_path):
+    c = cluster
+    procs = start_nodes(c, tmp_path, "lost", 2, 1, *LOST, f"train.steps={LOST_STEPS}")
+    _wait_for_step(tmp_path / "lost", 7, procs)  # past the checkpoint of step 5
+    t0 = time.monotonic()
+    c.kill_node(c.nodes[1])  # every process of node1, as if the machine died
+    rc, out, err = finish(procs[0], 120)
+    seconds = time.monotonic() - t0
+    finish(procs[1], 5)
+    assert rc == 1, out[-2000:] + err[-4000:]
+    line = _one_rank_line(err)
+    assert line.startswith("moe-dist train: rank 0: the collective ") and "another rank went away" in line, line
+    assert line.endswith("; lost node node1 (rank 1): none of its ranks answered a roll call within 10 s"), line
+    assert seconds < 60, seconds  # a connection reset: no waiting for parallel.timeout_s
+    print(f"killed node: the survivor ended {seconds:.1f} s after the kill")
+    names = _checkpoints_complete(tmp_path / "lost")
+    assert names, "no checkpoint"
+    before_kill = _losses(tmp_path / "lost")
+
+    # resume=auto on the remaining node alone (2 processes, same global batch): the same loss curve as an
+    # uninterrupted run, and nothing crosses the links (both ranks talk over node0's loopback)
+    ref = subprocess.run([sys.executable, "-m", "moe_dist.cli", "train", "--config",
+                          *_config(tmp_path, "uninterrupted", *LOST, "parallel.ep=1", f"train.steps={RESUMED_STEPS}")],
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    before = [c.link_bytes(nd) for nd in c.nodes]
+    (rc, out, err), = launch_nodes(c, tmp_path, "lost", 1, 2, *LOST, f"train.steps={RESUMED_STEPS}", "resume=auto")
+    assert rc == 0, out[-2000:] + err[-4000:]
+    moved = [sum(c.link_bytes(nd)) - sum(b) for nd, b in zip(c.nodes, before)]
+    assert moved == [0, 0], moved
+    start = int(names[-1].split("_")[1])
+    assert f"checkpoints/{names[-1]} at step {start} (saved by 2 rank(s)" in out, out[-2000:]
+    rows = [json.loads(line) for line in open(tmp_path / "lost" / "metrics.jsonl")]
+    resumed = {r["step"]: r["loss"] for r in rows[-(RESUMED_STEPS - start):]}
+    assert sorted(resumed) == list(range(start + 1, RESUMED_STEPS + 1)), [r["step"] for r in rows]
+    uninterrupted = _losses(tmp_path / "uninterrupted")
+    # 2 nodes x 1 process that met at MASTER_ADDR=node0 (a host name), then 1 node x 2 processes: one curve
+    n = min(len(before_kill), RESUMED_STEPS)
+    assert before_kill[:n] == pytest.approx(uninterrupted[:n], rel=1e-5, abs=0)
+    assert [resumed[s] for s in sorted(resumed)] == pytest.approx(uninterrupted[start:], rel=1e-5, abs=0)
+
+
+def test_an_unplugged_node_is_named_after_the_collective_timeout(cluster, tmp_path):
+    c = cluster
+    timeout_s = 12
+    procs = start_nodes(c, tmp_path, "unplugged", 2, 1, *LOST, f"train.steps={LOST_STEPS}",
+                        f"parallel.timeout_s={timeout_s}")
+    _wait_for_step(tmp_path / "unplugged", 3, procs)
+    t0 = time.monotonic()
+    c.set_link(c.nodes[1], False)  # no connection reset reaches node0: only silence
+    rc, out, err = finish(procs[0], timeout_s + 120)
+    seconds = time.monotonic() - t0
+    assert rc == 1, out[-2000:] + err[-4000:]
+    line = _one_rank_line(err)
+    assert f"did not complete within parallel.timeout_s={timeout_s} s" in line, line
+    assert line.endswith("; lost node node1 (rank 1): none of its ranks answered a roll call within 2 s"), line
+    assert timeout_s <= seconds < timeout_s + 60, seconds
+    print(f"unplugged node: the survivor ended {seconds:.1f} s after the unplug (parallel.timeout_s={timeout_s})")
+    _checkpoints_complete(tmp_path / "unplugged")
+    # the unplugged node's rank times out as well and knows that it is the one cut off
+    err1, deadline = "", time.monotonic() + 60
+    while "moe-dist train:" not in err1 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        err1 = open(tmp_path / "unplugged.node1.err").read()
+    line1 = _one_rank_line(err1)
+    assert line1.startswith("moe-dist train: rank 1: the collective ") and re.search(
+        r"; the job's rendezvous store at node0:\d+ cannot be reached either: this node \(node1\) is cut off "
+        r"from the others, or node0 is lost$", line1), line1
