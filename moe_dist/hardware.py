@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import time
 from typing import Optional
 
@@ -39,17 +40,24 @@ def bf16_matmul_slowdown() -> float:
     return times[torch.bfloat16] / max(times[torch.float32], 1e-9)
 
 
+def bf16_slowdown(device: torch.device) -> Optional[float]:
+    """How many times slower than fp32 a bf16 matmul runs on ``device`` when that is a fallback path (a CPU
+    without AVX-512 / AMX, measured :data:`SLOW_BF16` times or more), else None. The one rule behind
+    :func:`bf16_choice` and :func:`slow_bf16_note`; GPUs and CPUs with bf16 instructions are never probed."""
+    if not cpu_bf16_is_slow(device):
+        return None
+    ratio = bf16_matmul_slowdown()
+    return ratio if ratio >= SLOW_BF16 else None
+
+
 def bf16_choice(device: torch.device, dtype: str, on_slow_cpu: str = "fp32") -> tuple[str, Optional[str]]:
     """``(dtype to run, one line to print or None)`` for ``train.dtype``. On a CPU without AVX-512 /
     AMX whose bf16 matmul measures :data:`SLOW_BF16` or more times fp32's, bf16 becomes fp32 unless
     ``on_slow_cpu == "bf16"`` (``train.bf16_on_slow_cpu``). The same model either way (fp32 master
     weights; autocast only rounds the matmul inputs), so the fallback costs no accuracy; refusing
-    instead would stop every bf16 preset on such machines for a choice that only affects speed.
-    GPUs and CPUs with bf16 instructions are never probed."""
-    if dtype != "bf16" or not cpu_bf16_is_slow(device):
-        return dtype, None
-    ratio = bf16_matmul_slowdown()
-    if ratio < SLOW_BF16:
+    instead would stop every bf16 preset on such machines for a choice that only affects speed."""
+    ratio = bf16_slowdown(device) if dtype == "bf16" else None
+    if ratio is None:
         return dtype, None
     why = (f"bf16 matmuls measured {ratio:.0f}x slower than fp32 on this CPU "
            f"({torch.backends.cpu.get_cpu_capability()}: no AVX-512 bf16 or AMX)")
@@ -61,10 +69,11 @@ def bf16_choice(device: torch.device, dtype: str, on_slow_cpu: str = "fp32") -> 
 
 def slow_bf16_note(device: torch.device, dtype: str) -> Optional[str]:
     """The one line a benchmark that times ``dtype`` as asked prints on such a CPU, or None."""
-    if dtype != "bf16" or not cpu_bf16_is_slow(device):
+    ratio = bf16_slowdown(device) if dtype == "bf16" else None
+    if ratio is None:
         return None
     return (f"warning: bf16 on a CPU with {torch.backends.cpu.get_cpu_capability()} (no AVX-512): bf16 matmuls "
-            f"measured {bf16_matmul_slowdown():.0f}x slower than fp32 here, so the bf16 figures say little about "
+            f"measured {ratio:.0f}x slower than fp32 here, so the bf16 figures say little about "
             "bf16 elsewhere; train.dtype=fp32 (or --dtypes fp32) is the faster choice on this machine")
 
 
@@ -85,8 +94,6 @@ def default_allocator_settings(environ=None) -> None:
     """Before CUDA allocates: PyTorch's caching allocator with expandable segments, unless the user
     set ``PYTORCH_ALLOC_CONF`` or ``PYTORCH_CUDA_ALLOC_CONF`` (dropless MoE layers allocate buffers
     of a different size every step, which fragments fixed segments)."""
-    import os
-
     env = os.environ if environ is None else environ
     if "PYTORCH_ALLOC_CONF" not in env and "PYTORCH_CUDA_ALLOC_CONF" not in env:
         env["PYTORCH_ALLOC_CONF"] = CUDA_ALLOC_CONF

@@ -99,6 +99,13 @@ def _refuse_unsafe_entries(directory: str, metadata, allow_objects: bool = False
                                    "not declare; nothing was loaded")
 
 
+def _record(stream, info) -> io.BytesIO:
+    """The bytes of one storage record (``info``: its offset and length in the open file ``stream``)."""
+    from torch.distributed.checkpoint.utils import _create_file_view
+
+    return io.BytesIO(_create_file_view(stream, info.offset, info.length).read())
+
+
 class SafeFileSystemReader(FileSystemReader):
     """FileSystemReader that reads only data: ``.metadata`` through an allowlist unpickler and
     checked by :func:`_refuse_unsafe_entries`; tensors with ``torch.load(weights_only=True)``,
@@ -118,14 +125,13 @@ class SafeFileSystemReader(FileSystemReader):
         needs nothing outside that allowlist builds the same objects, and runs no code, under any
         unpickler. :class:`UnsafeCheckpoint` names the first entry that needs more."""
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-        from torch.distributed.checkpoint.utils import _create_file_view
 
         objects = {k for k, md in metadata.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata)}
         for index, info in metadata.storage_data.items():
             if index.fqn not in objects:
                 continue
             with open(os.path.join(str(self.path), info.relative_path), "rb") as f:
-                record = io.BytesIO(_create_file_view(f, info.offset, info.length).read())
+                record = _record(f, info)
             try:
                 torch.load(record, map_location="cpu", weights_only=True)
             except Exception as e:  # noqa: BLE001 - any refusal of the weights-only unpickler
@@ -150,16 +156,17 @@ class SafeFileSystemReader(FileSystemReader):
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
-        self._declared = metadata.state_dict_metadata
         return metadata
+
+    def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._declared = metadata.state_dict_metadata  # each entry's dtype, checked as it is read
 
     def read_data(self, plan, planner):
         from torch.distributed._shard._utils import narrow_tensor_by_index
         from torch.distributed.checkpoint.planner import LoadItemType
-        from torch.distributed.checkpoint.utils import _create_file_view
         from torch.futures import Future
 
-        declared = getattr(self, "_declared", {})
         per_file: dict[str, list] = {}
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
@@ -169,16 +176,13 @@ class SafeFileSystemReader(FileSystemReader):
             if info is None:
                 raise DamagedCheckpoint(f"checkpoint {self.path}: no storage record for entry {item.dest_index.fqn!r} "
                                         f"at offsets {list(item.storage_index.offset or [])}")
-            per_file.setdefault(info.relative_path, []).append(item)
+            per_file.setdefault(info.relative_path, []).append((item, info))
         for rel, items in per_file.items():
-            full = os.path.join(str(self.path), rel)
-            with open(full, "rb") as stream:
-                for item in items:
-                    info = self.storage_data[item.storage_index]
+            with open(os.path.join(str(self.path), rel), "rb") as stream:
+                for item, info in items:
                     fqn = item.dest_index.fqn
-                    view = io.BytesIO(_create_file_view(stream, info.offset, info.length).read())
                     try:
-                        tensor = torch.load(view, map_location="cpu", weights_only=True)
+                        tensor = torch.load(_record(stream, info), map_location="cpu", weights_only=True)
                     except pickle.UnpicklingError:
                         raise UnsafeCheckpoint(f"checkpoint {self.path}: entry {fqn!r} in {rel} is not a plain tensor: "
                                                "its pickle asks for objects a tensor never needs (torch.load with "
@@ -189,7 +193,7 @@ class SafeFileSystemReader(FileSystemReader):
                     if type(tensor) is not torch.Tensor:
                         raise UnsafeCheckpoint(f"checkpoint {self.path}: entry {fqn!r} in {rel} holds a "
                                                f"{type(tensor).__name__}, not a tensor; nothing more was loaded")
-                    md = declared.get(fqn)
+                    md = self._declared.get(fqn)
                     if md is not None and tensor.dtype != md.properties.dtype:
                         raise DamagedCheckpoint(f"checkpoint {self.path}: entry {fqn!r} in {rel} holds a {tensor.dtype} "
                                                 f"tensor where its metadata declares {md.properties.dtype}")

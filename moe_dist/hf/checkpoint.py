@@ -64,7 +64,7 @@ class HFCheckpoint:
             return torch.empty(shape, device="meta")
         return self.weights.get(name)
 
-    def _read_all(self) -> Iterable:
+    def _read_all(self) -> Iterable:  # pragma: no cover - abstract
         """Every tensor the reader takes from the checkpoint (subclasses: their whole model)."""
         raise NotImplementedError
 
