@@ -48,10 +48,15 @@ def _strip_nproc(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: Optional[str] = None) -> argparse.ArgumentParser:
+    """The parser of every command, or of ``only`` alone: a command's module is imported only when its
+    parser is built, so the launcher of ``train --nproc N`` does not import what other commands need
+    (some import torch, seconds of start-up on a small machine)."""
     parser = argparse.ArgumentParser(prog="moe-dist", description="Expert-parallel Mixture-of-Experts training.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name in COMMANDS.items():
+        if only is not None and name != only:
+            continue
         module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(p)
@@ -75,7 +80,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     args = parse_args(parser, argv)
     if getattr(args, "command", None) is None:
         parser.print_help()

@@ -26,7 +26,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, out_dir, fn, args, timeout):
+def _worker(rank, world_size, out_dir, fn, args, timeout, environ):
+    os.environ.clear()  # the caller's environment now, not the one the fork server started with
+    os.environ.update(environ)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
@@ -46,11 +48,28 @@ def _worker(rank, world_size, out_dir, fn, args, timeout):
             dist.destroy_process_group()
 
 
+_CTX = None
+
+
+def _context():
+    """Rank processes forked from one server process that has imported torch and the project once
+    (``forkserver``): a fresh interpreter per rank (``spawn``) spends seconds importing them again for
+    every call. The server holds no threads and no process group, so each fork starts clean; it
+    receives the caller's environment (``_worker``). ``MOE_DIST_TEST_START_METHOD=spawn``: a fresh
+    interpreter per rank."""
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context(os.environ.get("MOE_DIST_TEST_START_METHOD", "forkserver"))
+        if _CTX.get_start_method() == "forkserver":
+            _CTX.set_forkserver_preload(["torch", "torch.distributed", "moe_dist.train.trainer", "dist_harness"])
+    return _CTX
+
+
 def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0):
     timeout = float(os.environ.get("MOE_DIST_TEST_TIMEOUT", timeout))
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(r, world_size, out_dir, fn, args, timeout)) for r in range(world_size)]
+        ctx = _context()
+        procs = [ctx.Process(target=_worker, args=(r, world_size, out_dir, fn, args, timeout, dict(os.environ))) for r in range(world_size)]
         for p in procs:
             p.start()
         for p in procs:
