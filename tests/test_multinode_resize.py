@@ -70,6 +70,16 @@ def as_lost_after(src, dst, checkpoint_step: int, last_row: int) -> None:
     os.remove(os.path.join(dst, "summary.json"))
 
 
+def files(run_dir) -> dict[str, tuple[int, int]]:
+    """Every file under ``run_dir``: (size, modification time in ns) by relative path."""
+    out = {}
+    for where, _, names in os.walk(run_dir):
+        for name in names:
+            st = os.stat(os.path.join(where, name))
+            out[os.path.relpath(os.path.join(where, name), run_dir)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
 @pytest.fixture(scope="module")
 def tmp(tmp_path_factory):
     return tmp_path_factory.mktemp("resize")
@@ -86,12 +96,12 @@ def two_nodes(cluster, tmp):
 def shrunk(cluster, tmp, two_nodes):
     c, run_dir = cluster, tmp / "shrunk"
     as_lost_after(tmp / "two_nodes", run_dir, SHRINK_AT, SHRINK_AT + 2)
-    before = sorted(os.listdir(run_dir / "checkpoints")), open(run_dir / "metrics.jsonl").read()
+    before = files(run_dir)
     # the job's unchanged command (parallel.ep=4) on the remaining node: refused before any step
     t0 = time.monotonic()
     proc, = start_nodes(c, tmp, "shrunk-refused", 1, 2, *JOB, "parallel.ep=4", f"run.dir={run_dir}")
     refused = (*finish(proc, JOB_TIMEOUT), time.monotonic() - t0)
-    after = sorted(os.listdir(run_dir / "checkpoints")), open(run_dir / "metrics.jsonl").read()
+    after = files(run_dir)
     (rc, out, err), = launch(c, tmp, "shrunk", 1, 2, AUTO)
     return {"refused": refused, "untouched": before == after, "out": out, "rows": rows(run_dir)}
 
@@ -108,7 +118,7 @@ def test_the_unchanged_command_on_the_remaining_node_is_refused_before_any_step(
     assert rc == 2, out[-2000:] + err[-3000:]
     assert _one_rank_line(err) == ("moe-dist train: error: parallel.ep: 4 must divide the world size 2; allowed on 2 "
                                    "process(es) with model.moe.num_experts=4: 1, 2 or auto"), err[-3000:]
-    assert "resumed from" not in out and shrunk["untouched"]  # no step: checkpoints and metrics rows as they were
+    assert "resumed from" not in out and shrunk["untouched"]  # before any step: not a file of run.dir touched
     print(f"refused on the remaining node {seconds:.1f} s after the launch")
 
 
