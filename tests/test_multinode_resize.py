@@ -52,8 +52,10 @@ def launch(c, tmp, name: str, nodes: int, nproc: int, *overrides) -> list[tuple[
 
 
 def rows(run_dir) -> dict[int, dict]:
-    """metrics.jsonl by step (a resumed run's rows after its resumed step are its own)."""
-    return {r["step"]: r for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl")))}
+    """metrics.jsonl by step, every step once (a resumed run's rows after its resumed step are its own)."""
+    found = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    assert [r["step"] for r in found] == list(range(1, len(found) + 1)), [r["step"] for r in found]
+    return {r["step"]: r for r in found}
 
 
 def as_lost_after(src, dst, checkpoint_step: int, last_row: int) -> None:
