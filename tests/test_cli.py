@@ -70,7 +70,8 @@ def test_eval_of_the_checkpoint_on_another_layout(run_dir):
     # an ep given on the command line is the user's choice, checked as such
     res = moe_dist("eval", "--run-dir", str(d), "parallel.ep=2")
     assert res.returncode == 2 and res.stderr.splitlines() == [
-        "moe-dist eval: error: parallel.ep=2 needs torch.distributed to be initialised (world size 1 allows only ep=1)"]
+        "moe-dist eval: error: parallel.ep: 2 must divide the world size 1; allowed on 1 process(es) with "
+        "model.moe.num_experts=4: 1 or auto"]
 
 
 def test_evaluation_ep():
@@ -84,7 +85,8 @@ def test_errors_are_reported_before_launching(tmp_path, capsys):
     # the real script: the parent checks the config and reports once, without starting ranks
     res = moe_dist("train", "--config", "configs/test.yaml", "--nproc", "2", "parallel.ep=3", f"run.dir={tmp_path}")
     assert res.returncode == 2
-    assert res.stderr.strip() == "moe-dist train: error: parallel.ep: 3 must divide model.moe.num_experts=4"
+    assert res.stderr.strip() == ("moe-dist train: error: parallel.ep: 3 must divide model.moe.num_experts=4; allowed: "
+                                  "1, 2, 4 or auto")
     assert not os.path.exists(tmp_path / "config.yaml")
     # the same entry point in-process for the other paths
     config = os.path.join(ROOT, "configs/test.yaml")

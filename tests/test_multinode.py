@@ -26,88 +26,14 @@ import time
 import pytest
 
 from moe_dist.testing.cluster import Cluster, ClusterUnavailable, recorded_clusters, remove_stale, unavailable_reason
+from multinode_harness import (ROOT, RUN_TIMEOUT, STEPS, _clean_nodes, _config, _env, _one_rank_line,  # noqa: F401 (fixtures)
+                               cluster, finish, start_nodes)
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-QUIET = ["run.progress=false", "run.plots=false", "run.tensorboard=false", "ckpt.save_final=false",
-         "eval.max_sequences=8"]
-STEPS = 4
-RUN_TIMEOUT = 240  # one launch on a busy 2-core machine: ~20-40 s alone
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    remove_stale()
-    c = Cluster(2)
-    try:
-        c.up()  # removes what it made when it fails
-    except ClusterUnavailable as e:  # e.g. a firewall between the bridge's ports
-        pytest.skip(str(e))
-    try:
-        yield c
-    finally:
-        c.down()
-
-
-@pytest.fixture(autouse=True)
-def _clean_nodes(request):
-    """Before every test, the bridge allowed through iptables (a dockerd started meanwhile, as CI's
-    engine set-up does, sets the FORWARD policy to DROP); after it, no process left on a node and
-    every link plugged in (also after a failure)."""
-    c = request.getfixturevalue("cluster") if "cluster" in request.fixturenames else None
-    if c is not None:
-        c.allow_forwarding()
-    yield
-    if c is not None:
-        for nd in c.nodes:
-            c.kill_node(nd)
-            c.set_link(nd, True)
-
-
-def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK")}
-    env.update(PYTHON=sys.executable, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **extra)
-    return env
-
-
-def _config(tmp, name, *extra) -> list[str]:
-    return ["configs/test.yaml", f"run.dir={tmp}/{name}", f"data.cache_dir={tmp}/cache",
-            f"train.steps={STEPS}", *QUIET, *extra]
 
 
 def _losses(run_dir) -> list[float]:
     return [json.loads(line)["loss"] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-
-
-def start_nodes(c: Cluster, tmp, name: str, nodes: int, nproc: int, *overrides, master="node0"):
-    """Start ``launch/torchrun.sh`` on the first ``nodes`` nodes; [(Popen, stdout file, stderr file)]."""
-    procs, rdzv_id = [], f"{name}-{time.time_ns()}"
-    for i in range(nodes):
-        env = _env(NPROC_PER_NODE=str(nproc), NNODES=str(nodes), NODE_RANK=str(i), MASTER_ADDR=master,
-                   RDZV_ID=rdzv_id)
-        out = open(tmp / f"{name}.node{i}.out", "w+")
-        err = open(tmp / f"{name}.node{i}.err", "w+")
-        procs.append((c.popen(c.nodes[i], ["bash", "launch/torchrun.sh", *_config(tmp, name, *overrides)], env=env,
-                              cwd=ROOT, stdout=out, stderr=err), out, err))
-    return procs
-
-
-def finish(proc, timeout: float):
-    """Wait for one node's launcher (killed after ``timeout`` s); (rc, stdout, stderr)."""
-    p, out, err = proc
-    try:
-        p.wait(timeout=max(1.0, timeout))
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait()
-    out.seek(0)
-    err.seek(0)
-    return p.returncode, out.read(), err.read()
 
 
 def launch_nodes(c: Cluster, tmp, name: str, nodes: int, nproc: int, *overrides, master="node0"):
@@ -279,19 +205,6 @@ def _wait_for_step(run_dir, step: int, procs, timeout: float = RUN_TIMEOUT) -> N
         assert all(p.poll() is None for p, _, _ in procs), "a node's launcher ended before the step"
         time.sleep(0.2)
     raise AssertionError(f"step {step} not reached within {timeout} s")
-
-
-def _one_rank_line(err: str) -> str:
-    """The rank's own line: the only one of the job on the node (torch's socket warnings aside)."""
-    lines = [line for line in err.splitlines() if line.strip() and not _TORCH_WARNING.match(line)]
-    assert len(lines) == 1 and lines[0].startswith("moe-dist train:"), err[-4000:]
-    return lines[0]
-
-
-# torch's warnings, from C++ ([W1125 16:27:24.886935753 socket.cpp:207] [c10d] The hostname of the client
-# socket cannot be retrieved) and from torchrun (W1125 17:17:00.525000 10258 torch/distributed/run.py:865]
-# node_rank is only used for static rdzv_backend)
-_TORCH_WARNING = re.compile(r"^\[?W\d{4} [\d:.]+ (\d+ )?\S+\] ")
 
 
 def _checkpoints_complete(run_dir) -> list[str]:

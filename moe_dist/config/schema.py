@@ -9,10 +9,11 @@ section's ``check()`` (they raise :class:`ConfigError` naming the key and what i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Sequence, Union
 
 from ..checks import check_choice
 from ..errors import ConfigError
+from .layout import AUTO, check_ep, expert_parallel_size
 
 DEFAULT_CORPUS = "/usr/share/doc/python3.11/html/_sources"
 MOE_LAYER_PATTERNS = ("every", "every_other")
@@ -185,7 +186,9 @@ class ModelConfig:
 class ParallelConfig:
     """How the model is spread over processes."""
 
-    ep: int = knob(1, "expert-parallel size: divides the world size and model.moe.num_experts", min=1)
+    ep: Union[int, Literal["auto"]] = knob(1, "expert-parallel size: divides the world size and model.moe.num_experts; "
+                                           "auto: the largest such size whose expert groups each stay on one node "
+                                           "(docs/multinode.md)", min=1)
     dense: Literal["fsdp", "replicate"] = knob("fsdp", "dense weights: FSDP2 over data-parallel ranks, or replicated")
     reshard_after_forward: bool = knob(True, "FSDP2: free gathered dense weights after forward (ZeRO-3) or keep them (ZeRO-2)")
     backend: Literal["auto", "gloo", "nccl"] = knob("auto", "process-group backend (auto = nccl with CUDA, else gloo)")
@@ -341,13 +344,17 @@ class Config:
         self.data.check()
         self.train.check()
         self.log.check()
-        if self.model.moe.num_experts % self.parallel.ep:
-            _fail("parallel.ep", f"{self.parallel.ep} must divide model.moe.num_experts={self.model.moe.num_experts}")
+        if self.parallel.ep != AUTO:
+            check_ep(self.parallel.ep, self.model.moe.num_experts)
+
+    def expert_parallel_size(self, hosts: Sequence[str]) -> int:
+        """``parallel.ep`` of a job whose rank r runs on host ``hosts[r]`` (moe_dist/config/layout.py)."""
+        return expert_parallel_size(self.parallel.ep, self.model.moe.num_experts, hosts)
 
     def check_world(self, world_size: int) -> None:
         """Rules that depend on the number of processes (checked once it is known)."""
-        if world_size % self.parallel.ep:
-            _fail("parallel.ep", f"{self.parallel.ep} must divide the world size {world_size}")
+        if self.parallel.ep != AUTO:
+            check_ep(self.parallel.ep, self.model.moe.num_experts, world_size)
         per_forward = self.train.global_batch // self.train.grad_accum
         if per_forward < world_size:
             _fail("train.global_batch", f"global_batch / grad_accum = {per_forward} sequences per forward must be at "

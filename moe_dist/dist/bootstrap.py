@@ -21,13 +21,13 @@ import re
 import socket
 import sys
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from .groups import ParallelGroups, build_parallel_groups, set_group_timeout
-from .roll_call import remember_hosts
+from .roll_call import hosts, remember_hosts
 from ..checks import check_choice
 from ..errors import ConfigError, UserError
 from ..hardware import default_allocator_settings
@@ -253,11 +253,14 @@ def _meshes(groups: ParallelGroups, device: torch.device, world: int):
     return dp_mesh, mesh
 
 
-def init_distributed(ep: int = 1, num_experts: Optional[int] = None, *, backend: str = "auto", device: str = "auto",
-                     timeout_s: float = 600, environ: Optional[Mapping[str, str]] = None) -> Runtime:
+def init_distributed(ep: Union[int, Callable[[list[str]], int]] = 1, num_experts: Optional[int] = None, *,
+                     backend: str = "auto", device: str = "auto", timeout_s: float = 600,
+                     environ: Optional[Mapping[str, str]] = None) -> Runtime:
     """Initialise the default process group (unless one exists) and build the parallel groups.
 
-    Expert-parallel size ``ep`` must divide the world size and ``num_experts``.
+    Expert-parallel size ``ep`` must divide the world size and ``num_experts``. It may be given as
+    a function of every rank's host name (in rank order) that returns it: called on every rank
+    with the same list once the process group exists, before the groups are made.
     """
     if dist.is_available() and dist.is_initialized():  # started by someone else (tests, a notebook)
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -280,13 +283,18 @@ def init_distributed(ep: int = 1, num_experts: Optional[int] = None, *, backend:
                                     device_id=dev if dev.type == "cuda" else None)
             owns = True
     if launch.world_size > 1:
+        # every rank's host name: to name a lost node after a failed collective (through the store the
+        # group was made with), and for an ep chosen by where the ranks run
+        remember_hosts(*((launch.master_addr, launch.master_port) if owns else (None, None)))
+        if callable(ep):
+            ep = ep(hosts())
         if launch.world_size % ep:
             raise ConfigError(f"parallel.ep={ep} must divide the world size {launch.world_size}")
         groups = build_parallel_groups(ep, num_experts)
         dp_mesh, mesh = _meshes(groups, dev, launch.world_size)
-        # to name a lost node after a failed collective (through the store the group was made with)
-        remember_hosts(*((launch.master_addr, launch.master_port) if owns else (None, None)))
     else:
+        if callable(ep):
+            ep = ep([socket.gethostname()])
         groups = build_parallel_groups(ep, num_experts)  # raises for ep > 1 on one process
         dp_mesh = mesh = None
     return Runtime(launch=launch, device=dev, backend=be, groups=groups, dp_mesh=dp_mesh, mesh=mesh, owns_process_group=owns)

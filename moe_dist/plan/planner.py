@@ -16,6 +16,7 @@ import yaml
 
 from ..config import ConfigError, apply_overrides, config_from_dict, load_config
 from ..config.granularity import expand_granularity
+from ..config.layout import ep_sizes
 from ..hf.config import HFModelSpec, config_path, hf_model_spec, is_hf_config
 from ..model.params import block_shape, count_params
 from .memory import (GIB, STAGES, Units, Workload, activation_bytes, all_to_all_bytes, autocast_copy_bytes,
@@ -92,10 +93,6 @@ def load_plan_input(path: str, overrides: Iterable[str] = (), seq_len: Optional[
                      global_batch=cfg.train.global_batch, grad_accum=cfg.train.grad_accum, dtype=cfg.train.dtype,
                      dense_mode=cfg.parallel.dense, configured_ep=cfg.parallel.ep,
                      backend="gloo" if cfg.parallel.backend == "gloo" else "nccl", notes=[])
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _gib(x: float) -> float:
@@ -226,7 +223,7 @@ def _floor(inp: PlanInput, counts: dict, nodes: int, gpus_per_node: int, usable:
     world = nodes * gpus_per_node
     mb, _ = _micro_batch(inp, world, micro_batch)
     E = inp.model.moe.num_experts if inp.moe_blocks else 1
-    far = min((evaluate_layout(inp, counts, world, gpus_per_node, ep, mb) for ep in _divisors(E) if world % ep == 0),
+    far = min((evaluate_layout(inp, counts, world, gpus_per_node, ep, mb) for ep in ep_sizes(world, E)),
               key=lambda l: l["memory_gib"]["total_with_activation_checkpointing"])
     g = far["memory_gib"]
     text = (f"even {nodes} nodes leave {g['total_with_activation_checkpointing']:.1f} GiB per GPU (ep={far['ep']}, "
@@ -249,7 +246,7 @@ def _alternatives(inp: PlanInput, counts: dict, layouts: list[dict], nodes: int,
         world = n * gpus_per_node
         mb, _ = _micro_batch(inp, world, micro_batch)
         E = inp.model.moe.num_experts if inp.moe_blocks else 1
-        cand = [evaluate_layout(inp, counts, world, gpus_per_node, ep, mb) for ep in _divisors(E) if world % ep == 0]
+        cand = [evaluate_layout(inp, counts, world, gpus_per_node, ep, mb) for ep in ep_sizes(world, E)]
         return bool(cand) and recommend(cand, usable)[0] is not None
 
     # memory per GPU only falls as nodes are added (more sharding, fewer sequences each): double, then bisect
@@ -296,7 +293,7 @@ def plan(path: str, nodes: int, gpus_per_node: int, gpu_mem_gib: float, override
     world = nodes * gpus_per_node
     mb, notes = _micro_batch(inp, world, micro_batch)
     E = inp.model.moe.num_experts if inp.moe_blocks else 1
-    eps = [ep for ep in _divisors(E) if world % ep == 0]
+    eps = [ep for ep in ep_sizes(world, E)]
     layouts = [evaluate_layout(inp, counts, world, gpus_per_node, ep, mb) for ep in eps]
     usable = gpu_mem_gib * USABLE_FRACTION
     best, reason = recommend(layouts, usable)

@@ -82,13 +82,14 @@ def _world_size() -> int:
 
 def _config(args, *extra: str, world_size: Optional[int] = None):
     """The config of what is evaluated, with the overrides; ``parallel.ep`` fits the evaluation's
-    processes (:func:`evaluation_ep`) unless the command line sets it."""
+    processes (:func:`evaluation_ep`) unless the command line sets it or it is ``auto``."""
     from ..config import load_config
+    from ..config.layout import AUTO
 
     run_dir = [f"run.dir={args.run_dir}"] if args.run_dir else []
     overrides = [*run_dir, *args.overrides, *extra]
     cfg = load_config(_config_path(args), overrides)
-    if not _sets_ep(overrides):
+    if not _sets_ep(overrides) and cfg.parallel.ep != AUTO:  # auto fits any number of processes
         ep = evaluation_ep(cfg.parallel.ep, world_size or _world_size())
         if ep != cfg.parallel.ep:
             cfg = load_config(_config_path(args), [*overrides, f"parallel.ep={ep}"])

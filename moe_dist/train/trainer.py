@@ -94,7 +94,7 @@ def thread_choice(run_threads: Optional[int], local_world_size: int, env=os.envi
 
 def setup_runtime(cfg: Config, rt: Optional[Runtime] = None) -> Runtime:
     if rt is None:
-        rt = init_distributed(cfg.parallel.ep, cfg.model.moe.num_experts, backend=cfg.parallel.backend,
+        rt = init_distributed(cfg.expert_parallel_size, cfg.model.moe.num_experts, backend=cfg.parallel.backend,
                               device=cfg.run.device, timeout_s=cfg.parallel.timeout_s)
     cfg.check_world(rt.world_size)
     torch.set_num_threads(thread_choice(cfg.run.threads, rt.launch.local_world_size)[0])
@@ -492,7 +492,8 @@ class Trainer:
                  f"router {cfg.model.moe.router}")
         self.log(f"parallel: {self.rt.world_size} process(es) [{self.rt.launch.launcher}, {self.rt.backend or 'no backend'}, "
                  f"{self.rt.device}, {torch.get_num_threads()} thread(s) each from "
-                 f"{thread_choice(cfg.run.threads, self.rt.launch.local_world_size)[1]}], ep={self.rt.groups.ep_size}, "
+                 f"{thread_choice(cfg.run.threads, self.rt.launch.local_world_size)[1]}], ep={self.rt.groups.ep_size}"
+                 f"{' (parallel.ep=auto)' if cfg.parallel.ep == 'auto' else ''}, "
                  f"dense={self.engine.dense_layout()}; data: "
                  f"{self.data.train.count:,} train tokens, {cfg.train.global_batch}x{cfg.train.seq_len} tokens per step")
         small = small_corpus_note(self.data.train.count, cfg.train.global_batch, cfg.train.seq_len, steps)
