@@ -10,7 +10,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Union
 
 import yaml
 
@@ -40,7 +40,7 @@ class PlanInput:
     grad_accum: int
     dtype: str
     dense_mode: str
-    configured_ep: Optional[int]
+    configured_ep: Union[int, str, None]  # parallel.ep: a size, "auto" or none
     notes: list[str]
     backend: str = "nccl"  # "gloo" (parallel.backend=gloo) adds the copy its reduce-scatter makes
 
