@@ -151,7 +151,7 @@ def test_training_benchmark_end_to_end(tmp_path):
                            f"data.cache_dir={tmp_path}/cache"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "CPU capability" in proc.stdout and "| native | fp32 |" in proc.stdout
+    assert "CPU capability" in proc.stdout and "| native | fp32 | off |" in proc.stdout
     res = json.loads(out.read_text())
     (case,) = res["cases"]
     assert case["engine"] == "native" and len(case["tokens_per_s"]) == 1 and case["median"] > 0
