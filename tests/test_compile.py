@@ -18,7 +18,8 @@ import torch
 
 from dist_harness import run_ranks
 
-pytestmark = pytest.mark.slow
+# compiling is slow on a busy 2-core machine: more room than the suite's 900 s per test
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 50
 # compiled / eager loss, relative, over 50 steps: 1.8e-3 at most observed (the curves agree to 1e-7
@@ -164,6 +165,7 @@ def _cases_eager_and_compiled(rank, world, tmp, names):
 
 
 @pytest.mark.compile
+@pytest.mark.timeout(3600)
 def test_every_router_and_feature_compiled_follows_eager(runs):
     tmp = runs[0]
     out = run_ranks(_cases_eager_and_compiled, 2, args=(str(tmp), list(FEATURE_CASES)), timeout=1800)[0]
@@ -173,3 +175,18 @@ def test_every_router_and_feature_compiled_follows_eager(runs):
         torch.testing.assert_close(torch.tensor(curves[True]), torch.tensor(curves[False]), rtol=1e-4, atol=0,
                                    msg=lambda m, name=name: f"{name}: {m}")
         assert curves["graphs"] is not None, name  # a compiled run (its graphs may come from earlier cases)
+
+
+@pytest.mark.parametrize("router", ["topk", "similarity"])
+def test_what_is_compiled_and_the_eager_routers_named(router):
+    """The compiled parts of an MoE block; the token-graph routers stay eager, named with the reason."""
+    from moe_dist.config import load_config
+    from moe_dist.model import build_model
+    from moe_dist.train.compile import EAGER_ROUTERS, compiled_parts, describe_compile
+
+    cfg = load_config(os.path.join(ROOT, "configs/test.yaml"), [f"model.moe.router={router}", "model.moe.shared_d_ff=32"])
+    names = [name for name, _, _ in compiled_parts(build_model(cfg.model, 512, device="meta"))]
+    block = ["attn_norm", "attn", "ffn_norm"] + (["ffn.router"] if router not in EAGER_ROUTERS else []) + ["ffn.shared_expert"]
+    assert names == [f"blocks.{i}.{part}" for i in range(2) for part in block]
+    line = describe_compile(names, {"seconds": 1.0, "graphs": 3}, "cache", router)
+    assert ("left eager" in line) == (router == "similarity") and "\n" not in line

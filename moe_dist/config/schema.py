@@ -238,8 +238,8 @@ class TrainConfig:
     activation_checkpointing: bool = knob(False, "recompute each block in backward (non-reentrant)")
     compile: bool = knob(False, "torch.compile (inductor) each transformer block: a dense block whole; an MoE block's "
                          "norms, attention, router and shared expert, its dispatch / exchange / expert kernel left "
-                         "eager (see docs/training.md; off by default: on CPUs measured 0.9-1.05x for ~1-2 min of "
-                         "compiling, bench/results.md)")
+                         "eager (docs/training.md; off by default: on a 2-core AVX2 CPU, fp32, measured 1.04x for 1-3 min "
+                         "of compiling per cold start, bench/results.md)")
     compile_cache_dir: Optional[str] = knob(None, "train.compile: inductor's cache directory (compiled kernels, FX "
                                             "graph and AOTAutograd caches), reused by restarts and requeues; null = "
                                             "run.dir/compile_cache")

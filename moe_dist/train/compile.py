@@ -34,7 +34,9 @@ import torch
 import torch.nn as nn
 
 # routers whose forward stays eager under train.compile (the rest of their block is compiled), and why
-EAGER_ROUTERS: dict[str, str] = {}
+_TOKEN_GRAPH = ("its time is the [S, S] token graph's products inside its own autograd functions, which "
+                "dynamo cannot fuse; compiled it measured slower (bench/results.md, 'Compiled training')")
+EAGER_ROUTERS: dict[str, str] = {"similarity": _TOKEN_GRAPH, "attention": _TOKEN_GRAPH}
 
 DEFAULT_CACHE_SUBDIR = "compile_cache"
 
@@ -145,8 +147,10 @@ def _compile_seconds() -> float:
     return total
 
 
-def describe_compile(names: list[str], report: dict, cache: str) -> str:
-    """The one line the trainer prints after the first step."""
+def describe_compile(names: list[str], report: dict, cache: str, router: str = "") -> str:
+    """The one line the trainer prints after the first step (``router``: the model's router, named
+    when it stays eager)."""
     blocks = len({n.split(".")[1] for n in names})
+    eager = f"; router {router} left eager: {EAGER_ROUTERS[router]}" if router in EAGER_ROUTERS else ""
     return (f"compile: {len(names)} part(s) of {blocks} block(s) compiled (torch.compile, inductor) in "
-            f"{report['seconds']:.1f}s, {report['graphs']} graph(s); inductor cache {cache}")
+            f"{report['seconds']:.1f}s, {report['graphs']} graph(s); inductor cache {cache}{eager}")

@@ -522,7 +522,8 @@ class Trainer:
                 dt, cpu = time.perf_counter() - t0, time.process_time() - c0
                 if self.compile_clock is not None and not self.compile_clock.said:
                     self.compile_clock.said = True
-                    self.log(describe_compile(self.compiled, self.compile_clock.report(), cache_dir(cfg)))
+                    self.log(describe_compile(self.compiled, self.compile_clock.report(), cache_dir(cfg),
+                                              cfg.model.moe.router))
                 step_tokens = cfg.train.global_batch * cfg.train.seq_len
                 tokens_seen += step_tokens
                 diverged = self.check_finite(row)
