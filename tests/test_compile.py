@@ -172,7 +172,9 @@ def test_every_router_and_feature_compiled_follows_eager(runs):
     failed = {name: res for name, res in out.items() if isinstance(res, str)}
     assert not failed, "\n\n".join(f"{name}:\n{tb}" for name, tb in failed.items())
     for name, curves in out.items():
-        torch.testing.assert_close(torch.tensor(curves[True]), torch.tensor(curves[False]), rtol=1e-4, atol=0,
+        # fp32: 4e-8 relative at most observed over 3 steps; bf16 autocast: 1.1e-4
+        rtol = 1e-3 if name == "bf16" else 1e-4
+        torch.testing.assert_close(torch.tensor(curves[True]), torch.tensor(curves[False]), rtol=rtol, atol=0,
                                    msg=lambda m, name=name: f"{name}: {m}")
         assert curves["graphs"] is not None, name  # a compiled run (its graphs may come from earlier cases)
 
