@@ -187,7 +187,7 @@ def test_what_is_compiled_and_the_eager_routers_named(router):
     from moe_dist.train.compile import EAGER_ROUTERS, compiled_parts, describe_compile
 
     cfg = load_config(os.path.join(ROOT, "configs/test.yaml"), [f"model.moe.router={router}", "model.moe.shared_d_ff=32"])
-    names = [name for name, _, _ in compiled_parts(build_model(cfg.model, 512, device="meta"))]
+    names = [name for name, _, _ in compiled_parts(build_model(cfg.model, 512, device="meta"), router)]
     block = ["attn_norm", "attn", "ffn_norm"] + (["ffn.router"] if router not in EAGER_ROUTERS else []) + ["ffn.shared_expert"]
     assert names == [f"blocks.{i}.{part}" for i in range(2) for part in block]
     line = describe_compile(names, {"seconds": 1.0, "graphs": 3}, "cache", router)

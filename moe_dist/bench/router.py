@@ -112,7 +112,7 @@ def main(argv=None) -> int:
             impl = impls[name + COMPILED] = MoEDistImpl(work, name, groups, args.router_options.get(name), "loop")
             # the router itself even where train.compile leaves it eager (EAGER_ROUTERS: measured here)
             forced = [("router", impl.layer.router, False)] if name in EAGER_ROUTERS else []
-            compile_parts(forced + moe_layer_parts(impl.layer))
+            compile_parts(forced + moe_layer_parts(impl.layer, name))
     gen = torch.Generator().manual_seed(args.seed + 3)
     grad_gates = torch.randn(args.tokens, args.top_k, generator=gen).to(device)
     steps = {name: RouterStep(impl, grad_gates) for name, impl in impls.items()}

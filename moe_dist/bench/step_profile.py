@@ -75,7 +75,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name in ("eager", "compiled"):
         model = build_model(cfg.model, vocab, seed=cfg.train.seed).train()
         if name == "compiled":
-            apply_compile(model)
+            apply_compile(model, cfg.model.moe.router)
         steps[name] = step_fn(model, tokens, args.dtype)
         t0 = time.perf_counter()
         steps[name]()
@@ -95,7 +95,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ops = {name: op_times(step, args.profile_steps) for name, step in steps.items()}
     keys = sorted(set(ops["eager"]) | set(ops["compiled"]),
                   key=lambda k: -max(ops["eager"].get(k, 0.0), ops["compiled"].get(k, 0.0)))
-    print(f"\n| op (self CPU time, ms per step; profiler on) | eager | compiled |\n|---|---|---|")
+    print("\n| op (self CPU time, ms per step; profiler on) | eager | compiled |\n|---|---|---|")
     for k in keys[: args.top]:
         print(f"| `{k}` | {ops['eager'].get(k, 0.0):.1f} | {ops['compiled'].get(k, 0.0):.1f} |")
     print(f"| all ops | {sum(ops['eager'].values()):.1f} | {sum(ops['compiled'].values()):.1f} |")

@@ -29,7 +29,7 @@ same run finds it there and skips most of the compile time (:func:`use_cache_dir
 from __future__ import annotations
 
 import os
-import time
+
 import torch
 import torch.nn as nn
 
@@ -71,27 +71,29 @@ def _compile_forward(module: nn.Module, fullgraph: bool) -> None:
     module.forward = torch.compile(module.forward, backend="inductor", fullgraph=fullgraph)
 
 
-def moe_layer_parts(layer, prefix: str = "") -> list[tuple[str, nn.Module, bool]]:
-    """``(name, module, fullgraph)`` of what is compiled inside an MoE layer: its router (unless
-    listed in :data:`EAGER_ROUTERS`; graph breaks allowed, at a router's own host reads or
-    collectives) and its shared expert."""
+def moe_layer_parts(layer, router: str, prefix: str = "") -> list[tuple[str, nn.Module, bool]]:
+    """``(name, module, fullgraph)`` of what is compiled inside an MoE layer whose router is
+    registered as ``router``: the router (unless listed in :data:`EAGER_ROUTERS`; graph breaks
+    allowed, at a router's own host reads or collectives) and the shared expert."""
     parts = []
-    if layer._router_spec[0] not in EAGER_ROUTERS:
+    if router not in EAGER_ROUTERS:
         parts.append((f"{prefix}router", layer.router, False))
     if layer.shared_expert is not None:
         parts.append((f"{prefix}shared_expert", layer.shared_expert, True))
     return parts
 
 
-def compiled_parts(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
-    """``(name, module, fullgraph)`` of every part :func:`apply_compile` compiles, in block order."""
+def compiled_parts(model: nn.Module, router: str) -> list[tuple[str, nn.Module, bool]]:
+    """``(name, module, fullgraph)`` of every part :func:`apply_compile` compiles, in block order
+    (``router``: ``model.moe.router``)."""
     parts = []
     for i, block in enumerate(model.blocks):
         if not block.is_moe:
             parts.append((f"blocks.{i}", block, True))
             continue
         parts += [(f"blocks.{i}.attn_norm", block.attn_norm, True), (f"blocks.{i}.attn", block.attn, True),
-                  (f"blocks.{i}.ffn_norm", block.ffn_norm, True), *moe_layer_parts(block.ffn, f"blocks.{i}.ffn.")]
+                  (f"blocks.{i}.ffn_norm", block.ffn_norm, True),
+                  *moe_layer_parts(block.ffn, router, f"blocks.{i}.ffn.")]
     return parts
 
 
@@ -112,9 +114,9 @@ def compile_parts(parts: list[tuple[str, nn.Module, bool]]) -> list[str]:
     return [name for name, _, _ in parts]
 
 
-def apply_compile(model: nn.Module) -> list[str]:
+def apply_compile(model: nn.Module, router: str) -> list[str]:
     """``train.compile``: compile the parts of :func:`compiled_parts` in place; their names."""
-    return compile_parts(compiled_parts(model))
+    return compile_parts(compiled_parts(model, router))
 
 
 class CompileClock:

@@ -228,7 +228,7 @@ class Trainer:
         if not self.cfg.train.compile:
             return
         use_cache_dir(cache_dir(self.cfg))
-        self.compiled = apply_compile(self.model)
+        self.compiled = apply_compile(self.model, self.cfg.model.moe.router)
         self.compile_clock = CompileClock()
 
     def _agree_expert_kernels(self) -> None:
@@ -571,7 +571,7 @@ class Trainer:
                    "skipped_steps": self.skipped_steps, "rollbacks": self.rollbacks,
                    "peak_rss_gib": gather_peak_rss_gib(self.rt),  # every rank's, in order
                    **cuda_memory_gib(self.rt.device)}  # rank 0's
-        if self.compile_clock is not None:  # rank 0's: graphs compiled by this process, seconds spent compiling
+        if self.compile_clock is not None:  # this process's graphs and seconds spent compiling
             summary["compile"] = {"parts": len(self.compiled), **self.compile_clock.report()}
         self.metrics.close()
         if self.is_main:
