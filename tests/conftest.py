@@ -7,16 +7,25 @@ sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+# opt-in groups: marker -> (the variable that turns it on, why it is not in the default suite, its command).
+# .ci/run runs each after the default suite; the Docker marker keeps its own switch (tests/test_docker_image.py).
+OPT_IN = {
+    "multinode": ("MOE_DIST_MULTINODE", "network-namespace nodes, minutes; root and `ip netns`",
+                  "MOE_DIST_MULTINODE=1 scripts/test.sh -m multinode"),
+    "compile": ("MOE_DIST_COMPILE", "every router and feature compiled, tens of minutes on 2 cores",
+                "MOE_DIST_COMPILE=1 scripts/test.sh -m compile"),
+}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Multi-node tests (marker ``multinode``: nodes as network namespaces, minutes) are opt-in, as the
-    Docker ones are: ``MOE_DIST_MULTINODE=1 scripts/test.sh -m multinode`` (what ``.ci/run`` runs after
-    the default suite). Without it they are skipped with that command as the reason."""
-    if os.environ.get("MOE_DIST_MULTINODE") == "1":
-        return
+    """Tests of an opt-in marker (:data:`OPT_IN`) are skipped with their command as the reason unless
+    their variable is 1."""
     import pytest
 
-    skip = pytest.mark.skip(reason="opt-in (network-namespace nodes, minutes; root and `ip netns`): "
-                                   "MOE_DIST_MULTINODE=1 scripts/test.sh -m multinode")
-    for item in items:
-        if "multinode" in item.keywords:
-            item.add_marker(skip)
+    for marker, (var, why, cmd) in OPT_IN.items():
+        if os.environ.get(var) == "1":
+            continue
+        skip = pytest.mark.skip(reason=f"opt-in ({why}): {cmd}")
+        for item in items:
+            if marker in item.keywords:
+                item.add_marker(skip)

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from moe_dist.bench.runner import add_ratios
@@ -151,10 +152,34 @@ def test_training_benchmark_end_to_end(tmp_path):
                            f"data.cache_dir={tmp_path}/cache"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "CPU capability" in proc.stdout and "| native | fp32 |" in proc.stdout
+    assert "CPU capability" in proc.stdout and "| native | fp32 | off |" in proc.stdout
     res = json.loads(out.read_text())
     (case,) = res["cases"]
     assert case["engine"] == "native" and len(case["tokens_per_s"]) == 1 and case["median"] > 0
     assert 0 < case["mfu"] < 1 and res["peak_flops"]["fp32"] > 1e8
     assert res["flops_per_token"] == flops_per_token(res["parameters"]["active"], 2, 64, 64)
     assert flops_per_token(1000, 2, 8, 16) == 6 * 1000 + 12 * 2 * 8 * 16
+
+
+@pytest.mark.compile
+@pytest.mark.timeout(1800)
+def test_training_benchmark_compile_axis_and_step_profile(tmp_path):
+    """`--compile off,on`: eager and compiled runs paired in one benchmark, the compile seconds and
+    the compiled / eager line; `moe_dist.bench.step_profile`: the paired step times and the op table."""
+    out = tmp_path / "train.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    data = [f"data.corpus={ROOT}/tests/data/python-docs", f"data.cache_dir={tmp_path}/cache"]
+    proc = subprocess.run([sys.executable, "-m", "moe_dist.bench.train", "--config", "configs/test.yaml", "--nproc", "1",
+                           "--steps", "3", "--skip", "1", "--rounds", "1", "--engines", "native", "--dtypes", "fp32",
+                           "--compile", "off,on", "--json", str(out), "parallel.ep=1", *data],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cases = {c["compile"]: c for c in json.loads(out.read_text())["cases"]}
+    assert set(cases) == {"off", "on"} and cases["off"]["compile_s"] == [] and cases["on"]["compile_s"][0] > 0
+    assert "| native | fp32 | on |" in proc.stdout and "native fp32: compiled / eager per round" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "moe_dist.bench.step_profile", "--config", "configs/test.yaml",
+                           "--batch", "4", "--rounds", "2", "--profile-steps", "1", "--top", "5", *data],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "eager / compiled per round" in proc.stdout and "| `aten::mm` |" in proc.stdout
+    assert proc.stdout.count("\n| `") == 5 and "| all ops |" in proc.stdout

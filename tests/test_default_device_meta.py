@@ -8,7 +8,8 @@ routing, the expert-parallel exchange (overlapped), capacity and dropless dispat
 experts, expert bias, the sequence loss, activation checkpointing, the collectives of the
 statistics and of the gradients, the optimizer step, checkpoint save and resume.
 Each case: 2 ranks (ep=2) train 2 steps and save; the routers with state (and the first case)
-then resume and train 1 more step.
+then resume and train 1 more step. Under the marker ``compile``, the same for a run with
+``train.compile`` (capacity, shared expert, activation checkpointing, resume).
 """
 from __future__ import annotations
 
@@ -41,10 +42,18 @@ CASES = {
 }
 
 
-RESUMED = {"topk-capacity-bias-seqloss-ac", "ssr", "ac", "symphony", "hyper"}  # router state through a checkpoint
+# train.compile (marker `compile`: compiling takes a minute or more on 2 cores): the compiled parts of the
+# blocks, and inductor's own tensors, with the default device on meta
+COMPILE_CASES = {
+    "compiled-topk-capacity-shared-ac": ["train.compile=true", "model.moe.capacity_factor=1.0",
+                                         "model.moe.shared_d_ff=32", "train.activation_checkpointing=true"],
+}
+ALL_CASES = {**CASES, **COMPILE_CASES}
+RESUMED = {"topk-capacity-bias-seqloss-ac", "ssr", "ac", "symphony", "hyper",  # router state through a checkpoint
+           "compiled-topk-capacity-shared-ac"}
 
 
-def _train_on_meta_default(rank, world, tmp):
+def _train_on_meta_default(rank, world, tmp, names=tuple(CASES)):
     """Every case in one pair of processes (one start-up): losses per case, or the case's error."""
     import traceback
 
@@ -55,10 +64,10 @@ def _train_on_meta_default(rank, world, tmp):
         return load_config(os.path.join(ROOT, "configs", "test.yaml"), [
             f"run.dir={tmp}/{name}", f"data.cache_dir={tmp}/cache", f"data.corpus={ROOT}/tests/data/python-docs",
             "parallel.ep=2", "run.tensorboard=false", "run.plots=false", "run.progress=false", "eval.max_sequences=8",
-            "eval.probe_every=1", *CASES[name], *more])
+            "eval.probe_every=1", *ALL_CASES[name], *more])
 
     out = {}
-    for name in CASES:
+    for name in names:
         torch.set_default_device("meta")
         try:
             train(cfg(name, "train.steps=2"))
@@ -75,7 +84,16 @@ def _train_on_meta_default(rank, world, tmp):
 
 
 def test_training_runs_with_the_default_device_on_meta(tmp_path):
-    out = run_ranks(_train_on_meta_default, 2, args=(str(tmp_path),), timeout=900)[0]
+    check(run_ranks(_train_on_meta_default, 2, args=(str(tmp_path),), timeout=900)[0])
+
+
+@pytest.mark.compile
+@pytest.mark.timeout(1800)
+def test_compiled_training_runs_with_the_default_device_on_meta(tmp_path):
+    check(run_ranks(_train_on_meta_default, 2, args=(str(tmp_path), tuple(COMPILE_CASES)), timeout=1200)[0])
+
+
+def check(out: dict) -> None:
     failed = {name: result for name, result in out.items() if isinstance(result, str)}
     assert not failed, "\n\n".join(f"{name}:\n{tb}" for name, tb in failed.items())
     for name, losses in out.items():

@@ -8,6 +8,11 @@ seconds and varies by 10% or more between rounds on a shared machine, far more t
 percent a router adds; the router alone runs in milliseconds and repeats cheaply. Valid for
 dropless layers, where the experts do the same work whatever the router picks (the ``loop``
 kernel's matmuls only change shape with the load balance).
+
+``--compile``: every router also runs compiled as ``train.compile`` compiles it (its forward
+through ``torch.compile``, inductor), in the same rotated rounds; a compiled router's extra is
+taken over the compiled ``topk`` router's and divided by the step of the ``topk`` layer whose
+compiled parts are compiled, so the eager and the compiled figures come from one run.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import torch
 from ..dist import ParallelGroups
 from ..hardware import slow_bf16_note
 from ..moe.routers.token_graph import ENTROPY_SCAN_RANGE
+from ..train.compile import EAGER_ROUTERS, compile_parts, moe_layer_parts
 from .cli_args import add_size_arguments, check_routers, sizes_from_args
 from .impls import MoEDistImpl, _clear_grads
 from .report import ROUTER_TARGETS
@@ -63,6 +69,9 @@ class RouterStep:
         loss.backward()
 
 
+COMPILED = " (compiled)"  # the name suffix of a compiled router's entries
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m moe_dist.bench.router", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -78,6 +87,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="torch device type (cpu, cuda, ...)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON object per router on stdout")
+    p.add_argument("--compile", action="store_true",
+                   help="also time every router compiled (train.compile's torch.compile), paired with the eager ones")
     p.add_argument("--parts", action="store_true",
                    help="also profile each router's token-graph parts (entropy scan, mixing forward and backward)")
     return p
@@ -94,6 +105,14 @@ def main(argv=None) -> int:
     work = Workload(sizes, args.tokens, DTYPES[args.dtype], device, args.seq_len, 0.0, args.seed)
     groups = ParallelGroups.single()
     impls = {name: MoEDistImpl(work, name, groups, args.router_options.get(name), "loop") for name in ["topk"] + routers}
+    variants = [""]
+    if args.compile:
+        variants.append(COMPILED)
+        for name in ["topk"] + routers:
+            impl = impls[name + COMPILED] = MoEDistImpl(work, name, groups, args.router_options.get(name), "loop")
+            # the router itself even where train.compile leaves it eager (EAGER_ROUTERS: measured here)
+            forced = [("router", impl.layer.router, False)] if name in EAGER_ROUTERS else []
+            compile_parts(forced + moe_layer_parts(impl.layer, name))
     gen = torch.Generator().manual_seed(args.seed + 3)
     grad_gates = torch.randn(args.tokens, args.top_k, generator=gen).to(device)
     steps = {name: RouterStep(impl, grad_gates) for name, impl in impls.items()}
@@ -104,31 +123,36 @@ def main(argv=None) -> int:
     if slow:
         print(slow, file=sys.stderr)
 
-    impls["topk"].step()  # warm-up, then the denominator
-    layer_s = median([timed(impls["topk"].step, device)[0] for _ in range(args.layer_repeats)])
+    layer_s = {}
+    for v in variants:
+        impls["topk" + v].step()  # warm-up (and compilation), then the denominator
+        layer_s[v] = median([timed(impls["topk" + v].step, device)[0] for _ in range(args.layer_repeats)])
     for step in steps.values():
         step()
+        step()  # a compiled router compiles in the first call (its backward too)
     names = list(steps)
     times = {name: [] for name in names}
     for r in range(args.router_repeats):  # rounds in a rotated order
         for name in names[r % len(names):] + names[: r % len(names)]:
             times[name].append(timed(steps[name], device)[0])
-    base = times["topk"]
-    print(f"topk layer forward+backward: {1e3 * layer_s:.1f} ms (median of {args.layer_repeats}); "
-          f"topk router alone: {1e3 * median(base):.2f} ms", file=sys.stderr)
-    for name in routers:
-        extra = median([a - b for a, b in zip(times[name], base)])  # paired per round
-        share = extra / layer_s
-        rec = {"router": name, "router_ms": 1e3 * median(times[name]), "topk_router_ms": 1e3 * median(base),
-               "extra_ms": 1e3 * extra, "topk_layer_ms": 1e3 * layer_s, "overhead": share,
+    for v in variants:
+        print(f"topk layer forward+backward{v}: {1e3 * layer_s[v]:.1f} ms (median of {args.layer_repeats}); "
+              f"topk router alone{v}: {1e3 * median(times['topk' + v]):.2f} ms", file=sys.stderr)
+    for name, v in [(name, v) for name in routers for v in variants]:
+        base = times["topk" + v]
+        extra = median([a - b for a, b in zip(times[name + v], base)])  # paired per round
+        share = extra / layer_s[v]
+        rec = {"router": name, "compiled": bool(v), "router_ms": 1e3 * median(times[name + v]),
+               "topk_router_ms": 1e3 * median(base),
+               "extra_ms": 1e3 * extra, "topk_layer_ms": 1e3 * layer_s[v], "overhead": share,
                "seq_len": args.seq_len, "tokens": args.tokens, "dtype": args.dtype, "d_model": sizes.d_model, "d_ff": sizes.d_ff,
                "heads": sizes.heads, "kv_heads": sizes.kv_heads or sizes.heads, "threads": torch.get_num_threads(),
                "cpu_capability": torch.backends.cpu.get_cpu_capability()}
         limit = ROUTER_TARGETS.get(name)
         verdict = "" if limit is None else (" met " if 1 + share <= limit else " MISS") + f" (<= {limit - 1:+.0%})"
-        print(f"{name:>11}: alone {rec['router_ms']:.2f} ms, extra over topk {rec['extra_ms']:.2f} ms = "
+        print(f"{name + v:>20}: alone {rec['router_ms']:.2f} ms, extra over topk {rec['extra_ms']:.2f} ms = "
               f"{share:+.1%} of the topk layer step{verdict}", file=sys.stderr)
-        if args.parts:
+        if args.parts and not v:
             rec["parts_ms"] = part_times(steps[name])
             if any(rec["parts_ms"].values()):
                 print(" " * 13 + "profiled parts per step: " + ", ".join(f"{part} {ms:.1f} ms"

@@ -1,13 +1,17 @@
-"""End-to-end training throughput: engines and dtypes on the same model and batches, in one run.
+"""End-to-end training throughput: engines, dtypes and compilation on the same model and batches, in one run.
 
     python -m moe_dist.bench.train [--config configs/tiny.yaml] [--nproc 2] [--steps 30]
-        [--engines native,deepspeed] [--dtypes fp32,bf16] [--rounds 2] [--json FILE] [KEY=VALUE ...]
+        [--engines native,deepspeed] [--dtypes fp32,bf16] [--compile off,on] [--rounds 2] [--json FILE]
+        [KEY=VALUE ...]
 
-Each round trains every (engine, dtype) case once with ``moe-dist train`` (real processes,
+Each round trains every (engine, dtype, compile) case once with ``moe-dist train`` (real processes,
 the given config and overrides, ``train.steps=--steps``, no validation or checkpoint until the
 end), in an order rotated each round so machine load hits the cases alike. A case's figure is
 the median tokens/s of its steps after ``--skip`` warm-up steps (``metrics.jsonl``), its median
-over the rounds.
+over the rounds. ``--compile on`` runs with ``train.compile=true``, every round's compiled runs
+sharing one inductor cache (the first round compiles cold, later ones read the cache); the
+compile seconds of each run (its ``summary.json``) are printed beside its tokens/s, and the
+warm-up steps left out of the median hold the compilation.
 
 Model FLOPs utilisation: training FLOPs per token ``6 N + 12 L d S`` (N the parameters one
 token uses, the tied embedding counted once as the output projection; L layers, d the model
@@ -57,12 +61,17 @@ def flops_per_token(active_params: int, layers: int, d_model: int, seq_len: int)
     return 6 * active_params + 12 * layers * d_model * seq_len
 
 
+COMPILE = {"off": "false", "on": "true"}
+
+
 def run_case(config: str, nproc: int, steps: int, engine: str, dtype: str, overrides: list[str], run_dir: str,
-             log_file) -> dict:
-    """One training run; its per-step tokens/s and parameter counts."""
+             log_file, compile: str = "off", compile_cache: Optional[str] = None) -> dict:
+    """One training run; its per-step tokens/s, parameter counts and compile report."""
     shutil.rmtree(run_dir, ignore_errors=True)
+    cache = [f"train.compile_cache_dir={compile_cache}"] if compile_cache and compile == "on" else []
     cmd = [sys.executable, "-m", "moe_dist.cli", "train", "--config", config, "--nproc", str(nproc),
            f"run.dir={run_dir}", f"train.steps={steps}", f"train.engine={engine}", f"train.dtype={dtype}",
+           f"train.compile={COMPILE[compile]}", *cache,
            "train.bf16_on_slow_cpu=bf16",  # a case measures the dtype it names (main() says when bf16 is slow here)
            "eval.every=0", "eval.max_sequences=8", "ckpt.save_final=false", "run.plots=false", "run.tensorboard=false",
            "run.progress=false", *overrides]
@@ -76,7 +85,9 @@ def run_case(config: str, nproc: int, steps: int, engine: str, dtype: str, overr
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8")]
     steps_tps = {r["step"]: r["tokens_per_s"] for r in rows if "tokens_per_s" in r and "step" in r}
     info = json.load(open(os.path.join(run_dir, "run.json"), encoding="utf-8"))
-    return {"tokens_per_s": steps_tps, "parameters": info["parameters"], "wall_s": wall}
+    summary = json.load(open(os.path.join(run_dir, "summary.json"), encoding="utf-8"))
+    return {"tokens_per_s": steps_tps, "parameters": info["parameters"], "wall_s": wall,
+            "compile": summary.get("compile")}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -88,11 +99,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the median")
     p.add_argument("--engines", default="native,deepspeed")
     p.add_argument("--dtypes", default="fp32")
+    p.add_argument("--compile", default="off", help="off, on, or off,on (train.compile=false / true)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", help="write the results here")
     p.add_argument("overrides", nargs="*", help="KEY=VALUE config overrides for every case")
     args = p.parse_args(argv)
-    engines, dtypes = args.engines.split(","), args.dtypes.split(",")
+    engines, dtypes, compiles = args.engines.split(","), args.dtypes.split(","), args.compile.split(",")
+    for c in compiles:
+        if c not in COMPILE:
+            p.error(f"--compile: {c!r} is not allowed; allowed: {list(COMPILE)}")
     for d in dtypes:
         if d not in DTYPES:
             p.error(f"--dtypes: {d!r} is not allowed; allowed: {list(DTYPES)}")
@@ -111,21 +126,29 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(slow, flush=True)
     threads = args.nproc * threads_per_proc
     peaks = {d: matmul_peak(DTYPES[d], threads) for d in dtypes}  # measured again at the end: the larger counts
-    cases = [(e, d) for d in dtypes for e in engines]
+    cases = [(e, d, c) for d in dtypes for e in engines for c in compiles]
     results = {c: [] for c in cases}
+    compile_s = {c: [] for c in cases}
     params = None
     work = tempfile.mkdtemp(prefix="moe-dist-bench-train-")
     with open(os.path.join(work, "runs.log"), "w", encoding="utf-8") as log_file:
         for r in range(args.rounds):
             order = cases[r % len(cases):] + cases[:r % len(cases)]
-            for engine, dtype in order:
+            for case in order:
+                engine, dtype, comp = case
                 out = run_case(args.config, args.nproc, args.steps, engine, dtype, list(args.overrides),
-                               os.path.join(work, f"{engine}-{dtype}"), log_file)
+                               os.path.join(work, f"{engine}-{dtype}-{comp}"), log_file, comp,
+                               os.path.join(work, "compile_cache"))
                 tps = [v for s, v in sorted(out["tokens_per_s"].items()) if s > args.skip]
-                results[(engine, dtype)].append(statistics.median(tps))
+                results[case].append(statistics.median(tps))
+                if out["compile"]:
+                    compile_s[case].append(out["compile"]["seconds"])
                 params = out["parameters"]
-                print(f"round {r + 1}: {engine:9s} {dtype}: {results[(engine, dtype)][-1]:,.0f} tokens/s "
-                      f"(median of steps {args.skip + 1}-{args.steps}; {out['wall_s']:.0f} s in all)", flush=True)
+                compiled = (f"; compiled in {out['compile']['seconds']:.1f} s, {out['compile']['graphs']} graph(s)"
+                            if out["compile"] else "")
+                print(f"round {r + 1}: {engine:9s} {dtype} compile {comp:3s}: {results[case][-1]:,.0f} tokens/s "
+                      f"(median of steps {args.skip + 1}-{args.steps}; {out['wall_s']:.0f} s in all{compiled})",
+                      flush=True)
     for d in dtypes:  # a peak taken while the machine was busy would inflate the utilisation
         again = matmul_peak(DTYPES[d], threads)
         print(f"matmul peak {d}: {peaks[d] / 1e9:.1f} GFLOP/s at the start, {again / 1e9:.1f} at the end "
@@ -135,16 +158,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     base = statistics.median(results[cases[0]])
     print(f"\n{params['active']:,} active of {params['total']:,} parameters; {fpt / 1e6:.1f} MFLOP per token "
           f"(6 N + 12 L d S)\n")
-    print("| engine | dtype | tokens/s per round | median | x first case | MFU |")
-    print("|---|---|---|---|---|---|")
+    print("| engine | dtype | compile | tokens/s per round | median | x first case | MFU | compile s per round |")
+    print("|---|---|---|---|---|---|---|---|")
     table = []
-    for engine, dtype in cases:
-        runs = results[(engine, dtype)]
+    for case in cases:
+        engine, dtype, comp = case
+        runs = results[case]
         med = statistics.median(runs)
         mfu = med * fpt / peaks[dtype]
-        table.append({"engine": engine, "dtype": dtype, "tokens_per_s": runs, "median": med, "mfu": mfu})
-        print(f"| {engine} | {dtype} | {' / '.join(f'{v:,.0f}' for v in runs)} | {med:,.0f} | {med / base:.3f} | "
-              f"{100 * mfu:.1f}% |")
+        table.append({"engine": engine, "dtype": dtype, "compile": comp, "tokens_per_s": runs, "median": med,
+                      "mfu": mfu, "compile_s": compile_s[case]})
+        secs = " / ".join(f"{v:.1f}" for v in compile_s[case]) or "-"
+        print(f"| {engine} | {dtype} | {comp} | {' / '.join(f'{v:,.0f}' for v in runs)} | {med:,.0f} | "
+              f"{med / base:.3f} | {100 * mfu:.1f}% | {secs} |")
+    for engine, dtype in dict.fromkeys((e, d) for e, d, _ in cases):  # compiled / eager, round by round
+        off, on = results.get((engine, dtype, "off")), results.get((engine, dtype, "on"))
+        if off and on:
+            ratios = [b / a for a, b in zip(off, on)]
+            print(f"{engine} {dtype}: compiled / eager per round {' / '.join(f'{v:.3f}' for v in ratios)}, "
+                  f"median {statistics.median(ratios):.3f}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"cpu_capability": cpu, "nproc": args.nproc, "threads_per_proc": threads_per_proc,

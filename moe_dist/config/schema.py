@@ -239,6 +239,13 @@ class TrainConfig:
                                                      "measured 4x+ slower than fp32 (no AVX-512 bf16 / AMX): fp32 "
                                                      "runs it as fp32 (said at start-up), bf16 keeps bf16")
     activation_checkpointing: bool = knob(False, "recompute each block in backward (non-reentrant)")
+    compile: bool = knob(False, "torch.compile (inductor) each transformer block: a dense block whole; an MoE block's "
+                         "norms, attention, router and shared expert, its dispatch / exchange / expert kernel left "
+                         "eager (docs/training.md; off by default: on a 2-core AVX2 CPU, fp32, measured 1.04x for 1-3 min "
+                         "of compiling per cold start, bench/results.md)")
+    compile_cache_dir: Optional[str] = knob(None, "train.compile: inductor's cache directory (compiled kernels, FX "
+                                            "graph and AOTAutograd caches), reused by restarts and requeues; null = "
+                                            "run.dir/compile_cache")
     max_nonfinite_steps: int = knob(5, "the run has diverged after this many bad steps in a row (a non-finite loss, "
                                     "gradient norm or router logits, or a loss spike; each is skipped: not applied, "
                                     "marked in metrics.jsonl); see train.on_divergence", min=1)

@@ -37,6 +37,7 @@ from ..moe import collect_aux_loss, moe_layers
 from .checkpoint import TrainingCheckpoints, latest_checkpoint, load_checkpoint
 from .checkpoint.collective import broadcast
 from .checkpoint.divergence import last_good_step, read_record, record_divergence, take_pending
+from .compile import CompileClock, apply_compile, cache_dir, describe_compile, use_cache_dir
 from .engines import create_engine, engine_scope
 from .evaluate import autocast, evaluate, format_report, unigram_baseline, validation_batches
 from .metrics import MetricsLogger, MoEStepStats, read_metrics
@@ -190,6 +191,7 @@ class Trainer:
         self.engine.prepare(self.model, fill=weights_filler(cfg, cfg.ckpt.init_from))
         self.moe = moe_layers(self.model)
         self._agree_expert_kernels()
+        self._compile()
         self.moe_stats = MoEStepStats(self.model)
         self.diagnostics = RoutingDiagnostics()  # load balance, probe-set fluctuation, Symphony graphs
 
@@ -218,6 +220,16 @@ class Trainer:
             self.lock.admit_readers()  # the directory is tidied: `moe-dist eval` may read it while we train
             if self.tracker is not None:
                 self.log(self.tracker.describe(self.step))
+
+    def _compile(self) -> None:
+        """``train.compile``: the blocks' compiled parts (compiled at the first forward), inductor's
+        cache in :func:`~moe_dist.train.compile.cache_dir`."""
+        self.compiled, self.compile_clock = [], None
+        if not self.cfg.train.compile:
+            return
+        use_cache_dir(cache_dir(self.cfg))
+        self.compiled = apply_compile(self.model, self.cfg.model.moe.router)
+        self.compile_clock = CompileClock()
 
     def _agree_expert_kernels(self) -> None:
         """``model.moe.expert_kernel: auto``: one kernel per expert shape, timed on every rank and
@@ -509,6 +521,10 @@ class Trainer:
                 t0, c0 = time.perf_counter(), time.process_time()
                 row, fluct = self.train_step(), {}
                 dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+                if self.compile_clock is not None and not self.compile_clock.said:
+                    self.compile_clock.said = True
+                    self.log(describe_compile(self.compiled, self.compile_clock.report(), cache_dir(cfg),
+                                              cfg.model.moe.router))
                 step_tokens = cfg.train.global_batch * cfg.train.seq_len
                 tokens_seen += step_tokens
                 diverged = self.check_finite(row)
@@ -516,6 +532,8 @@ class Trainer:
                        "tokens": tokens_seen,
                        "epoch": round(self.sampler.epoch, 4), "elapsed_s": round(time.perf_counter() - t_start, 2),
                        "skipped_steps": self.skipped_steps, **cuda_memory_gib(self.rt.device)}
+                if self.compile_clock is not None:
+                    row["compilations"] = self.compile_clock.report()["graphs"]
                 last = self.step == steps
                 if (cfg.eval.every and self.step % cfg.eval.every == 0) or last:
                     last_val = self.validate()
@@ -554,6 +572,8 @@ class Trainer:
                    "skipped_steps": self.skipped_steps, "rollbacks": self.rollbacks,
                    "peak_rss_gib": gather_peak_rss_gib(self.rt),  # every rank's, in order
                    **cuda_memory_gib(self.rt.device)}  # rank 0's
+        if self.compile_clock is not None:  # this process's graphs and seconds spent compiling
+            summary["compile"] = {"parts": len(self.compiled), **self.compile_clock.report()}
         self.metrics.close()
         if self.is_main:
             with open(os.path.join(self.run_dir, "summary.json"), "w", encoding="utf-8") as f:

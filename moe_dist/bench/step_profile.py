@@ -1,0 +1,106 @@
+"""Where a training step's time goes, eager against ``train.compile``, op by op.
+
+    python -m moe_dist.bench.step_profile [--config configs/tiny.yaml] [--batch 6] [--threads 1]
+        [--dtype fp32] [--rounds 5] [--top 15] [KEY=VALUE ...]
+
+One process, one thread (one rank of the main job: ``--batch`` sequences of ``train.seq_len``,
+all experts local, so no exchange): the model is built twice from the same seed, one copy
+compiled as the trainer compiles it (:func:`moe_dist.train.compile.apply_compile`). After a
+warm-up (the compilation), rounds alternate between the two; each round times one forward +
+backward (the loss as the trainer forms it, no optimizer step). Then a few steps of each run
+under ``torch.profiler``, and the ops with the most self time are listed side by side (ms per
+step): what the compiled step no longer runs (the fused elementwise ops) and what it still runs
+(matmuls, SDPA, the MoE layer's eager middle).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..config import load_config
+from ..hardware import slow_bf16_note
+from ..model import build_model
+from ..moe import collect_aux_loss
+from ..train.compile import apply_compile
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def step_fn(model, tokens: torch.Tensor, dtype: str):
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()) + collect_aux_loss(model)
+        loss.backward()
+    return step
+
+
+def op_times(step, steps: int) -> dict[str, float]:
+    """Self CPU milliseconds per step of every op (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    return {e.key: e.self_cpu_time_total / steps / 1e3 for e in prof.key_averages()}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m moe_dist.bench.step_profile", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/tiny.yaml")
+    p.add_argument("--batch", type=int, default=6, help="sequences per step (one rank's share of the main job)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds, eager and compiled alternating")
+    p.add_argument("--profile-steps", type=int, default=2)
+    p.add_argument("--top", type=int, default=15)
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cfg = load_config(args.config, list(args.overrides))
+    vocab = cfg.model.vocab_size or cfg.data.vocab_size
+    slow = slow_bf16_note(torch.device("cpu"), args.dtype)
+    print(f"step profile: {args.config}, {args.batch} x {cfg.train.seq_len} tokens, {args.dtype}, "
+          f"{torch.get_num_threads()} thread(s), CPU capability {torch.backends.cpu.get_cpu_capability()}", flush=True)
+    if slow:
+        print(slow, flush=True)
+    tokens = torch.randint(0, vocab, (args.batch, cfg.train.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    steps = {}
+    for name in ("eager", "compiled"):
+        model = build_model(cfg.model, vocab, seed=cfg.train.seed).train()
+        if name == "compiled":
+            apply_compile(model, cfg.model.moe.router)
+        steps[name] = step_fn(model, tokens, args.dtype)
+        t0 = time.perf_counter()
+        steps[name]()
+        steps[name]()
+        print(f"{name}: first two steps {time.perf_counter() - t0:.1f} s (the compiled run compiles in them)", flush=True)
+    times = {name: [] for name in steps}
+    for r in range(args.rounds):
+        for name in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
+            t0 = time.perf_counter()
+            steps[name]()
+            times[name].append(time.perf_counter() - t0)
+    eager, compiled = statistics.median(times["eager"]), statistics.median(times["compiled"])
+    ratios = [a / b for a, b in zip(times["eager"], times["compiled"])]
+    print(f"step (forward + backward): eager {1e3 * eager:.1f} ms, compiled {1e3 * compiled:.1f} ms (medians of "
+          f"{args.rounds}); eager / compiled per round: {' '.join(f'{v:.3f}' for v in ratios)}, "
+          f"median {statistics.median(ratios):.3f}", flush=True)
+    ops = {name: op_times(step, args.profile_steps) for name, step in steps.items()}
+    keys = sorted(set(ops["eager"]) | set(ops["compiled"]),
+                  key=lambda k: -max(ops["eager"].get(k, 0.0), ops["compiled"].get(k, 0.0)))
+    print("\n| op (self CPU time, ms per step; profiler on) | eager | compiled |\n|---|---|---|")
+    for k in keys[: args.top]:
+        print(f"| `{k}` | {ops['eager'].get(k, 0.0):.1f} | {ops['compiled'].get(k, 0.0):.1f} |")
+    print(f"| all ops | {sum(ops['eager'].values()):.1f} | {sum(ops['compiled'].values()):.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
