@@ -18,8 +18,9 @@ on moe_dist/testing/cluster.py): slurmctld and munged on node0, one ``slurmd -N 
 The unplugged node and the crashed ranks run with ``MOE_DIST_MULTINODE_FULL=1`` only (minutes
 more; the killed node covers Slurm's requeue and the survivors' lines).
 
-Needs root, ``ip netns`` and Slurm (installed from Debian's packages when missing); skipped with the
-reason elsewhere.
+Opt-in like every multi-node test (``MOE_DIST_MULTINODE=1``, tests/conftest.py); needs root, ``ip netns``
+(the cluster of tests/multinode_harness.py) and Slurm (installed from Debian's packages when missing);
+skipped with the reason elsewhere.
 """
 from __future__ import annotations
 
@@ -35,12 +36,11 @@ import time
 
 import pytest
 
-from moe_dist.testing.cluster import Cluster, ClusterUnavailable, remove_stale, unavailable_reason
 from moe_dist.testing.slurm import SlurmCluster, install_slurm
+from multinode_harness import ROOT, cluster  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBATCH = os.path.join(ROOT, "launch", "slurm", "train.sbatch")
 STEPS = 16
 # every run of this file: the same curve (so one reference), a checkpoint every 4 steps
@@ -57,26 +57,16 @@ FULL = pytest.mark.skipif(os.environ.get("MOE_DIST_MULTINODE_FULL", "0") in ("",
 
 
 @pytest.fixture(scope="module")
-def slurm():
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(reason)
+def slurm(cluster):  # noqa: F811 (the harness's fixture)
     reason = install_slurm()
     if reason:
         pytest.skip(f"cannot set up Slurm: {reason}")
-    remove_stale()
     root = tempfile.mkdtemp(prefix="moe-slurm-nodes-")
     os.chmod(root, 0o755)
-    c = Cluster(2)
     try:
-        try:
-            c.up()  # removes what it made when it fails
-        except ClusterUnavailable as e:  # e.g. a firewall between the bridge's ports
-            pytest.skip(str(e))
-        with SlurmCluster(root, on=c, slurmd_timeout=SLURMD_TIMEOUT, kill_wait=KILL_WAIT) as s:
+        with SlurmCluster(root, on=cluster, slurmd_timeout=SLURMD_TIMEOUT, kill_wait=KILL_WAIT) as s:
             yield s
     finally:
-        c.down()
         shutil.rmtree(root, ignore_errors=True)
 
 
