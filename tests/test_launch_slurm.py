@@ -1,4 +1,4 @@
-"""launch/slurm/train.sbatch on a real one-node Slurm cluster that this module starts.
+"""launch/slurm/train.sbatch on a real one-node Slurm cluster (moe_dist/testing/slurm.py: this machine, 127.0.0.1).
 
 Needs root (munged, slurmctld and slurmd run as root; Debian's slurm-wlm and munge are
 installed with apt-get when missing). The cluster lives in a temporary directory with its own
@@ -16,14 +16,13 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 
 import pytest
+
+from moe_dist.testing.slurm import SlurmCluster, install_slurm
 
 pytestmark = pytest.mark.slow
 
@@ -32,172 +31,24 @@ SBATCH = os.path.join(REPO, "launch", "slurm", "train.sbatch")
 QUIET = ["run.progress=false", "run.plots=false", "run.tensorboard=false", "run.print_every=1"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _install_slurm() -> str:
-    """'' when slurmctld, slurmd, sbatch and munged are there (installing them if needed), else why not."""
-    need = ("slurmctld", "slurmd", "sbatch", "munged")
-    if all(shutil.which(t) for t in need):
-        return ""
-    if shutil.which("apt-get") is None:
-        return f"Slurm is not installed ({', '.join(t for t in need if not shutil.which(t))} missing) and there is no apt-get"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    steps = (["apt-get", "update", "-qq"],
-             ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "slurm-wlm", "munge"])
-    for cmd in steps:
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if r.returncode:
-            return f"`{' '.join(cmd)}` failed ({r.returncode}): {(r.stderr or r.stdout)[-400:]}"
-    missing = [t for t in need if not shutil.which(t)]
-    return f"still missing after apt-get install: {missing}" if missing else ""
-
-
-class SlurmCluster:
-    """munged + slurmctld + slurmd for this machine, configured under ``root``."""
-
-    def __init__(self, root: str):
-        self.root = root
-        self.conf = os.path.join(root, "slurm.conf")
-        self.env = {**os.environ, "SLURM_CONF": self.conf}
-        self.munge_dir = os.path.join(root, "munge")
-        self.pid_files = [os.path.join(root, "slurmd.pid"), os.path.join(root, "slurmctld.pid"),
-                          os.path.join(self.munge_dir, "munged.pid")]  # stop order
-
-    def _write_conf(self) -> None:
-        node = subprocess.run(["slurmd", "-C"], capture_output=True, text=True, check=True).stdout.splitlines()[0]
-        host = re.search(r"NodeName=(\S+)", node).group(1)
-        cpus = re.search(r"CPUs=(\d+)", node).group(1)
-        mem = int(re.search(r"RealMemory=(\d+)", node).group(1)) * 8 // 10
-        r = self.root
-        with open(self.conf, "w") as f:
-            f.write(f"""ClusterName=moetest
-SlurmctldHost={host}(127.0.0.1)
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
-AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=socket={self.munge_dir}/munge.socket,cred_expire=5
-SlurmUser=root
-SlurmdUser=root
-StateSaveLocation={r}/state
-SlurmdSpoolDir={r}/spool
-SlurmctldPidFile={r}/slurmctld.pid
-SlurmdPidFile={r}/slurmd.pid
-SlurmctldLogFile={r}/log/slurmctld.log
-SlurmdLogFile={r}/log/slurmd.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-MpiDefault=none
-ReturnToService=2
-SchedulerParameters=sched_interval=2
-NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={mem} State=UNKNOWN
-PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
-""")
-
-    def start(self) -> None:
-        for d in ("state", "spool", "log"):
-            os.makedirs(os.path.join(self.root, d))
-        os.makedirs(self.munge_dir)
-        shutil.chown(self.munge_dir, "munge", "munge")
-        os.chmod(self.munge_dir, 0o755)  # munged wants a socket directory everyone may enter
-        self._write_conf()
-        m = self.munge_dir
-        subprocess.run(["runuser", "-u", "munge", "--", "munged", f"--socket={m}/munge.socket",
-                        f"--pid-file={m}/munged.pid", f"--log-file={m}/munged.log", f"--seed-file={m}/munged.seed"],
-                       check=True)
-        subprocess.run(["slurmctld", "-f", self.conf], env=self.env, check=True)
-        subprocess.run(["slurmd", "-f", self.conf], env=self.env, check=True)
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            out = self.run("sinfo", "-h", "-o", "%T", check=False).stdout
-            if "idle" in out:
-                return
-            time.sleep(0.5)
-        raise RuntimeError(f"the Slurm node did not become idle: {out!r}\n{self.logs()}")
-
-    def stop(self) -> None:
-        """Cancel our jobs, wait for them to end, then stop the daemons we started (by pid)."""
-        if os.path.exists(os.path.join(self.root, "slurmctld.pid")):
-            self.run("scancel", "--user", "root", check=False)
-            deadline = time.time() + 60
-            while time.time() < deadline and self.run("squeue", "-h", check=False).stdout.strip():
-                time.sleep(1)
-        for path in self.pid_files:
-            try:
-                with open(path) as f:
-                    pid = int(f.read().strip())
-                os.kill(pid, signal.SIGTERM)
-            except (OSError, ValueError):
-                continue
-            for _ in range(50):  # up to 5 s for a clean exit
-                try:
-                    os.kill(pid, 0)
-                except OSError:
-                    break
-                time.sleep(0.1)
-
-    def run(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run(list(cmd), env=self.env, capture_output=True, text=True, check=check, timeout=60)
-
-    def logs(self) -> str:
-        out = []
-        for name in ("slurmctld.log", "slurmd.log"):
-            path = os.path.join(self.root, "log", name)
-            if os.path.exists(path):
-                with open(path, errors="replace") as f:
-                    out.append(f"--- {name}\n" + "".join(f.readlines()[-30:]))
-        return "\n".join(out)
-
-    def submit(self, sbatch_args: list[str], script_args: list[str], env: dict) -> str:
-        r = subprocess.run(["sbatch", "--parsable", *sbatch_args, SBATCH, *script_args], env={**self.env, **env},
-                           capture_output=True, text=True, cwd=REPO, timeout=60)
-        assert r.returncode == 0, f"sbatch failed: {r.stderr}"
-        return r.stdout.strip().split(";")[0]
-
-    def job(self, job_id: str) -> dict:
-        out = self.run("scontrol", "-o", "show", "job", job_id).stdout
-        return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
-
-    def wait(self, job_id: str, done, timeout: float, what: str, out_file: str = "") -> dict:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            info = self.job(job_id)
-            if done(info):
-                return info
-            if info.get("JobState") in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
-                break
-            time.sleep(0.5)
-        out_file = out_file.replace("%j", job_id)
-        output = _read(out_file)[-4000:] if out_file and os.path.exists(out_file) else ""
-        raise AssertionError(f"job {job_id}: waiting for {what}; last state {info.get('JobState')} "
-                             f"(reason {info.get('Reason')}, exit {info.get('ExitCode')})\n--- job output\n{output}\n"
-                             f"{self.logs()}")
-
-
 @pytest.fixture(scope="module")
 def cluster():
     if os.geteuid() != 0:
         pytest.skip("needs root: the test starts munged, slurmctld and slurmd itself")
-    reason = _install_slurm()
+    reason = install_slurm()
     if reason:
         pytest.skip(f"cannot set up Slurm: {reason}")
     root = tempfile.mkdtemp(prefix="moe-slurm-")
     os.chmod(root, 0o755)
-    c = SlurmCluster(root)
     try:
-        c.start()
-        yield c
+        with SlurmCluster(root) as c:
+            yield c
     finally:
-        c.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _submit(cluster: SlurmCluster, sbatch_args: list[str], script_args: list[str], env: dict) -> str:
+    return cluster.submit(sbatch_args, SBATCH, script_args, env, cwd=REPO)
 
 
 def _job_env(**extra: str) -> dict:
@@ -240,7 +91,7 @@ def test_sbatch_two_tasks_trains_and_checkpoints(cluster):
     run_dir = os.path.join(cluster.root, "run-basic")
     out_file = os.path.join(cluster.root, "basic-%j.out")
     t0 = time.time()
-    job = cluster.submit(["-n", "2", "-o", out_file], ["configs/test.yaml", f"run.dir={run_dir}", "train.steps=4", *QUIET],
+    job = _submit(cluster, ["-n", "2", "-o", out_file], ["configs/test.yaml", f"run.dir={run_dir}", "train.steps=4", *QUIET],
                          _job_env())
     info = cluster.wait(job, lambda i: i["JobState"] == "COMPLETED", 300, "COMPLETED", out_file)
     out = _read(out_file.replace("%j", job))
@@ -255,7 +106,7 @@ def test_sbatch_preempt_requeue_resume(cluster):
     run_dir = os.path.join(cluster.root, "run-preempt")
     out_file = os.path.join(cluster.root, "preempt-%j.out")
     t0 = time.time()
-    job = cluster.submit(["-n", "2", "-o", out_file], ["configs/test.yaml", f"run.dir={run_dir}", f"train.steps={steps}",
+    job = _submit(cluster, ["-n", "2", "-o", out_file], ["configs/test.yaml", f"run.dir={run_dir}", f"train.steps={steps}",
                                                        *QUIET], _job_env())
     deadline = time.time() + 240
     while len(_metrics(run_dir)) < 2:  # training is under way
@@ -296,7 +147,7 @@ def test_sbatch_preempt_requeue_resume(cluster):
 def test_sbatch_one_torchrun_per_node(cluster):
     run_dir = os.path.join(cluster.root, "run-torchrun")
     out_file = os.path.join(cluster.root, "torchrun-%j.out")
-    job = cluster.submit(["-N", "1", "--ntasks-per-node=1", "-c", "2", "-o", out_file],
+    job = _submit(cluster, ["-N", "1", "--ntasks-per-node=1", "-c", "2", "-o", out_file],
                          ["configs/test.yaml", f"run.dir={run_dir}", "train.steps=3", *QUIET],
                          _job_env(MOE_DIST_LAUNCH="torchrun", NPROC_PER_NODE="2"))
     info = cluster.wait(job, lambda i: i["JobState"] == "COMPLETED", 300, "COMPLETED", out_file)

@@ -1,0 +1,287 @@
+"""Slurm across nodes: a real Slurm cluster on the nodes of a namespace cluster (moe_dist/testing/slurm.py
+on moe_dist/testing/cluster.py): slurmctld and munged on node0, one ``slurmd -N nodeI`` on each node.
+
+* ``sbatch -N 2 --ntasks-per-node=2 launch/slurm/train.sbatch`` with ``parallel.ep=4`` (every MoE
+  layer's experts span both nodes), one task per rank and one torchrun per node: preempted with
+  ``scancel --batch --signal=USR1`` mid-run, the ranks on both nodes checkpoint, the script requeues
+  the job, and the requeued job resumes on both nodes to the last step; the metrics hold every step
+  once and the losses are those of 1 process on the whole batch (1e-5);
+* node1 lost mid-run, unplugged (its link down: no reset reaches anyone) or with every process
+  killed, slurmd included: Slurm sets it DOWN after ``SlurmdTimeout`` and requeues the job itself
+  (node failure, ``#SBATCH --requeue``), before the ranks' collective timeout and before srun
+  gives up on node1's tasks (``--wait``: SlurmdTimeout + 60 s); once node1 has rebooted (its
+  processes gone, link up, slurmd registered) the job resumes from the last complete checkpoint
+  (``resume=auto``) to the end, on the same loss curve, every step's metrics row once;
+* node1's ranks killed (a crash on a node that stays up): the ranks on node0 end with one line
+  naming node1 and its ranks, and the job fails without a requeue (a crash may well repeat).
+
+The unplugged node and the crashed ranks run with ``MOE_DIST_MULTINODE_FULL=1`` only (minutes
+more; the killed node covers Slurm's requeue and the survivors' lines).
+
+Opt-in like every multi-node test (``MOE_DIST_MULTINODE=1``, tests/conftest.py); needs root, ``ip netns``
+(the cluster of tests/multinode_harness.py) and Slurm (installed from Debian's packages when missing);
+skipped with the reason elsewhere.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from moe_dist.testing.slurm import SlurmCluster, install_slurm
+from multinode_harness import ROOT, cluster  # noqa: F401 (fixture)
+
+pytestmark = [pytest.mark.multinode, pytest.mark.slow]
+
+SBATCH = os.path.join(ROOT, "launch", "slurm", "train.sbatch")
+STEPS = 16
+# every run of this file: the same curve (so one reference), a checkpoint every 4 steps
+TRAIN = ["run.progress=false", "run.plots=false", "run.tensorboard=false", "run.print_every=1",
+         "eval.max_sequences=8", f"train.steps={STEPS}", "ckpt.every=4", "ckpt.verify=false"]
+SLURMD_TIMEOUT = 30  # s without an answer before slurmctld sets a node DOWN (Slurm's default: 300)
+KILL_WAIT = 10  # s between SIGTERM and SIGKILL when Slurm ends a job (Slurm's default: 30)
+JOB_TIMEOUT = 420  # one job, start to end, on a busy 2-core machine (~60-120 s alone)
+# the cases that add little to the others and minutes to the suite run with MOE_DIST_MULTINODE_FULL=1
+# (measured in docs/multinode.md): an unplugged node (the same requeue as a killed one, after a
+# longer silence) and ranks killed on a node that stays up (the same lines; the job fails)
+FULL = pytest.mark.skipif(os.environ.get("MOE_DIST_MULTINODE_FULL", "0") in ("", "0"),
+                          reason="set MOE_DIST_MULTINODE_FULL=1 for the unplugged node and the crashed ranks under Slurm")
+
+
+@pytest.fixture(scope="module")
+def slurm(cluster):  # noqa: F811 (the harness's fixture)
+    reason = install_slurm()
+    if reason:
+        pytest.skip(f"cannot set up Slurm: {reason}")
+    root = tempfile.mkdtemp(prefix="moe-slurm-nodes-")
+    os.chmod(root, 0o755)
+    try:
+        with SlurmCluster(root, on=cluster, slurmd_timeout=SLURMD_TIMEOUT, kill_wait=KILL_WAIT) as s:
+            yield s
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _plugged_in(request):
+    """Before every test the bridge allowed through iptables (a dockerd started meanwhile sets the
+    FORWARD policy to DROP) and every node idle; after it, every link plugged in again and no job left."""
+    s = request.getfixturevalue("slurm") if "slurm" in request.fixturenames else None
+    if s is not None:
+        s.cluster.allow_forwarding()
+        s.wait_idle(len(s.nodes), 120)
+    yield
+    if s is not None:
+        for nd in s.cluster.nodes:
+            s.cluster.set_link(nd, True)
+        s.cancel_all()  # a job that a failed test left behind
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK",
+                        "NPROC_PER_NODE") and not k.startswith("SLURM_")}
+    env.update(PYTHON=sys.executable, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def _read(path: str) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()
+
+
+def _rows(run_dir: str) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _complete_checkpoints(run_dir: str) -> list[int]:
+    where = os.path.join(run_dir, "checkpoints")
+    names = os.listdir(where) if os.path.isdir(where) else []
+    return sorted(int(n.split("_")[1]) for n in names
+                  if re.fullmatch(r"step_\d{6}", n) and os.path.exists(os.path.join(where, n, "COMPLETE")))
+
+
+@pytest.fixture(scope="module")
+def reference(slurm):
+    """The loss curve of 1 process on the whole batch (``parallel.ep=1``), in the root namespace."""
+    run_dir = os.path.join(slurm.root, "reference")
+    res = subprocess.run([sys.executable, "-m", "moe_dist.cli", "train", "--config", "configs/test.yaml",
+                          f"run.dir={run_dir}", f"data.cache_dir={slurm.root}/cache", "parallel.ep=1", *TRAIN],
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    losses = [r["loss"] for r in _rows(run_dir)]
+    assert len(losses) == STEPS and losses[-1] < losses[0]
+    return losses
+
+
+class Job:
+    """One ``sbatch -N 2 --ntasks-per-node=2 launch/slurm/train.sbatch configs/test.yaml parallel.ep=4 ...``."""
+
+    def __init__(self, s: SlurmCluster, name: str, *overrides: str, **env: str):
+        self.s = s
+        self.run_dir = os.path.join(s.root, name)
+        self.out_file = os.path.join(s.root, f"{name}-%j.out")
+        self.t0 = time.monotonic()
+        self.id = s.submit(["-N", "2", "--ntasks-per-node=2", "-o", self.out_file], SBATCH,
+                           ["configs/test.yaml", f"run.dir={self.run_dir}", f"data.cache_dir={s.root}/cache",
+                            "parallel.ep=4", *TRAIN, *overrides], _env(**env), cwd=ROOT)
+        self.out_file = self.out_file.replace("%j", self.id)
+
+    def output(self) -> str:
+        return _read(self.out_file) if os.path.exists(self.out_file) else ""
+
+    def info(self) -> dict:
+        return self.s.job(self.id)
+
+    def wait(self, done, what: str, timeout: float = JOB_TIMEOUT) -> dict:
+        return self.s.wait(self.id, done, timeout, what, self.out_file)
+
+    def wait_for_step(self, step: int, checkpoint: bool = False) -> None:
+        """Until metrics.jsonl has ``step`` rows (and, with ``checkpoint``, a complete checkpoint exists)."""
+        deadline = time.monotonic() + JOB_TIMEOUT
+        while len(_rows(self.run_dir)) < step or (checkpoint and not _complete_checkpoints(self.run_dir)):
+            info = self.info()
+            assert time.monotonic() < deadline and info["JobState"] in ("PENDING", "CONFIGURING", "RUNNING"), \
+                f"job {self.id} {info['JobState']} before step {step}\n{self.output()[-3000:]}\n{self.s.logs()}"
+            time.sleep(0.3)
+
+    def check_finished(self, reference: list[float], launcher: str) -> str:
+        """The job COMPLETED on both nodes: every step's metrics row once, the reference's losses."""
+        info = self.wait(lambda i: i["JobState"] == "COMPLETED", "COMPLETED")
+        out = self.output()
+        assert info["ExitCode"] == "0:0" and info["NodeList"] == "node[0-1]", (info, out[-3000:])
+        rows = _rows(self.run_dir)
+        assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), [r["step"] for r in rows]  # none missing or twice
+        assert [r["loss"] for r in rows] == pytest.approx(reference, rel=1e-5, abs=0)
+        with open(os.path.join(self.run_dir, "run.json")) as f:
+            run = json.load(f)
+        assert (run["world_size"], run["ep"], run["launcher"]) == (4, 4, launcher), run
+        assert STEPS in _complete_checkpoints(self.run_dir)
+        return out
+
+
+def _preempt_requeue_resume(s: SlurmCluster, reference, launcher: str, **env) -> None:
+    before = [s.cluster.link_bytes(nd) for nd in s.cluster.nodes]
+    job = Job(s, f"preempt-{launcher}", **env)
+    job.wait_for_step(2)
+    # what `#SBATCH --signal=B:USR1@300` does before the time limit: signal the batch shell only
+    s.run("scancel", "--batch", "--signal=USR1", job.id)
+    t_signal = time.monotonic()
+    info = job.wait(lambda i: i["Restarts"] == "1" or i["JobState"] == "COMPLETED", "the requeue")
+    assert info["Restarts"] == "1", f"not requeued: {info['JobState']}\n{job.output()[-3000:]}"
+    t_requeue = time.monotonic()
+    out = job.check_finished(reference, launcher)
+    moved = [s.cluster.link_bytes(nd)[0] - b[0] for nd, b in zip(s.cluster.nodes, before)]
+
+    first, second = out.split("(restart 1)", 1)
+    assert f"on 2 node(s): node[0-1]; launch {launcher if launcher == 'torchrun' else 'srun'}; rendezvous node0:" \
+        in first, first[:2000]
+    m = re.search(r"SIGUSR1 received: stopped after step (\d+)/%d" % STEPS, first)
+    assert m, first[-3000:]
+    stopped = int(m.group(1))
+    assert 2 <= stopped < STEPS and "exited with 75 after SIGUSR1" in first and f"requeueing job {job.id}" in first
+    assert re.search(r"resumed from \S+step_%06d at step %d" % (stopped, stopped), second), second[:3000]
+    steps_run = [int(k) for k in re.findall(r"^step (\d+)/%d  loss" % STEPS, second, flags=re.M)]
+    assert steps_run[0] == stopped + 1 and steps_run[-1] == STEPS, steps_run
+    assert stopped in _complete_checkpoints(job.run_dir)
+    # both runs trained across the nodes: each node received megabytes (FSDP's gathers, the all-to-alls)
+    assert min(moved) > 2_000_000, moved
+    print(f"\nslurm 2 nodes x 2 ({launcher}): preempted {t_signal - job.t0:.1f} s after submission at step "
+          f"{stopped}/{STEPS}, requeued {t_requeue - t_signal:.1f} s later, finished "
+          f"{time.monotonic() - job.t0:.1f} s after submission; received {moved[0]:,} / {moved[1]:,} bytes")
+
+
+def test_one_task_per_rank_on_two_nodes_preempted_requeued_matches_one_process(slurm, reference):
+    _preempt_requeue_resume(slurm, reference, "slurm")
+
+
+def test_one_torchrun_per_node_preempted_requeued_matches_one_process(slurm, reference):
+    _preempt_requeue_resume(slurm, reference, "torchrun", MOE_DIST_LAUNCH="torchrun")
+
+
+@pytest.mark.parametrize("how", [pytest.param("unplugged", marks=FULL), "killed"])
+def test_a_lost_node_is_set_down_and_slurm_requeues_the_job(slurm, reference, how):
+    """node1 unplugged (no reset reaches anyone), or every process of it killed, slurmd included (the
+    ranks on node0 end at once; srun waits for node1's tasks longer than SlurmdTimeout)."""
+    s = slurm
+    # the ranks' collective timeout well above SlurmdTimeout: Slurm notices a silent node first
+    job = Job(s, f"lost-{how}", "parallel.timeout_s=300")
+    job.wait_for_step(6, checkpoint=True)
+    if how == "unplugged":
+        s.cluster.set_link("node1", False)
+    else:
+        s.cluster.kill_node("node1")
+    t0 = time.monotonic()
+    # Slurm sets node1 DOWN, requeues the job and ends what is left of it on node0 (SIGTERM, then
+    # SIGKILL after KillWait): the job is PENDING, waiting for two nodes
+    job.wait(lambda i: i["Restarts"] == "1" and i["JobState"] == "PENDING", "Slurm's requeue after node1 was lost",
+             timeout=SLURMD_TIMEOUT + 180)
+    t_requeued = time.monotonic()
+    nodes = s.run("sinfo", "-h", "-N", "-o", "%N %T").stdout.split()
+    assert nodes[nodes.index("node1") + 1].startswith("down"), nodes
+    out = job.output()
+    assert "srun: error: Node failure on node1" in out and "DUE TO NODE FAILURE" in out, out[-3000:]
+    if how == "killed":  # the ranks on node0 ended on their own, each with its line
+        lines = [line for line in out.splitlines() if line.startswith("moe-dist train:")]
+        assert len(lines) == 2 and all(line.endswith("; lost node node1 (ranks 2, 3): none of its ranks answered a "
+                                                     "roll call within 10 s") for line in lines), out[-3000:]
+    saved = _complete_checkpoints(job.run_dir)
+    # node1 reboots: its processes are gone, its link is up, its slurmd registers and the job starts
+    s.cluster.kill_node("node1")
+    s.cluster.set_link("node1", True)
+    s.start_slurmd("node1")
+    t_back = time.monotonic()
+    out = job.check_finished(reference, "slurm")
+    second = out.split("(restart 1)", 1)[1]
+    resumed = int(re.search(r"resumed from \S+step_(\d{6}) at step \d+", second).group(1))
+    assert resumed == saved[-1], (resumed, saved)
+    print(f"\nslurm, node1 {how} after step 6: job requeued by Slurm and pending {t_requeued - t0:.1f} s later "
+          f"(SlurmdTimeout={SLURMD_TIMEOUT}, KillWait={KILL_WAIT}); node1 rebooted, the job resumed from step {resumed} "
+          f"and finished {time.monotonic() - t_back:.1f} s later")
+
+
+def _ranks_on(s: SlurmCluster, node: str, run_dir: str) -> list[int]:
+    """The pids of the training processes of ``run_dir`` on ``node``."""
+    pids = []
+    for pid in s.cluster.pids(node):
+        try:
+            cmd = _read(f"/proc/{pid}/cmdline").split("\0")
+        except OSError:
+            continue
+        if "moe_dist.cli" in cmd and f"run.dir={run_dir}" in cmd:
+            pids.append(pid)
+    return pids
+
+
+@FULL
+def test_killed_ranks_on_one_node_end_the_job_with_one_line_naming_it(slurm):
+    s = slurm
+    job = Job(s, "killed", "parallel.timeout_s=300")
+    job.wait_for_step(3)
+    pids = _ranks_on(s, "node1", job.run_dir)
+    assert len(pids) == 2, pids
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)  # a crash, the out-of-memory killer: the node itself stays up
+    t0 = time.monotonic()
+    info = job.wait(lambda i: i["JobState"] in ("FAILED", "COMPLETED"), "the end", timeout=240)
+    seconds = time.monotonic() - t0
+    out = job.output()
+    # srun's status: the highest of its tasks' (137: node1's, killed by SIGKILL; node0's ranks exit 1)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("FAILED", "137:0", "0"), (info, out[-3000:])
+    lines = [line for line in out.splitlines() if line.startswith("moe-dist train:")]
+    assert lines and all(line.endswith("; lost node node1 (ranks 2, 3): none of its ranks answered a roll call "
+                                       "within 10 s") for line in lines), out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    print(f"\nslurm, node1's ranks killed: the job failed {seconds:.1f} s later (not requeued)")
