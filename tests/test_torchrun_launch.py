@@ -40,3 +40,17 @@ def test_a_rank_that_reported_has_spoken_for_itself(tmp_path):
 def test_the_command_is_the_one_the_workers_run():
     assert command_of(["--standalone", "--nproc-per-node=2", "--module", "moe_dist.cli", "eval", "--run-dir", "r"]) == "eval"
     assert command_of(["--module", "moe_dist.cli"]) == "train"
+
+
+def test_a_lost_rendezvous_store_is_one_line_unless_the_ranks_reported(tmp_path):
+    from moe_dist.torchrun_launch import rendezvous_endpoint, store_lost_line
+
+    argv = ["--nnodes=2", "--rdzv-endpoint", "node0:29500", "--module", "moe_dist.cli", "train", "--config", "c.yaml"]
+    assert rendezvous_endpoint(argv) == "node0:29500"
+    assert rendezvous_endpoint(["--rdzv_endpoint=10.0.0.1:1234"]) == "10.0.0.1:1234"
+    assert store_lost_line("train", argv, str(tmp_path)) == (
+        "moe-dist train: this node's torchrun lost the job's rendezvous store at node0:29500 (the first node "
+        "ended, or this node cannot reach it any more); the job stopped")
+    # the node's ranks ended on their own (a preemption on every node): they have said what ended them
+    write_report(str(tmp_path), 1, {"rank": 1, "code": 75, "kind": "preempted", "line": "", "traceback": ""})
+    assert store_lost_line("train", argv, str(tmp_path)) is None
