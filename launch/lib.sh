@@ -55,6 +55,9 @@ run_forwarding_signals() {
 _forward_signal() {
   RUN_SIGNALLED=${RUN_SIGNALLED:-SIG$1}
   echo "[launch] SIG$1 received: asking the training processes to checkpoint and stop" >&2
+  # a process still starting up ignores the signal; it reads this note once it can handle one
+  # (moe_dist.exits.stop_requested, STOP_REQUEST)
+  echo SIGUSR1 >"$MOE_DIST_STATUS_DIR/stop_requested" 2>/dev/null
   [ -n "$_RUN_PID" ] || return 0
   if [ "$_RUN_MODE" = children ]; then
     local kids

@@ -44,5 +44,10 @@ class HFFormatError(UserError):
     """A Hugging Face checkpoint or config, or a weights directory, that cannot be read into our model."""
 
 
+class HostError(UserError):
+    """A setting of one host (its environment, its network) that is wrong there: every host of a
+    job says it for itself, through its first process, not only rank 0's."""
+
+
 class UsageError(UserError):
     """A command-line argument with a value that is not allowed."""

@@ -36,6 +36,7 @@ EXIT_PREEMPTED = 75  # EX_TEMPFAIL: checkpoint saved, please requeue
 EXIT_INTERRUPTED = 130
 REPORT_DIR_ENV = "MOE_DIST_REPORT_DIR"  # report instead of printing (moe-dist --nproc)
 STATUS_DIR_ENV = "MOE_DIST_STATUS_DIR"  # report and print as usual (the launch scripts: torchrun, mpirun)
+STOP_REQUEST = "stop_requested"  # in the status directory: the launcher was asked to stop the job (launch/lib.sh)
 KINDS = {EXIT_OK: "ok", EXIT_USAGE: "usage", EXIT_PREEMPTED: "preempted", EXIT_INTERRUPTED: "interrupted"}
 
 
@@ -64,6 +65,20 @@ def write_report(directory: str, rank: int, report: dict) -> None:
         os.replace(path + ".tmp", path)
     except OSError:
         pass
+
+
+def stop_requested() -> Optional[str]:
+    """The signal name the local launcher wrote into ``$MOE_DIST_STATUS_DIR`` when it was asked to
+    stop the job, or None. A rank still starting up ignores the signal the launcher passes on, so it
+    asks here once it can handle one (:class:`moe_dist.train.preemption.PreemptionHandler`)."""
+    directory = os.environ.get(STATUS_DIR_ENV)
+    if not directory:
+        return None
+    try:
+        with open(os.path.join(directory, STOP_REQUEST), encoding="utf-8") as f:
+            return f.read().strip() or "SIGUSR1"
+    except OSError:
+        return None
 
 
 def read_report(directory: str, rank: int) -> Optional[dict]:

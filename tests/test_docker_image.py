@@ -14,7 +14,12 @@ from Docker's layer cache), then:
 * ``moe-dist train --config configs/test.yaml --nproc 2`` trains in a container with ``runs/``
   mounted from the host; ``docker stop`` makes it checkpoint at the next step and exit 75; a
   second container continues from the mounted checkpoint (``resume=auto``) to the last step; the
-  host sees metrics (one row per step), plots and checkpoints, all owned by the image's user.
+  host sees metrics (one row per step), plots and checkpoints, all owned by the image's user;
+* two containers as the two nodes of one job: on a user-defined bridge network, each runs
+  ``launch/torchrun.sh`` (``NNODES=2``, ``MASTER_ADDR`` = the first container's name), ``runs/``
+  on a Docker volume both mount; ``docker stop`` on both makes them checkpoint at the same step
+  and exit 75 (no traceback on either), two new containers continue (``resume=auto``) to the last
+  step with the losses of 1 process on the whole batch, one metrics row per step.
 """
 from __future__ import annotations
 
@@ -148,6 +153,108 @@ def test_train_stop_and_resume_from_a_mounted_volume(image):
         assert set(owners) == {(UID, UID)}, {k: v[:5] for k, v in owners.items()}
         print(f"\ndocker: stopped at step {stopped}/{STEPS} (exit 75), resumed in a new container to {STEPS}")
     finally:
-        _docker("rm", "-f", name)
+        _docker("rm", "-f", "-v", name)  # -v: the image's anonymous data_cache volume too
         # the files belong to uid 1000; root (this test) removes them
         shutil.rmtree(host, ignore_errors=True)
+
+
+# Two nodes of 1 process each (parallel.ep=2) match 1 process (parallel.ep=1) to 1e-7 for the first
+# 19 steps of configs/test.yaml; later, floating-point summation order makes the curves drift apart
+# (2e-6 at step 20, 1e-4 at step 22, measured), so the job is kept that short.
+NODE_STEPS = 18
+
+
+def _node(image: str, name: str, network: str, volumes: dict, rank: int, master: str, rdzv_id: str,
+          *overrides: str) -> str:
+    """``docker run -d`` of one node: ``launch/torchrun.sh`` with one process; the container's host
+    name is its name (what the other node resolves through the network's DNS)."""
+    mounts = [a for vol, path in volumes.items() for a in ("-v", f"{vol}:{path}")]
+    env = [a for kv in ("NNODES=2", f"NODE_RANK={rank}", f"MASTER_ADDR={master}", "NPROC_PER_NODE=1",
+                        f"RDZV_ID={rdzv_id}") for a in ("-e", kv)]
+    _docker("run", "-d", "--name", name, "--hostname", name, "--network", network, *mounts, *env,
+            "--entrypoint", "bash", image, "launch/torchrun.sh", "configs/test.yaml", *overrides, check=True)
+    return name
+
+
+def _wait_exit(name: str, timeout: float) -> tuple[int, str]:
+    """(exit code, logs) of a container once it has ended."""
+    done = _docker("wait", name, timeout=timeout)
+    assert done.returncode == 0, done.stderr
+    logs = _docker("logs", name)
+    return int(done.stdout.strip()), logs.stdout + logs.stderr
+
+
+def test_two_containers_as_nodes_stop_and_resume(image):
+    tag = uuid.uuid4().hex[:8]
+    network, runs, cache = f"moe-dist-test-{tag}", f"moe-dist-test-{tag}-runs", f"moe-dist-test-{tag}-cache"
+    nodes = [f"moe-dist-test-{tag}-node{i}" for i in range(2)]
+    volumes = {runs: "/opt/moe_dist/runs", cache: "/opt/moe_dist/data_cache"}
+    common = [f"train.steps={NODE_STEPS}", "run.progress=false", "run.print_every=1", "run.plots=false"]
+    try:
+        _docker("network", "create", network, check=True)  # a user-defined bridge: names resolve by DNS
+        for vol in (runs, cache):
+            _docker("volume", "create", vol, check=True)
+        # the host reads what the containers wrote through the volume's directory (root, as the test is)
+        where = _docker("volume", "inspect", "--format", "{{.Mountpoint}}", runs, check=True).stdout.strip()
+        mounts = [a for vol, path in volumes.items() for a in ("-v", f"{vol}:{path}")]
+
+        # the reference, 1 process on the whole batch; it also fills the shared token cache
+        one = _docker("run", "--rm", *mounts, image, "train", "--config", "configs/test.yaml", "run.dir=runs/one",
+                      "parallel.ep=1", *common, timeout=900)
+        assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-3000:]
+        reference = [r["loss"] for r in _metrics(os.path.join(where, "one"))]
+        assert len(reference) == NODE_STEPS
+
+        job = ["run.dir=runs/two", "parallel.ep=2", *common]
+        t0 = time.time()
+        for rank, name in enumerate(nodes):
+            _node(image, name, network, volumes, rank, nodes[0], f"{tag}-1", *job)
+        run_dir, deadline = os.path.join(where, "two"), time.time() + 600
+        while not any(r.get("step", 0) >= 2 for r in _metrics(run_dir)):
+            for name in nodes:
+                state = _docker("inspect", "--format", "{{.State.Running}}", name).stdout.strip()
+                assert state == "true" and time.time() < deadline, _docker("logs", name).stderr[-3000:]
+            time.sleep(0.2)
+        started = time.time() - t0
+        t1 = time.time()
+        stop = _docker("stop", "--time", "120", *nodes)  # SIGTERM to both containers' launch/torchrun.sh
+        assert stop.returncode == 0, stop.stderr
+        stopped_in = time.time() - t1
+        ended = [_wait_exit(name, 60) for name in nodes]
+        for name, (code, logs) in zip(nodes, ended):
+            assert code == 75, (name, code, logs[-3000:])
+            assert "[launch] SIGTERM received" in logs, logs[-3000:]
+            assert "Traceback" not in logs and "frame #" not in logs, logs[-4000:]  # no wall of text on either
+        m = re.search(r"SIG\w+ received: stopped after step (\d+)/%d, checkpoint (\S+);" % NODE_STEPS, ended[0][1])
+        assert m, ended[0][1][-3000:]
+        stopped = int(m.group(1))
+        assert 2 <= stopped < NODE_STEPS
+        # only complete checkpoints: the one of the stop, nothing half-saved
+        assert os.listdir(os.path.join(run_dir, "checkpoints")) == ["step_%06d" % stopped]
+        assert os.path.exists(os.path.join(run_dir, "checkpoints", "step_%06d" % stopped, "COMPLETE"))
+        for name in nodes:
+            _docker("rm", "-v", name, check=True)
+
+        # two new containers (the same names: the first node's is MASTER_ADDR) continue the job
+        t2 = time.time()
+        for rank, name in enumerate(nodes):
+            _node(image, name, network, volumes, rank, nodes[0], f"{tag}-2", *job, "resume=auto")
+        resumed = [_wait_exit(name, 900) for name in nodes]
+        resumed_in = time.time() - t2
+        for name, (code, logs) in zip(nodes, resumed):
+            assert code == 0, (name, code, logs[-4000:])
+        out = resumed[0][1]
+        assert "parallel: 2 process(es) [torchrun, gloo" in out, out[-3000:]
+        assert re.search(r"resumed from \S+step_%06d at step %d" % (stopped, stopped), out), out[:3000]
+        rows = _metrics(run_dir)
+        assert [r["step"] for r in rows] == list(range(1, NODE_STEPS + 1))  # none missing, none twice
+        assert [r["loss"] for r in rows] == pytest.approx(reference, rel=1e-5, abs=0)
+        assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["step_%06d" % s for s in (stopped, NODE_STEPS)]
+        print(f"\ntwo containers as nodes: step 2 {started:.0f} s after the start, both stopped in {stopped_in:.1f} s "
+              f"at step {stopped}/{NODE_STEPS} (exit 75), resumed to {NODE_STEPS} in {resumed_in:.0f} s")
+    finally:
+        for name in nodes:
+            _docker("rm", "-f", "-v", name)
+        _docker("network", "rm", network)
+        for vol in (runs, cache):
+            _docker("volume", "rm", "-f", vol)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .groups import ParallelGroups, build_parallel_groups, set_group_timeout
+from .interfaces import SocketInterface, pick_socket_interface
 from .roll_call import hosts, remember_hosts
 from ..checks import check_choice
 from ..errors import ConfigError, UserError
@@ -220,6 +221,7 @@ class Runtime:
     dp_mesh: Optional[object] = None  # 1-D DeviceMesh ("dp",) over every rank: FSDP2 for dense weights
     mesh: Optional[object] = None  # 2-D DeviceMesh ("edp", "ep"): the expert layout, by name
     owns_process_group: bool = False
+    socket_interface: Optional[SocketInterface] = None  # this host's, on a job over several hosts
 
     @property
     def rank(self) -> int:
@@ -269,14 +271,15 @@ def init_distributed(ep: Union[int, Callable[[list[str]], int]] = 1, num_experts
         launch = LaunchInfo(rank=rank, world_size=world, local_rank=rank if local_rank is None else local_rank,
                             local_world_size=_int(env, "LOCAL_WORLD_SIZE") or world, launcher="external")
         dev = pick_device(device, launch.local_rank)
-        be, owns = dist.get_backend(), False
+        be, owns, iface = dist.get_backend(), False, None
     else:
         launch = detect_launch(environ)
         dev = pick_device(device, launch.local_rank)
-        be, owns = None, False
+        be, owns, iface = None, False, None
         set_group_timeout(timeout_s)  # every group of this job, not only the default one
         if launch.world_size > 1:
             be = pick_backend(backend, dev)
+            iface = pick_socket_interface(launch)  # GLOO_/NCCL_SOCKET_IFNAME on a job over several hosts
             dist.init_process_group(be, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
                                     rank=launch.rank, world_size=launch.world_size,
                                     timeout=datetime.timedelta(seconds=timeout_s),
@@ -297,7 +300,8 @@ def init_distributed(ep: Union[int, Callable[[list[str]], int]] = 1, num_experts
             ep = ep([socket.gethostname()])
         groups = build_parallel_groups(ep, num_experts)  # raises for ep > 1 on one process
         dp_mesh = mesh = None
-    return Runtime(launch=launch, device=dev, backend=be, groups=groups, dp_mesh=dp_mesh, mesh=mesh, owns_process_group=owns)
+    return Runtime(launch=launch, device=dev, backend=be, groups=groups, dp_mesh=dp_mesh, mesh=mesh, owns_process_group=owns,
+                   socket_interface=iface)
 
 
 def shutdown(rt: Runtime) -> None:

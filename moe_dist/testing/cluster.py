@@ -4,6 +4,7 @@
         c.run(c.nodes[0], ["hostname"])             # -> node0
         p = c.popen(c.nodes[1], ["python", "-c", "..."], env=env)
         c.link_bytes(c.nodes[0])                    # (rx, tx) of node0's eth0
+    c.add_second_interface(c.nodes[1])          # node1: eth1 holds its default route and its own name
     # everything is removed again, also after an exception
 
 Every node is a network namespace ``<prefix>-nodeI`` with one interface, ``eth0``: one end of a
@@ -51,6 +52,8 @@ PREFIX = "mdn"  # every namespace, interface, bridge and state file of these clu
 STATE_DIR = "/run/moe-dist-cluster"
 DEFAULT_SUBNET = "10.213.27"  # node I is DEFAULT_SUBNET.(I+1); only ever inside the namespaces
 IFNAME = "eth0"  # a node's interface, inside its namespace
+SECOND_IFNAME = "eth1"  # a node's optional second interface (Cluster.add_second_interface), its default route
+SECOND_SUBNET = "10.213.2"  # its addresses: SECOND_SUBNET.(I+1), reachable from nowhere (below the eth0 subnet: see docs/multinode.md)
 _RATE = re.compile(r"^\d+(\.\d+)?([kmg]?bit|[kmg]?bps)$")
 
 
@@ -229,6 +232,32 @@ class Cluster:
         arrives and nothing reaches it, and no peer sees a connection reset."""
         nd = node if isinstance(node, Node) else self.node(node)
         _ip("link", "set", nd.veth, "up" if up else "down")
+
+    def add_second_interface(self, node: Node | str, subnet: str = SECOND_SUBNET) -> str:
+        """Give ``node`` a second interface, ``eth1`` (``SUBNET.(I+1)/24``), that holds its default route
+        and to which its own host name resolves on the node itself (the other nodes still resolve it to
+        its ``eth0`` address): a host whose default interface cannot reach the other nodes. ``eth1`` is
+        one end of a veth pair whose other end, also inside the node, has no address, so what the node
+        sends through it goes nowhere (not even to the root namespace); the node gets a resolv.conf
+        without name servers. Returns the address; removed with the node."""
+        nd = node if isinstance(node, Node) else self.node(node)
+        address, ns = f"{subnet}.{nd.index + 1}", ["-n", nd.netns]
+        _ip(*ns, "link", "add", SECOND_IFNAME, "type", "veth", "peer", "name", SECOND_IFNAME + "-end")
+        _ip(*ns, "addr", "add", f"{address}/24", "dev", SECOND_IFNAME)
+        for dev in (SECOND_IFNAME + "-end", SECOND_IFNAME):
+            _ip(*ns, "link", "set", dev, "up")
+        _ip(*ns, "route", "add", "default", "dev", SECOND_IFNAME)
+        hosts = f"/etc/netns/{nd.netns}/hosts"
+        with open(hosts) as f:
+            lines = [line for line in f if line.split()[1:] != [nd.hostname]]
+        with open(hosts, "w") as f:
+            f.write("".join(lines) + f"{address}\t{nd.hostname}\n")
+        # no name server (the resolver then asks 127.0.0.1, which refuses at once): a look-up of a name or
+        # address that no hosts file knows (torch asks for its peers' names) fails at once instead of
+        # waiting for an answer from the route that leads nowhere
+        with open(f"/etc/netns/{nd.netns}/resolv.conf", "w") as f:
+            f.write(f"# {nd.hostname}: names come from its hosts file only\n")
+        return address
 
     def link_bytes(self, node: Node | str) -> tuple[int, int]:
         """(received, sent) bytes on ``node``'s eth0, read inside its namespace."""

@@ -10,6 +10,14 @@ def is_rank0() -> bool:
     return os.environ.get("RANK", os.environ.get("SLURM_PROCID", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))) == "0"
 
 
+def is_local_rank0() -> bool:
+    """The first process on this host (``LOCAL_RANK`` of torchrun, Slurm's or MPI's local id)."""
+    for var in ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"):
+        if os.environ.get(var, "").strip():
+            return os.environ[var].strip() == "0"
+    return True
+
+
 def add_overrides_argument(parser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="config overrides, e.g. train.steps=200 model.moe.top_k=1 (values are YAML)")
@@ -46,13 +54,14 @@ def run_config_path(run_dir: str) -> str:
 
 def user_errors(command: str, fn: Callable[[], int]) -> int:
     """Run ``fn``; a :class:`~moe_dist.errors.UserError` (bad configuration, input data, checkpoint or
-    argument) prints one line (rank 0) and returns 2. Any other exception propagates with its
+    argument) prints one line (rank 0; a :class:`~moe_dist.errors.HostError`: the first process of every
+    host) and returns 2. Any other exception propagates with its
     traceback: it is a bug or a failure of the environment, not something the user typed."""
-    from ..errors import UserError
+    from ..errors import HostError, UserError
 
     try:
         return fn()
     except UserError as e:
-        if is_rank0():
+        if is_rank0() or (isinstance(e, HostError) and is_local_rank0()):
             print(f"moe-dist {command}: error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -11,6 +11,11 @@ checkpoint unless this step already has one, and raises :class:`Preempted`: a
 ``SystemExit`` with :data:`EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``), which the launch scripts
 read as "requeue me". The requeued job continues from that checkpoint with ``resume=auto``.
 
+A stop asked for while the rank was still starting up (the launch scripts start their ranks with
+the signals ignored, so that a signal to the whole process tree cannot kill them before they can
+save) is not lost: the launcher also notes it in its status directory, and the handler, once in
+place, reads the note (:func:`moe_dist.exits.stop_requested`) as if the signal had just arrived.
+
 Repeated signals are harmless (one process may get the same signal from Slurm and from a
 launcher that forwards it); a scheduler that will not wait sends SIGKILL anyway.
 """
@@ -24,7 +29,7 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from ..exits import EXIT_PREEMPTED  # 75, EX_TEMPFAIL (moe_dist/exits.py defines every exit code)
+from ..exits import EXIT_PREEMPTED, stop_requested  # 75, EX_TEMPFAIL (moe_dist/exits.py defines every exit code)
 
 SIGNALS = ("SIGUSR1", "SIGTERM", "SIGHUP")
 
@@ -49,6 +54,9 @@ class PreemptionHandler:
             for name in signals:
                 sig = getattr(signal, name)
                 self._previous[sig] = signal.signal(sig, self._on_signal)
+        asked = stop_requested()  # after the handlers are in place: a signal sent meanwhile is caught
+        if asked and self.received is None:
+            self.received = int(getattr(signal, asked, signal.SIGUSR1))
 
     def _on_signal(self, signum: int, frame) -> None:
         if self.received is None:

@@ -502,7 +502,8 @@ class Trainer:
         self.log(f"model: {self.params['total'] / 1e6:.2f}M parameters ({self.params['active'] / 1e6:.2f}M active per "
                  f"token), {len(self.moe)} MoE layers x {cfg.model.moe.num_experts} experts, top-{cfg.model.moe.top_k}, "
                  f"router {cfg.model.moe.router}")
-        self.log(f"parallel: {self.rt.world_size} process(es) [{self.rt.launch.launcher}, {self.rt.backend or 'no backend'}, "
+        over = f" over {self.rt.socket_interface}" if self.rt.socket_interface else ""  # this host's interface
+        self.log(f"parallel: {self.rt.world_size} process(es) [{self.rt.launch.launcher}, {self.rt.backend or 'no backend'}{over}, "
                  f"{self.rt.device}, {torch.get_num_threads()} thread(s) each from "
                  f"{thread_choice(cfg.run.threads, self.rt.launch.local_world_size)[1]}], ep={self.rt.groups.ep_size}"
                  f"{' (parallel.ep=auto)' if cfg.parallel.ep == 'auto' else ''}, "
