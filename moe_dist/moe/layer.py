@@ -15,18 +15,18 @@ import torch.nn as nn
 
 from ..checks import check_bounds, check_choice, coerce_value
 from ..errors import ConfigError
-from ..dist.collectives import all_gather_tensor, group_rank, group_size, subgroup_rows
+from ..dist.collectives import subgroup_rows
 from ..dist.groups import ParallelGroups
-from .capacity import CAPACITY_SCOPES, DROP_POLICIES, expert_capacity, keep_by_position, keep_by_probs
-from .counting import count_values
+from .capacity import CAPACITY_SCOPES, DROP_POLICIES, apply_capacity
 from .dispatch import combine, dispatch
 from .experts import GroupedExperts
-from .losses import (BALANCE_LOSSES, LOSS_SCOPES, load_balance_share, load_balance_value, sequence_balance_sum,
-                     z_loss_share)
+from .losses import BALANCE_LOSSES, LOSS_SCOPES, balance_losses, sequence_balance_sum
+from .route import route
 from .routers import build_router, check_router_features
-from .routers.base import count_nonfinite, nonfinite_logits_error
+from .routers.base import nonfinite_logits_error
 from .routing import NO_INPUTS, Routing, RouterInputs, RoutingContext, is_recomputing
-from .shared import SharedExpert, check_shared_expert, init_linear
+from .routing_stats import GatheredStats, RoutingStats, gather_routing_stats
+from .shared import SharedExpert, add_shared_expert, check_shared_expert, init_linear
 from .stats import MoEStats
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
@@ -178,146 +178,69 @@ class MoELayer(nn.Module):
         self.context.stats_group, self.context.ep_group = groups.dp, groups.ep
 
     # ---- forward ------------------------------------------------------------------------
-    def _capacity_factor(self) -> Optional[float]:
-        return self.capacity_factor if self.training else self.eval_capacity_factor
-
-    def _token_layout(self, n_tok: int, device) -> tuple[int, int]:
-        """(this rank's first token in the concatenated global batch, global tokens): one
-        all-gather of the ranks' token counts, read to the host once."""
-        group = self.context.stats_group
-        sizes = all_gather_tensor(torch.full((1,), n_tok, device=device), group).view(-1).tolist()
-        return sum(sizes[: group_rank(group)]), sum(sizes)
-
     def forward(self, x: torch.Tensor, inputs: Optional[RouterInputs] = None) -> torch.Tensor:
         """``x`` ``[..., d_model]``; ``inputs``: what the router needs from the model for this call
         (None: nothing, tokens without sequence structure).
 
-        Host synchronisation: one read per call, the dispatch's (split sizes and per-expert
-        row counts, with the global count of non-finite router logits riding along); one more
-        for routers with ``needs_token_layout`` (the ranks' token counts), for the ``probs`` drop
-        policy with global capacity on 2+ ranks (the ranks' pair counts), and whatever the router
-        itself reads (Sinkhorn: its stop test). None in backward."""
+        Stages: route -> gather the routing statistics -> balance losses -> capacity -> dispatch ->
+        experts -> combine -> shared expert. Host synchronisation: one read per call, the
+        dispatch's (split sizes and per-expert row counts, with the global count of non-finite
+        router logits riding along), plus the reads some stages state for some settings (the
+        router's token layout, ``probs`` drops with global capacity on 2+ ranks). None in backward."""
+        inputs = NO_INPUTS if inputs is None else inputs
+        rows, n_seq = self._rows(x, inputs)
+        routing = self.last_routing = route(self.router, rows, self.context, inputs)
+        seq_loss = (sequence_balance_sum(routing.probs, routing.expert_ids, n_seq)
+                    if self.balance_loss == "sequence" else None)
+        stats = gather_routing_stats(RoutingStats.measure(routing, self.num_experts, seq_loss, n_seq),
+                                     self.context.stats_group)
+        losses = balance_losses(routing, stats, self.loss_scope, self.balance_loss, seq_loss, n_seq)
+        self.aux_loss = losses.weighted(self.aux_loss_coef, self.z_loss_coef)
+        self._count_for_expert_bias(stats)
+        capacity = apply_capacity(routing, stats, self._capacity_factor(), scope=self.capacity_scope,
+                                  drop_policy=self.drop_policy, min_capacity=self.min_capacity,
+                                  group=self.context.stats_group)
+        # dropless: every expert-parallel peer's counts are already here (no count exchange)
+        peer_counts = (subgroup_rows(stats.per_rank.counts, self.context.stats_group, self.groups.ep)
+                       if capacity.keep is None else None)
+        routed, plan = dispatch(rows, routing.expert_ids, routing.gates, capacity.keep, self.num_experts, self.groups.ep,
+                                peer_counts, read_along=torch.stack([stats.total.nonfinite, stats.total.tokens]))
+        self._check_nonfinite(*plan.read_along)
+        out = combine(self.experts(routed, plan.local_counts, plan.exchange), plan, rows.shape[0])
+        out = add_shared_expert(out, rows, self.shared_expert, self.shared_expert_gate)
+        self.stats = MoEStats.of(stats.total, losses, capacity, routing)
+        return out.to(x.dtype).reshape(x.shape)
+
+    def _capacity_factor(self) -> Optional[float]:
+        return self.capacity_factor if self.training else self.eval_capacity_factor
+
+    def _rows(self, x: torch.Tensor, inputs: RouterInputs) -> tuple[torch.Tensor, int]:
+        """The input as rows ``[T, d_model]``, and its sequences for the sequence-level loss (0 for
+        ``balance_loss=batch``): ``B`` of a ``[B, S, d]`` input, else of ``inputs.batch_shape``."""
         if x.shape[-1] != self.d_model:
             raise ValueError(f"MoELayer expects [..., {self.d_model}] input, got {tuple(x.shape)}")
-        inputs = NO_INPUTS if inputs is None else inputs
-        shape = x.shape
-        n_seq = self._num_sequences(x, inputs) if self.balance_loss == "sequence" else 0
-        x2 = x.reshape(-1, self.d_model)
-        n_tok = x2.shape[0]
-        ctx = self.context
-        stats_group = ctx.stats_group
-        ranks = group_size(stats_group)
-        me = group_rank(stats_group)
-
-        if self.router.needs_token_layout:
-            ctx.token_offset, ctx.global_tokens = self._token_layout(n_tok, x.device)
-        routing = self.router(x2, ctx, inputs)
-        self.last_routing = routing
-        E, k = self.num_experts, routing.top_k
-        probs = routing.probs
-
-        # the sequence-level loss summed over this rank's sequences (gradient through the probabilities)
-        seq_loss_sum = sequence_balance_sum(probs, routing.expert_ids, n_seq) if self.balance_loss == "sequence" else None
-        # one small collective: every rank's [counts, prob sums, z sum, entropy sum, non-finite logits,
-        # sequence-loss sum, sequences, tokens]
-        with torch.no_grad():
-            counts_local = count_values(routing.expert_ids, E).double()
-            lse = torch.logsumexp(routing.logits, -1) if routing.logits is not None else None
-            entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
-            nonfinite = count_nonfinite(routing.logits if routing.logits is not None else probs)
-            seq_sum = seq_loss_sum.detach().double().view(1) if n_seq else counts_local.new_zeros(1)
-            row = torch.cat([counts_local, probs.sum(0).double(),
-                             (lse.square().sum() if lse is not None else probs.new_zeros(())).double().view(1),
-                             entropy.sum().double().view(1), nonfinite.double().view(1),
-                             seq_sum, counts_local.new_full((1,), n_seq), counts_local.new_full((1,), n_tok)])
-            rows = all_gather_tensor(row, stats_group)  # [R, 2E+6]
-            tot = rows.sum(0)
-            counts_r, psum_r, tokens_r = rows[:, :E], rows[:, E:2 * E], rows[:, -1]
-            counts_g, tokens_g = tot[:E], tot[-1]
-            nonfinite_g = tot[2 * E + 2]
-
-        # auxiliary losses: a differentiable share, a global value (token counts stay on the device)
-        seq_r, nseq_r = rows[:, 2 * E + 3], rows[:, 2 * E + 4]
-        if self.loss_scope == "global":
-            tokens_f = tokens_g.to(probs.dtype)
-            if self.balance_loss == "sequence":
-                aux_share = seq_loss_sum / nseq_r.sum().clamp_min(1).to(probs.dtype)
-                aux_value = seq_r.sum() / nseq_r.sum().clamp_min(1)
-            else:
-                aux_share = load_balance_share(probs, counts_g.float(), tokens_f, k)
-                aux_value = load_balance_value(counts_g, tot[E:2 * E], tokens_g, k)
-            z_share = z_loss_share(routing.logits, tokens_f) if routing.logits is not None else probs.new_zeros(())
-            z_value = tot[2 * E] / tokens_g.clamp_min(1)
-        else:
-            local_tokens = float(max(n_tok, 1))
-            if self.balance_loss == "sequence":
-                aux_share = seq_loss_sum / (max(n_seq, 1) * ranks)
-                aux_value = (seq_r / nseq_r.clamp_min(1)).mean()
-            else:
-                aux_share = load_balance_share(probs, counts_local.float(), local_tokens, k) / ranks
-                aux_value = load_balance_value(counts_r, psum_r, tokens_r, k).mean()
-            z_share = (z_loss_share(routing.logits, local_tokens) / ranks) if routing.logits is not None else probs.new_zeros(())
-            z_value = (rows[:, 2 * E] / tokens_r.clamp_min(1)).mean()
-        self.aux_loss = self.aux_loss_coef * aux_share + self.z_loss_coef * z_share
-        if self.expert_bias is not None and self.training and not is_recomputing():
-            seen = counts_g if self.loss_scope == "global" else counts_local
-            self._pending_counts = seen if self._pending_counts is None else self._pending_counts + seen
-
-        keep, capacity, dropped = self._capacity_keep(routing, counts_g, counts_r, tokens_g, tokens_r, n_tok, me, x.device)
-
-        # dropless: every expert-parallel peer's counts are already here (no count exchange)
-        peer_counts = subgroup_rows(counts_r, stats_group, self.groups.ep) if keep is None else None
-        routed, plan = dispatch(x2, routing.expert_ids, routing.gates, keep, E, self.groups.ep, peer_counts,
-                                read_along=torch.stack([nonfinite_g, tokens_g]))
-        bad, global_tokens = plan.read_along
-        if bad:  # the same global count on every rank: all take the same branch, none waits in a collective
-            if self.raise_on_nonfinite_logits:
-                raise nonfinite_logits_error(f"layer {ctx.layer_idx} router", bad, global_tokens * E)
-            self.nonfinite_logits += int(bad)  # the output holds NaN; the trainer skips the step
-        y = self.experts(routed, plan.local_counts, plan.exchange)
-        out = combine(y, plan, n_tok)
-        if self.shared_expert is not None:
-            shared = self.shared_expert(x2)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x2)) * shared
-            out = out + shared.to(out.dtype)
-
-        self.stats = MoEStats(expert_counts=counts_g, dropped=dropped, pairs=tokens_g * k, tokens=tokens_g,
-                              aux_loss=aux_value, z_loss=z_value, entropy=tot[2 * E + 1] / tokens_g.clamp_min(1),
-                              capacity=capacity, extras=dict(routing.extras))
-        return out.to(x.dtype).reshape(shape)
-
-    def _num_sequences(self, x: torch.Tensor, inputs: RouterInputs) -> int:
-        """Sequences in this rank's input for the sequence-level loss: ``B`` of a ``[B, S, d]``
-        input, else of ``inputs.batch_shape``."""
+        if self.balance_loss != "sequence":
+            return x.reshape(-1, self.d_model), 0
         shape = tuple(x.shape[:-1]) if x.dim() == 3 else inputs.batch_shape
         if shape is None or len(shape) != 2 or shape[0] * shape[1] != x.numel() // self.d_model:
             raise ValueError(f"model.moe.balance_loss='sequence' needs [batch, seq, {self.d_model}] input or "
                              f"inputs.batch_shape; got input {tuple(x.shape)} and batch_shape {inputs.batch_shape}")
-        return int(shape[0])
+        return x.reshape(-1, self.d_model), int(shape[0])
 
-    def _capacity_keep(self, routing: Routing, counts_g, counts_r, tokens_g, tokens_r, n_tok: int, me: int, device):
-        """``(keep [T, k] bool or None, capacity, dropped pairs)``; the capacity is computed on the
-        device (an int64 tensor) from the reduced token counts for the global scope, no host read."""
-        cf = self._capacity_factor()
-        if cf is None:
-            return None, None, counts_g.new_zeros(())
-        E, k = self.num_experts, routing.top_k
-        if self.capacity_scope == "global":
-            capacity = expert_capacity(cf, tokens_g, k, E, self.min_capacity)
-            dropped = (counts_g - capacity).clamp_min(0).sum()
-            if self.drop_policy == "position":
-                start = counts_r[:me].sum(0).long().to(device)
-                keep = keep_by_position(routing.expert_ids, capacity, E, start)
-            else:
-                keep = keep_by_probs(routing.expert_ids, routing.gates, capacity, E, self.context.stats_group)
-            return keep, capacity, dropped
-        capacity = expert_capacity(cf, n_tok, k, E, self.min_capacity)
-        caps = expert_capacity(cf, tokens_r, k, E, self.min_capacity)  # every rank's, on the device
-        dropped = (counts_r - caps[:, None]).clamp_min(0).sum()
-        keep = (keep_by_position(routing.expert_ids, capacity, E) if self.drop_policy == "position"
-                else keep_by_probs(routing.expert_ids, routing.gates, capacity, E, None))
-        return keep, capacity, dropped
+    def _count_for_expert_bias(self, stats: GatheredStats) -> None:
+        """Add this forward's per-expert counts to the optimizer step's (expert bias, training only)."""
+        if self.expert_bias is not None and self.training and not is_recomputing():
+            seen = stats.total.counts if self.loss_scope == "global" else stats.local.counts
+            self._pending_counts = seen if self._pending_counts is None else self._pending_counts + seen
+
+    def _check_nonfinite(self, bad: int, global_tokens: int) -> None:
+        """NaN/Inf router logits (the same global count on every rank: all take the same branch, none
+        waits in a collective): raise, or count them for a trainer that skips the step."""
+        if not bad:
+            return
+        if self.raise_on_nonfinite_logits:
+            raise nonfinite_logits_error(f"layer {self.context.layer_idx} router", bad, global_tokens * self.num_experts)
+        self.nonfinite_logits += int(bad)  # the output holds NaN; the trainer skips the step
 
 
 def moe_layers(model: nn.Module) -> list[MoELayer]:
