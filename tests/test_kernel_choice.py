@@ -14,7 +14,7 @@ import os
 import torch
 
 from dist_harness import run_ranks
-from moe_dist.moe import MoELayer
+from moe_dist.moe import MoEArgs, MoELayer
 from moe_dist.moe.experts import GroupedExperts, KernelTuner
 from moe_dist.parallel.kernel_choice import MIN_ROWS, agree_expert_kernels
 
@@ -35,7 +35,8 @@ class ScriptedTuner(KernelTuner):
 
 def _model(d_model=32, d_ff=64, layers=2, kernel="auto"):
     torch.manual_seed(0)
-    return torch.nn.ModuleList([MoELayer(d_model, d_ff, 4, 2, expert_kernel=kernel) for _ in range(layers)])
+    return torch.nn.ModuleList([MoELayer(d_model, MoEArgs(d_ff=d_ff, num_experts=4, top_k=2,
+                                                          expert_kernel=kernel)) for _ in range(layers)])
 
 
 def test_pick_rule():
@@ -54,7 +55,8 @@ def test_time_kernels_measures_each_candidate():
 
 def test_one_process_decides_and_fixes_every_auto_layer():
     model = _model()
-    model.append(MoELayer(32, 64, 4, 2, expert_kernel="bmm"))  # a fixed kernel is left alone
+    model.append(MoELayer(32, MoEArgs(d_ff=64, num_experts=4, top_k=2,
+                                      expert_kernel="bmm")))  # a fixed kernel is left alone
     tuner = ScriptedTuner({"loop": 1.0, "bmm": 0.5, "grouped_mm": 0.7})
     decisions = agree_expert_kernels(model, 512, torch.float32, torch.device("cpu"), tuner=tuner)
     assert [m.experts.kernel for m in model] == ["bmm", "bmm", "bmm"]

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from dist_harness import run_ranks
 from moe_dist.config import ConfigError, load_config
 from moe_dist.dist import build_parallel_groups
-from moe_dist.moe import MoELayer
+from moe_dist.moe import MoEArgs, MoELayer
 from moe_dist.parallel import apply_expert_parallel, sync_gradients
 
 D, E = 16, 8
@@ -21,7 +21,8 @@ B, S = 6, 8  # sequences per step and their length
 def make(cfg: dict, seed: int = 0) -> MoELayer:
     torch.manual_seed(seed)
     cfg = dict(cfg)
-    return MoELayer(D, cfg.pop("d_ff", 8), cfg.pop("num_experts", E), cfg.pop("top_k", 2), expert_kernel="loop", **cfg)
+    return MoELayer(D, MoEArgs(d_ff=cfg.pop("d_ff", 8), num_experts=cfg.pop("num_experts", E),
+                               top_k=cfg.pop("top_k", 2), expert_kernel="loop", **cfg))
 
 
 # ---- loop reference ------------------------------------------------------------------------

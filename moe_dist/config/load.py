@@ -15,7 +15,7 @@ from typing import Any, Iterable, Optional
 
 import yaml
 
-from ..checks import check_bounds, coerce_value, describe_type, describe_value
+from ..checks import check_field, describe_type, describe_value
 from .schema import Config, ConfigError
 
 
@@ -42,9 +42,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
         if dataclasses.is_dataclass(tp):
             kwargs[name] = _build(tp, raw.get(name), key)
         elif name in raw:
-            value = coerce_value(raw[name], tp, key)
-            check_bounds(key, value, f.metadata.get("min"), f.metadata.get("max"), f.metadata.get("gt"))
-            kwargs[name] = value
+            kwargs[name] = check_field(raw[name], tp, key, f.metadata)
     return cls(**kwargs)
 
 

@@ -36,16 +36,8 @@ class Block(nn.Module):
                               qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if is_moe:
-            m = cfg.moe
-            self.ffn = MoELayer(cfg.d_model, m.d_ff or cfg.d_ff, m.num_experts, m.top_k, router=m.router,
-                                router_options=m.router_options, capacity_factor=m.capacity_factor,
-                                eval_capacity_factor=m.eval_capacity_factor, min_capacity=m.min_capacity,
-                                drop_policy=m.drop_policy, capacity_scope=m.capacity_scope, loss_scope=m.loss_scope,
-                                aux_loss_coef=m.aux_loss_coef, z_loss_coef=m.z_loss_coef, activation=m.activation,
-                                expert_kernel=m.expert_kernel, layer_idx=idx, init_std=cfg.init_std,
-                                out_init_std=out_std, balance_loss=m.balance_loss, shared_d_ff=m.shared_d_ff,
-                                shared_gate=m.shared_gate, expert_bias=m.expert_bias,
-                                expert_bias_rate=m.expert_bias_rate, router_dtype=m.router_dtype)
+            self.ffn = MoELayer(cfg.d_model, cfg.moe, d_ff=cfg.d_ff, layer_idx=idx, init_std=cfg.init_std,
+                                out_init_std=out_std)
         else:
             self.ffn = SwiGLU(cfg.d_model, cfg.d_ff, cfg.init_std, out_std)
 

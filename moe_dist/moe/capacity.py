@@ -20,8 +20,6 @@ from ..dist.collectives import all_gather_tensor, group_rank, group_size
 from .counting import count_values
 from ..errors import ConfigError
 
-DROP_POLICIES = ("position", "probs")
-CAPACITY_SCOPES = ("global", "local")
 
 
 def expert_capacity(capacity_factor: float, tokens, top_k: int, num_experts: int, min_capacity: int = 0):

@@ -13,7 +13,6 @@ from typing import Optional
 
 import torch
 
-LOSS_SCOPES = ("global", "local")
 
 
 def load_balance_share(probs: torch.Tensor, counts: torch.Tensor, tokens: float, top_k: int) -> torch.Tensor:
@@ -41,7 +40,6 @@ def load_balance_value(counts: torch.Tensor, prob_sums: torch.Tensor, tokens: to
     return counts.shape[-1] * (f * p).sum(-1)
 
 
-BALANCE_LOSSES = ("batch", "sequence")
 
 
 def sequence_balance_sum(probs: torch.Tensor, expert_ids: torch.Tensor, num_sequences: int) -> torch.Tensor:
