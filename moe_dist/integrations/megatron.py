@@ -44,7 +44,6 @@ from ..moe.capacity import apply_capacity
 from ..moe.losses import balance_losses
 from ..moe.route import route
 from ..moe.routers import build_router
-from ..moe.routers.token_graph import TokenGraphRouter
 from ..moe.routing import RouterInputs, RoutingContext, is_recomputing
 from ..moe.routing_stats import RoutingStats, reduce_routing_stats
 from ..moe.stats import MoEStats
@@ -120,10 +119,11 @@ class MegatronRouter(MegatronModule):
             raise ValueError(f"router={router!r} reads the preceding attention (its queries and keys, or its "
                              "probabilities), which Megatron-Core's MoE layer does not receive; choose another router "
                              "(e.g. 'similarity')")
-        if getattr(self.router, "k_min", self.router.top_k) != getattr(self.router, "k_max", self.router.top_k):
+        k_first, k_last = self.router.k_range
+        if k_first != k_last:
             raise ValueError(f"router={router!r} with a k schedule (k_min < k_max) is not supported: Megatron's "
                              "dispatchers size their buffers by moe_router_topk")
-        self.sequence_major = isinstance(self.router, TokenGraphRouter)
+        self.sequence_major = self.router.needs_whole_sequences
         if self.sequence_major and (config.context_parallel_size > 1 or config.sequence_parallel):
             raise ValueError(f"router={router!r} mixes tokens within a sequence and needs whole sequences on every "
                              "rank: context_parallel_size must be 1 and sequence_parallel False")

@@ -1,7 +1,10 @@
 """Decoder-only language model whose feed-forward layers may be MoE layers.
 
-The model knows nothing of parallelism: ``moe_dist.parallel.apply_expert_parallel`` and the
-trainer's sharding are applied to it afterwards. Each MoE block calls its layer with a
+The model is defined as for one process; parallelism reaches it from outside, afterwards:
+``moe_dist.parallel.apply_expert_parallel`` keeps each MoE layer's share of the experts and hands
+the layer its process groups (``MoELayer.set_groups``, the one way they reach a layer; its forward
+then exchanges routing statistics and tokens over them), and the trainer shards the dense
+weights. Each MoE block calls its layer with a
 :class:`~moe_dist.moe.routing.RouterInputs`: ``batch_shape``, ``padding_mask``, ``causal``,
 ``prev_top1`` (top-1 experts of the previous MoE layer in this forward, handed from block to
 block) and, only when the layer asks (``MoELayer.attention_needs``), the same block's attention

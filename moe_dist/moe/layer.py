@@ -142,6 +142,9 @@ class MoELayer(nn.Module):
 
     # ---- parallelism (applied from outside) ---------------------------------------------
     def set_groups(self, groups: ParallelGroups) -> None:
+        """The one way parallelism reaches the layer (``moe_dist.parallel.apply_expert_parallel`` calls
+        it): the routing statistics are gathered over ``groups.dp`` (the ranks holding distinct
+        tokens), the tokens exchanged over ``groups.ep``. Until then the layer runs as one process."""
         if self.num_experts % groups.ep_size:
             raise ConfigError(f"parallel.ep={groups.ep_size} must divide model.moe.num_experts={self.num_experts}")
         self.groups = groups

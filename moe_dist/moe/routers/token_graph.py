@@ -279,6 +279,11 @@ class TokenGraphRouter(WrappingRouter):
 
     local_extras = {"topk_changed": "mean"}  # share of tokens whose top-k set the mixing changed
     supports_expert_bias = True
+    needs_whole_sequences = True
+
+    @classmethod
+    def graph_values_per_token(cls, seq_len: int) -> float:
+        return graph_values_per_token(seq_len)
 
     def __init__(self, d_model, num_experts, top_k, base, base_options, normalize, aux_probs, detach_graph,
                  graph_dtype):
