@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import HFFormatError
-from .output_dir import check_complete
+from .records import check_complete
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -26,7 +26,7 @@ INDEX = "model.safetensors.index.json"
 
 class SafetensorsCheckpoint:
     """Lazy access to the tensors of a checkpoint directory by name (``require_complete``: refuse an
-    output of ours whose completion record is missing, see :func:`.output_dir.check_complete`)."""
+    output of ours whose completion record is missing, see :func:`.records.check_complete`)."""
 
     def __init__(self, directory: str, require_complete: bool = True):
         self.directory = directory
