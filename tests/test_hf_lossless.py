@@ -18,6 +18,7 @@ from moe_dist.cli import main as cli  # noqa: E402
 from moe_dist.errors import CheckpointError, HFFormatError  # noqa: E402
 from moe_dist.hf.export import load_our_model  # noqa: E402
 from moe_dist.hf.importer import import_hf  # noqa: E402
+from moe_dist.moe import moe_layers  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = os.path.join(ROOT, "tests", "data", "python-docs", "tutorial", "introduction.rst.txt")
@@ -272,7 +273,7 @@ def test_fused_expert_layout_gives_transformers_logits(family, tmp_path):
     x = torch.randint(0, 96, (3, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert rel_err(ours(x), hf(x).logits) <= TOL
-    assert ours.moe_layers()[0].last_routing.expert_ids.unique().numel() == 4  # routing decides the output
+    assert moe_layers(ours)[0].last_routing.expert_ids.unique().numel() == 4  # routing decides the output
 
 
 def test_fused_layout_of_another_shape_is_refused_by_name(tmp_path):

@@ -63,8 +63,7 @@ class MoEDistImpl(Impl):
                 if w is not None:
                     w.copy_(getattr(ref.experts, name))
             # same scores (and the same skew) as the reference router; a wrapping router's base scores
-            scorer = getattr(layer.router, "base", layer.router)
-            w = getattr(scorer, "weight", None)
+            w = getattr(layer.router.scorer, "weight", None)
             if isinstance(w, torch.Tensor) and w.shape == ref.router.weight.shape:
                 w.copy_(ref.router.weight)
         if groups.ep_size > 1:

@@ -15,7 +15,7 @@ import socket
 import sys
 import tempfile
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -297,7 +297,3 @@ def run_single(cfg: BenchConfig, emit=None) -> list[dict]:
     finally:
         if own_group:
             dist.destroy_process_group()
-
-
-def config_dict(cfg: BenchConfig) -> dict:
-    return asdict(cfg)

@@ -79,9 +79,6 @@ class TransformerLM(nn.Module):
         self.head_dim = cfg.d_model // cfg.n_heads
         self.activation_checkpointing = False
 
-    def moe_layers(self) -> list[MoELayer]:
-        return [b.ffn for b in self.blocks if b.is_moe]
-
     def set_activation_checkpointing(self, enabled: bool) -> None:
         """Recompute each block in backward (non-reentrant ``torch.utils.checkpoint``)."""
         self.activation_checkpointing = bool(enabled)

@@ -69,7 +69,7 @@ class MoEStepStats:
                                                    s.entropy.detach().double() * tokens, tokens])])
             acc["sums"] = step if acc["sums"] is None else acc["sums"] + step
             acc["n"] += 1
-            local = getattr(layer.router, "local_extras", {})
+            local = layer.router.local_extras
             rows = 0 if layer.last_routing is None else int(layer.last_routing.expert_ids.shape[0])
             acc["rows"] += rows
             for key, mode in local.items():

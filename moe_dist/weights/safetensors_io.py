@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 from safetensors import safe_open
@@ -164,10 +164,6 @@ class ShardedWriter:
         self._pending[name] = t
         self._pending_bytes += size
         self.total_bytes += size
-
-    def add_all(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
-        for name, tensor in items:
-            self.add(name, tensor)
 
     def _flush(self) -> None:
         tmp = os.path.join(self.directory, f".shard-{len(self._written):05d}.safetensors")

@@ -93,6 +93,22 @@ class Router(nn.Module):
         """Hook: the router's tensors were overwritten from outside (initialisation, a checkpoint);
         a router that caches values derived from them drops the cache."""
 
+    @property
+    def renormalizes_gates(self) -> bool:
+        """The gates sum to one over each token's chosen experts (what an export to a format that
+        renormalises them needs)."""
+        return bool(getattr(self, "normalize", False))
+
+    @property
+    def scorer(self) -> nn.Module:
+        """The module whose linear scores the router starts from: itself (a wrapping router's base)."""
+        return self
+
+    def expert_graph_state(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """``(graph [E, E], updates folded in)`` of a router that learns a graph between experts
+        (diagnostics snapshot it), else None."""
+        return None
+
     # ---- options the MoE layer sets after construction (registry.check_router_features says which
     # routers support them) --------------------------------------------------------------------
     def enable_expert_bias(self) -> None:

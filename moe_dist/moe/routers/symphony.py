@@ -113,6 +113,9 @@ class SymphonyRouter(WrappingRouter):
         return self
 
     # ---- routing -------------------------------------------------------------------------
+    def expert_graph_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.A, self.n_updates
+
     def expert_graph(self) -> torch.Tensor:
         """The graph routing uses now (fp32, with bias correction when enabled)."""
         A = self.A.float()
