@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from dist_harness import free_port
+from helpers.dist_harness import free_port
 from moe_dist.dist.bootstrap import LaunchInfo, detect_launch, first_host, init_distributed, pick_backend, pick_device
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dist_harness import run_ranks
+from helpers.dist_harness import run_ranks
 
 from moe_dist.diagnostics import (RoutingDiagnostics, fluctuation_rates, format_routing_summary, load_summary,
                                   probe_assignments, ranked_experts, routing_summary)

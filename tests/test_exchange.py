@@ -4,7 +4,7 @@ plain exchange-then-compute path gets (outputs and row gradients bit for bit).""
 import pytest
 import torch
 
-from dist_harness import run_ranks
+from helpers.dist_harness import run_ranks
 from moe_dist.moe.exchange import Exchange, exchange_rows, return_rows
 from moe_dist.moe.experts import GroupedExperts
 

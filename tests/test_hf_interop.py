@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from hf_cases import add_sentencepiece, build_dense, hf_classes, rel_err
+from helpers.hf_cases import add_sentencepiece, build_dense, hf_classes, rel_err
 
 pytest.importorskip("transformers")
 
@@ -198,7 +198,7 @@ def test_upcycle_warns_when_the_function_is_not_preserved(tmp_path):
 
 
 def test_tokenizer_json_checkpoint_trains_with_its_own_ids(tmp_path):
-    from hf_cases import add_tokenizer_json
+    from helpers.hf_cases import add_tokenizer_json
     from tokenizers import Tokenizer as HFTokenizer
 
     from moe_dist.data import Tokenizer

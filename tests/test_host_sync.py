@@ -11,9 +11,9 @@ import os
 import pytest
 import torch
 
-from dist_harness import run_ranks
-from host_sync import count_host_syncs
-from moe_cases import make_batch, make_layer, split_sizes
+from helpers.dist_harness import run_ranks
+from helpers.host_sync import count_host_syncs
+from helpers.moe_cases import make_batch, make_layer, split_sizes
 from moe_dist.bench.attention_inputs import synthetic_attention_inputs
 from moe_dist.dist import build_parallel_groups
 from moe_dist.moe import ROUTERS, RouterInputs

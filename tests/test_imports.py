@@ -155,14 +155,22 @@ def test_each_train_module_imports_first():
 
 
 def test_test_modules_do_not_import_each_other():
-    """Shared test cases live in helper modules (moe_cases, probe_router, ...), never in a test_*
-    module that another imports (that would run its tests' module code twice and hide the coupling)."""
+    """Shared test cases live in the helper package tests/helpers/ (moe_cases, probe_router, ...),
+    never in a test_* module that another imports (that would run its tests' module code twice and
+    hide the coupling); tests/ itself holds only test modules and conftest.py."""
     tests_dir = os.path.dirname(os.path.abspath(__file__))
+    helpers_dir = os.path.join(tests_dir, "helpers")
+    stray = sorted(n for n in os.listdir(tests_dir) if n.endswith(".py") and not n.startswith("test_")
+                   and n != "conftest.py")
+    assert not stray, f"modules in tests/ that are not tests (move them into tests/helpers/): {stray}"
+    files = [os.path.join(tests_dir, n) for n in sorted(os.listdir(tests_dir))]
+    files += [os.path.join(helpers_dir, n) for n in sorted(os.listdir(helpers_dir))]
     bad = []
-    for name in sorted(os.listdir(tests_dir)):
+    for path in files:
+        name = os.path.relpath(path, tests_dir)
         if not name.endswith(".py"):
             continue
-        tree = ast.parse(open(os.path.join(tests_dir, name), encoding="utf-8").read(), name)
+        tree = ast.parse(open(path, encoding="utf-8").read(), name)
         for node in ast.walk(tree):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from dist_harness import run_ranks
+from helpers.dist_harness import run_ranks
 from moe_dist.moe import MoEArgs, MoELayer
 from moe_dist.moe.experts import GroupedExperts, KernelTuner
 from moe_dist.parallel.kernel_choice import MIN_ROWS, agree_expert_kernels

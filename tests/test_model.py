@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import probe_router  # noqa: F401  (registers the _test_probe router)
+from helpers import probe_router  # noqa: F401  (registers the _test_probe router)
 
 from moe_dist.config import load_config
 from moe_dist.model import Attention, apply_rotary, build_model, count_parameters, rotary_tables

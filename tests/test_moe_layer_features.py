@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dist_harness import run_ranks
+from helpers.dist_harness import run_ranks
 from moe_dist.config import ConfigError, load_config
 from moe_dist.dist import build_parallel_groups
 from moe_dist.moe import MoEArgs, MoELayer
@@ -307,7 +307,7 @@ def test_trainer_bias_and_losses_match_one_process_and_survive_a_resume_at_anoth
 def test_new_options_add_no_host_reads():
     """Forward (the layer's one read), backward and the bias update (none) read the host no more
     often with a shared gated expert, the sequence loss, the expert bias and fp64 scores."""
-    from host_sync import count_host_syncs
+    from helpers.host_sync import count_host_syncs
 
     layer = make(dict(shared_d_ff=12, shared_gate=True, balance_loss="sequence", expert_bias=True, router_dtype="fp64"))
     x = torch.randn(B, S, D, requires_grad=True)

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dist_harness import run_ranks
-from router_cases import SPAWN, build_jobs, call_labels, check_calls, differs, per_job, reference_calls, run_layouts
+from helpers.dist_harness import run_ranks
+from helpers.router_cases import SPAWN, build_jobs, call_labels, check_calls, differs, per_job, reference_calls, run_layouts
 from moe_dist.moe import MoEArgs, MoELayer
 from moe_dist.moe.routers import build_router
 from moe_dist.moe.routers.ac import cluster_dispersion, dispersion_weights

@@ -4,8 +4,8 @@ hash check, negative control without it), outside the optimizer, and the inferen
 import pytest
 import torch
 
-from dist_harness import run_ranks
-from router_cases import SPAWN, build_jobs, check_calls, differs, distributed_calls, per_job, reference_calls, run_layouts
+from helpers.dist_harness import run_ranks
+from helpers.router_cases import SPAWN, build_jobs, check_calls, differs, distributed_calls, per_job, reference_calls, run_layouts
 from moe_dist.moe import MoEArgs, MoELayer
 from moe_dist.moe.routers import build_router, synchronize_frozen_routers
 from moe_dist.moe.routers.hyper import FrozenRouter, HyperRouter, scheduled_k, set_inference_k

@@ -4,8 +4,8 @@ iteration on very different per-rank data, the kernel's sign, coins and gradient
 import pytest
 import torch
 
-from dist_harness import run_ranks
-from router_cases import SPAWN, TOKENS, build_jobs, check_calls, differs, per_job, reference_calls, run_layouts
+from helpers.dist_harness import run_ranks
+from helpers.router_cases import SPAWN, TOKENS, build_jobs, check_calls, differs, per_job, reference_calls, run_layouts
 from moe_dist.dist.collectives import all_reduce_sum
 from moe_dist.moe import MoEArgs, MoELayer
 from moe_dist.moe.routers import build_router

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from collective_count import record_collectives
-from dist_harness import run_ranks
-from moe_cases import D_MODEL, check_against_reference, collect, make_batch, make_layer, split_sizes, step
+from helpers.collective_count import record_collectives
+from helpers.dist_harness import run_ranks
+from helpers.moe_cases import D_MODEL, check_against_reference, collect, make_batch, make_layer, split_sizes, step
 
 from moe_dist.dist import build_parallel_groups
 from moe_dist.moe import MoEArgs, MoELayer

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from collective_count import record_collectives
-from dist_harness import run_ranks
-from moe_cases import D_MODEL, check_against_reference, collect, make_layer, step
+from helpers.collective_count import record_collectives
+from helpers.dist_harness import run_ranks
+from helpers.moe_cases import D_MODEL, check_against_reference, collect, make_layer, step
 
 from moe_dist.dist import build_parallel_groups
 from moe_dist.errors import ConfigError

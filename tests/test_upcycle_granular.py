@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from hf_cases import build_dense, rel_err
+from helpers.hf_cases import build_dense, rel_err
 
 pytest.importorskip("transformers")
 

@@ -20,7 +20,7 @@ k schedules). :func:`load_checkpoint` is ``dist_checkpointing.load`` after a che
 checkpoint is data (see docs/megatron.md).
 
 This module never patches Megatron-Core and never calls CUDA itself; the CPU shim the
-tests use lives in ``tests/megatron_shim.py``.
+tests use lives in ``tests/helpers/megatron_shim.py``.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-import megatron_shim
+from . import megatron_shim
 from moe_dist.moe import RouterInputs
 
 H, FFN, E, K = 16, 32, 4, 2

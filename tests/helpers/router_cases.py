@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moe_cases import D_MODEL, collect, make_batch, make_layer, split_sizes, step
+from .moe_cases import D_MODEL, collect, make_batch, make_layer, split_sizes, step
 from moe_dist.dist import build_parallel_groups
 from moe_dist.dist.groups import ParallelGroups
 from moe_dist.moe import RouterInputs
