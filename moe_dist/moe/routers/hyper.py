@@ -10,7 +10,7 @@ Both raise k linearly from ``k_min`` to ``k_max`` over ``k_schedule_steps`` opti
 
 Frozen tensors are *buffers*: outside every optimizer, weight decay and gradient
 reduction, saved in the state dict. They are drawn from the global RNG like the other
-weights, then :meth:`FrozenRouter.synchronize_frozen` (or :func:`synchronize_frozen_routers`
+weights, then :meth:`FrozenRouter.synchronize_frozen` (or :func:`~moe_dist.moe.routers.synchronize_frozen_routers`
 for a whole model) broadcasts them from rank 0 and checks a hash on every rank; the
 trainer calls it once after ``apply_expert_parallel`` and after loading a checkpoint.
 """
