@@ -8,7 +8,7 @@ import torch
 
 from moe_dist.checks import check_choice, coerce_value
 from moe_dist.config import load_config
-from moe_dist.dist.bootstrap import pick_backend, pick_device
+from moe_dist.distributed.bootstrap import pick_backend, pick_device
 from moe_dist.errors import ConfigError
 from moe_dist.model.layers import Attention
 from moe_dist.moe import build_router, MoEArgs, MoELayer

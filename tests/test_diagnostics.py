@@ -10,7 +10,7 @@ from helpers.dist_harness import run_ranks
 
 from moe_dist.diagnostics import (RoutingDiagnostics, fluctuation_rates, format_routing_summary, load_summary,
                                   probe_assignments, ranked_experts, routing_summary)
-from moe_dist.dist import build_parallel_groups
+from moe_dist.distributed import build_parallel_groups
 from moe_dist.moe import MoEArgs, MoELayer, collect_stats
 from moe_dist.moe.routing import AttentionInputs, Routing, RouterInputs
 from moe_dist.parallel import apply_expert_parallel

@@ -94,7 +94,7 @@ LAYERS = (
      "moe_dist.integrations", "moe_dist.exits"),
     ("moe_dist.model",),
     ("moe_dist.moe",),
-    ("moe_dist.dist",),
+    ("moe_dist.distributed",),
     ("moe_dist.checks", "moe_dist.safe_dcp"),
     ("moe_dist.errors", "moe_dist.hardware"),
 )

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from helpers.dist_harness import run_ranks
 from moe_dist.config import ConfigError, load_config
-from moe_dist.dist import build_parallel_groups
+from moe_dist.distributed import build_parallel_groups
 from moe_dist.moe import MoEArgs, MoELayer
 from moe_dist.parallel import apply_expert_parallel, sync_gradients
 

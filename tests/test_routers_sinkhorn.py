@@ -6,7 +6,7 @@ import torch
 
 from helpers.dist_harness import run_ranks
 from helpers.router_cases import SPAWN, TOKENS, build_jobs, check_calls, differs, per_job, reference_calls, run_layouts
-from moe_dist.dist.collectives import all_reduce_sum
+from moe_dist.distributed.collectives import all_reduce_sum
 from moe_dist.moe import MoEArgs, MoELayer
 from moe_dist.moe.routers import build_router
 from moe_dist.moe.routers.sinkhorn import sinkhorn_dual, transport_plan

@@ -9,7 +9,7 @@ from helpers.collective_count import record_collectives
 from helpers.dist_harness import run_ranks
 from helpers.moe_cases import D_MODEL, check_against_reference, collect, make_layer, step
 
-from moe_dist.dist import build_parallel_groups
+from moe_dist.distributed import build_parallel_groups
 from moe_dist.errors import ConfigError
 from moe_dist.moe import MoEArgs, MoELayer
 from moe_dist.moe.routers import build_router

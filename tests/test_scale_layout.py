@@ -39,7 +39,7 @@ def _local_numel(tensors) -> int:
 
 
 def _build_and_fill(rank, world, tmp, ep, weights):
-    from moe_dist.dist.bootstrap import init_distributed
+    from moe_dist.distributed.bootstrap import init_distributed
     from moe_dist.model.init import materialize
     from moe_dist.parallel import expert_parameters
     from moe_dist.train.model_setup import build_meta_model, weights_filler

@@ -12,7 +12,7 @@ import yaml
 
 from moe_dist.config import load_config
 from moe_dist.data import load_prepared, prepare_data
-from moe_dist.dist.bootstrap import init_distributed
+from moe_dist.distributed.bootstrap import init_distributed
 from moe_dist.model import build_model
 from moe_dist.train.checkpoint import expert_keyed_state_dict, latest_checkpoint, load_checkpoint, save_checkpoint
 from moe_dist.train.optim import build_optimizer, lr_at

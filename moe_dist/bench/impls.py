@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..dist import ParallelGroups
+from ..distributed import ParallelGroups
 from ..moe import MoEArgs, MoELayer
 from ..moe.routing import RouterInputs
 from ..parallel import apply_expert_parallel

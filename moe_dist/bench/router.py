@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from ..dist import ParallelGroups
+from ..distributed import ParallelGroups
 from ..hardware import slow_bf16_note
 from ..moe.routers.token_graph import ENTROPY_SCAN_RANGE
 from .cli_args import add_size_arguments, check_routers, sizes_from_args

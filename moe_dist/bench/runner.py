@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..dist import ParallelGroups, build_parallel_groups
+from ..distributed import ParallelGroups, build_parallel_groups
 from .allocator import keep_freed_memory
 from .impls import FLOOR_KERNELS, FloorImpl, Impl, MoEDistImpl
 from .timing import median, peak_step_memory, timed

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..dist.collectives import all_reduce_sum
+from ..distributed.collectives import all_reduce_sum
 from .fluctuation import fluctuation_counts, layer_keys, probe_assignments
 from .load import load_summary
 

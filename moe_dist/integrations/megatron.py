@@ -39,7 +39,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("moe_dist.integrations.megatron needs megatron-core: pip install 'moe_dist[megatron]'") from exc
 
-from ..dist.collectives import group_size
+from ..distributed.collectives import group_size
 from ..moe.capacity import apply_capacity
 from ..moe.losses import balance_losses
 from ..moe.route import route

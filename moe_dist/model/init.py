@@ -30,7 +30,7 @@ import hashlib
 import torch
 import torch.nn as nn
 
-from ..dist.shards import copy_rows_, local_rows
+from ..distributed.shards import copy_rows_, local_rows
 from ..moe.experts import GroupedExperts
 from ..moe.layer import MoELayer
 from .layers import RMSNorm

@@ -16,7 +16,7 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from ..dist.collectives import all_gather_tensor, group_rank, group_size
+from ..distributed.collectives import all_gather_tensor, group_rank, group_size
 from .counting import count_values
 from ..errors import ConfigError
 

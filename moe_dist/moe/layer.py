@@ -21,8 +21,8 @@ import torch
 import torch.nn as nn
 
 from ..errors import ConfigError
-from ..dist.collectives import subgroup_rows
-from ..dist.groups import ParallelGroups
+from ..distributed.collectives import subgroup_rows
+from ..distributed.groups import ParallelGroups
 from .args import MoEArgs
 from .capacity import apply_capacity
 from .dispatch import combine, dispatch

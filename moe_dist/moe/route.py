@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..dist.collectives import all_gather_tensor, group_rank
+from ..distributed.collectives import all_gather_tensor, group_rank
 from .routing import Routing, RouterInputs, RoutingContext
 
 

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..dist.collectives import all_gather_tensor, all_reduce_sum
+from ..distributed.collectives import all_gather_tensor, all_reduce_sum
 from .counting import count_values
 from .routers.base import count_nonfinite
 from .routing import Routing

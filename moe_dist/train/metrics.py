@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from ..dist.collectives import all_reduce_sum
+from ..distributed.collectives import all_reduce_sum
 from ..moe import MoELayer
 
 STANDARD_STATS = ("expert_counts", "dropped_fraction", "aux_loss", "z_loss", "entropy", "tokens", "capacity")

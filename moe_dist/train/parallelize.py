@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..dist.bootstrap import Runtime
+from ..distributed.bootstrap import Runtime
 from ..model.init import is_meta, materialize
 from ..moe import moe_layers
 from ..moe.routers import synchronize_frozen_routers

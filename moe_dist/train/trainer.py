@@ -27,7 +27,7 @@ from ..config import Config, ConfigError, save_config
 from ..config.load import config_to_dict
 from ..data import PreparedData, TrainSampler, load_prepared, prepare_data
 from ..diagnostics import RoutingDiagnostics, format_routing_summary, routing_summary
-from ..dist.bootstrap import Runtime, init_distributed, shutdown
+from ..distributed.bootstrap import Runtime, init_distributed, shutdown
 from ..errors import CheckpointError, MissingInputError
 from ..exits import JobStopped
 from ..hardware import batch_to_device, bf16_choice, cuda_memory_gib, peak_rss_bytes

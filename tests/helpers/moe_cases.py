@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from moe_dist.dist import build_parallel_groups
+from moe_dist.distributed import build_parallel_groups
 from moe_dist.moe import MoEArgs, MoELayer, RouterInputs
 from moe_dist.parallel import apply_expert_parallel, sync_gradients
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ...dist.collectives import all_gather_tensor, group_size
+from ...distributed.collectives import all_gather_tensor, group_size
 from ..routing import Routing, RouterInputs, RoutingContext
 from .base import Router, default_normalize, fp32_linear, select_topk
 from .registry import register_router

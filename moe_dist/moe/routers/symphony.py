@@ -23,7 +23,7 @@ import torch
 
 from ...checks import check_choice
 from ...errors import ConfigError
-from ...dist.collectives import all_reduce_sum
+from ...distributed.collectives import all_reduce_sum
 from ..counting import count_values
 from ..routing import SCOPES, Routing, RouterInputs, RoutingContext, is_recomputing
 from .registry import register_router
