@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Train under MPI: every MPI process is one rank. Rank, world size and local rank come from the
-# MPI launcher's environment (MPICH/Hydra, Open MPI, MVAPICH; see moe_dist/dist/bootstrap.py);
+# MPI launcher's environment (MPICH/Hydra, Open MPI, MVAPICH; see moe_dist/distributed/bootstrap.py);
 # torch.distributed then meets on rank 0's host (NCCL on GPUs, gloo on CPUs).
 #
 #   launch/mpirun.sh -n 2 configs/test.yaml train.steps=5              # 2 ranks on this machine

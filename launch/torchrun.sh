@@ -39,7 +39,7 @@ NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}
 if [ "$NNODES" -gt 1 ]; then
   : "${MASTER_ADDR:?set MASTER_ADDR to the first node of the job}"
   # the rendezvous every node reached: the workers find their interface by the route to it
-  # (moe_dist/dist/interfaces.py); torchrun gives them another MASTER_ADDR, the first rank's host name
+  # (moe_dist/distributed/interfaces.py); torchrun gives them another MASTER_ADDR, the first rank's host name
   export MOE_DIST_RENDEZVOUS="$MASTER_ADDR:${MASTER_PORT:-29500}"
   RDZV=(--nnodes="$NNODES" --node-rank="$NODE_RANK" --rdzv-backend=c10d
         --rdzv-endpoint="$MOE_DIST_RENDEZVOUS"

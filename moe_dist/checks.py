@@ -5,7 +5,9 @@
   returned in its canonical form (an integer where a number is declared is that number; YAML's
   ``1e-3``, read as a string, is a number too);
   a float must fit bfloat16 and float32 (magnitude at most :data:`LARGEST_FLOAT`);
-- :func:`check_bounds`: a number within bounds (``KEY: VALUE is too small; allowed: >= MIN``).
+- :func:`check_bounds`: a number within bounds (``KEY: VALUE is too small; allowed: >= MIN``);
+- :func:`knob` declares a dataclass field with its help and bounds, :func:`check_field` applies
+  the last two to a value of such a field.
 
 Both raise :class:`~moe_dist.errors.ConfigError`. The config schema, the MoE layer, the routers
 (their options are typed by their ``__init__`` annotations) and the launcher use them, so a bad
@@ -13,10 +15,11 @@ value reads the same wherever it is caught.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import types
 import typing
-from typing import Any, Iterable, Literal, Union
+from typing import Any, Iterable, Literal, Mapping, Union
 
 from .errors import ConfigError
 
@@ -129,3 +132,20 @@ def coerce_value(value: Any, tp: Any, key: str) -> Any:
     else:  # pragma: no cover - a schema bug, not a user error
         raise TypeError(f"unsupported schema type {tp!r} for {key}")
     raise ConfigError(f"{key}: got {describe_value(value)}; allowed: {describe_type(tp)}")
+
+
+def knob(default: Any, help: str, **bounds: Any) -> Any:
+    """A dataclass field of a config section or argument object: ``bounds`` may hold ``min``,
+    ``max`` (inclusive) and ``gt`` (exclusive), checked by :func:`check_field`."""
+    meta = {"help": help, **bounds}
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def check_field(value: Any, tp: Any, key: str, metadata: Mapping[str, Any]) -> Any:
+    """``value`` of a :func:`knob` field of type ``tp``: coerced (:func:`coerce_value`), then
+    within the field's bounds (:func:`check_bounds`); returns the canonical value."""
+    value = coerce_value(value, tp, key)
+    check_bounds(key, value, metadata.get("min"), metadata.get("max"), metadata.get("gt"))
+    return value

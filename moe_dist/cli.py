@@ -108,7 +108,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     code = run_process(args.command, lambda: args._module.run(args))
     # a model sharded over a device mesh keeps the mesh, and the mesh its process groups:
-    # free them now, while the interpreter is whole (see dist.bootstrap.shutdown)
+    # free them now, while the interpreter is whole (see distributed.bootstrap.shutdown)
     gc.collect()
     return code
 

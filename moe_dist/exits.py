@@ -91,13 +91,13 @@ def read_report(directory: str, rank: int) -> Optional[dict]:
 
 def _collective_failure(exc: BaseException, rank: int, command: str) -> Optional[tuple[str, str]]:
     """(kind, one line) for a collective that timed out or lost its peer, else None."""
-    from .dist.collective_errors import failed_collective
-    from .dist.groups import group_timeout
+    from .distributed.collective_errors import failed_collective
+    from .distributed.groups import group_timeout
 
     info = failed_collective(exc)
     if info is None or not (info.timed_out or info.peer_lost):
         return None
-    from .dist.roll_call import lost_nodes_line, roll_call_wait
+    from .distributed.roll_call import lost_nodes_line, roll_call_wait
 
     timeout = group_timeout()
     seconds = timeout.total_seconds() if timeout else None

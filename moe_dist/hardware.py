@@ -10,9 +10,8 @@ import torch
 
 
 def cpu_bf16_is_slow(device: torch.device) -> bool:
-    """True on a CPU without AVX-512 (or AMX): torch's CPU bf16 matmuls then take a slow path,
-    measured 18-29x slower than fp32 for the expert matmuls on an AVX2-only EPYC, against
-    about 1x on an AVX-512 machine."""
+    """True on a CPU without AVX-512 (or AMX): torch's CPU bf16 matmuls then take a slow path
+    (measurements: bench/results.md)."""
     if device.type != "cpu":
         return False
     capability = torch.backends.cpu.get_cpu_capability()

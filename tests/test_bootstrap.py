@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from dist_harness import free_port
-from moe_dist.dist.bootstrap import LaunchInfo, detect_launch, first_host, init_distributed, pick_backend, pick_device
+from helpers.dist_harness import free_port
+from moe_dist.distributed.bootstrap import LaunchInfo, detect_launch, first_host, init_distributed, pick_backend, pick_device
 
 
 @pytest.mark.parametrize("nodelist,host", [
@@ -159,7 +159,7 @@ def test_real_rendezvous_from_launcher_env(tmp_path):
 
 MPI_SCRIPT = """
 import json, sys, torch, torch.distributed as dist
-from moe_dist.dist.bootstrap import init_distributed, shutdown
+from moe_dist.distributed.bootstrap import init_distributed, shutdown
 rt = init_distributed(ep=2, num_experts=4, timeout_s=60)
 t = torch.tensor([float(rt.rank + 1)])
 dist.all_reduce(t)

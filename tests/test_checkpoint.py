@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from dist_harness import run_ranks
+from helpers.dist_harness import run_ranks
 from moe_dist.config import load_config
 from moe_dist.train.checkpoint import IncompleteCheckpoint, latest_checkpoint, load_checkpoint, step_dir
 from moe_dist.train.checkpoint.files import SafeFileSystemReader

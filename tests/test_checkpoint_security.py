@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-import checkpoint_payloads as planted
+from helpers import checkpoint_payloads as planted
 from moe_dist.config import load_config
 from moe_dist.model import build_model
 from moe_dist.train.checkpoint import CheckpointError, Checkpointer, load_checkpoint
@@ -239,7 +239,7 @@ def test_model_directory_readers_refuse_pickles(trained_run, tmp_path):
     """``ckpt.init_from``, ``import`` and ``upcycle`` read safetensors only: a real Hugging Face directory
     whose weights are a pickled ``pytorch_model.bin``, or a pickle named ``model.safetensors``, is
     refused in one line."""
-    from hf_cases import build_dense, build_moe
+    from helpers.hf_cases import build_dense, build_moe
 
     _run_dir, cache = trained_run
     marker = str(tmp_path / "ran")

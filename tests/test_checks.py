@@ -8,10 +8,10 @@ import torch
 
 from moe_dist.checks import check_choice, coerce_value
 from moe_dist.config import load_config
-from moe_dist.dist.bootstrap import pick_backend, pick_device
+from moe_dist.distributed.bootstrap import pick_backend, pick_device
 from moe_dist.errors import ConfigError
 from moe_dist.model.layers import Attention
-from moe_dist.moe import MoELayer, build_router
+from moe_dist.moe import build_router, MoEArgs, MoELayer
 from moe_dist.moe.experts import GroupedExperts
 from moe_dist.moe.routers.symphony import normalize_counts
 from moe_dist.moe.routing import SCOPES, RoutingContext
@@ -36,13 +36,17 @@ def _choice(key: str, value, allowed) -> str:
 
 @pytest.mark.parametrize("key, value, allowed, refuse", [
     # the MoE layer
-    ("model.moe.drop_policy", "random", ["position", "probs"], lambda: MoELayer(16, 32, 8, 2, drop_policy="random")),
-    ("model.moe.balance_loss", "token", ["batch", "sequence"], lambda: MoELayer(16, 32, 8, 2, balance_loss="token")),
+    ("model.moe.drop_policy", "random", ["position", "probs"], lambda: MoELayer(16, MoEArgs(d_ff=32, num_experts=8,
+                                                                                            top_k=2,
+                                                                                            drop_policy="random"))),
+    ("model.moe.balance_loss", "token", ["batch", "sequence"], lambda: MoELayer(16, MoEArgs(d_ff=32, num_experts=8,
+                                                                                            top_k=2,
+                                                                                            balance_loss="token"))),
     ("model.moe.activation", "relu", ["swiglu", "gelu"], lambda: GroupedExperts(4, 8, 16, activation="relu")),
     # the config, a Literal key: the same wording as the layer's
     ("model.moe.drop_policy", "random", ["position", "probs"], lambda: _config("model.moe.drop_policy=random")),
     ("model.moe.router", "nope", None, lambda: _config("model.moe.router=nope")),
-    ("model.moe.router", "nope", None, lambda: MoELayer(16, 32, 8, 2, router="nope")),
+    ("model.moe.router", "nope", None, lambda: MoELayer(16, MoEArgs(d_ff=32, num_experts=8, top_k=2, router="nope"))),
     # router options (the former token_stats, symphony and token_graph forms)
     ("model.moe.router_options.scope", "all", SCOPES, lambda: build_router("ssr", 16, 8, 2, scope="all")),
     ("model.moe.router_options.scope", "all", SCOPES, lambda: build_router("ac", 16, 8, 2, scope="all")),
@@ -77,7 +81,7 @@ def test_a_choice_is_not_a_bool_that_equals_it():
 def test_top_k_against_num_experts_has_one_message():
     expected = "model.moe.top_k=9 must be between 1 and model.moe.num_experts=8"
     assert _message(lambda: _config("model.moe.num_experts=8", "model.moe.top_k=9")) == expected
-    assert _message(lambda: MoELayer(16, 32, 8, 9)) == expected
+    assert _message(lambda: MoELayer(16, MoEArgs(d_ff=32, num_experts=8, top_k=9))) == expected
     assert _message(lambda: build_router("topk", 16, 8, 9)) == expected
     assert _message(lambda: build_router("hyper", 16, 8, 9)) == expected
 
@@ -85,7 +89,8 @@ def test_top_k_against_num_experts_has_one_message():
 def test_router_options_are_checked_by_one_rule():
     unknown = "model.moe.router_options: unknown key(s) ['bogus'] for router 'topk'; allowed: "
     assert _message(lambda: _config("model.moe.router_options={bogus: 1}")).startswith(unknown)
-    assert _message(lambda: MoELayer(16, 32, 8, 2, router_options={"bogus": 1})).startswith(unknown)
+    assert _message(lambda: MoELayer(16, MoEArgs(d_ff=32, num_experts=8, top_k=2,
+                                                 router_options={"bogus": 1}))).startswith(unknown)
     # a wrong type names the key and what its declared type allows, before any arithmetic on it
     wrong_type = "model.moe.router_options.p: got 'abc' (str); allowed: a number"
     assert _message(lambda: _config("model.moe.router=ssr", "model.moe.router_options.p=abc")) == wrong_type
@@ -104,7 +109,7 @@ def test_router_options_are_checked_by_one_rule():
 ])
 def test_router_features_have_one_message(override, layer_kwargs, expected):
     from_config = _message(lambda: _config("model.moe.router=ssr", override))
-    from_layer = _message(lambda: MoELayer(16, 32, 8, 2, router="ssr", **layer_kwargs))
+    from_layer = _message(lambda: MoELayer(16, MoEArgs(d_ff=32, num_experts=8, top_k=2, router="ssr", **layer_kwargs)))
     assert from_config == from_layer and from_config.startswith(expected)
 
 
@@ -131,4 +136,4 @@ def test_a_value_of_a_declared_type():
 ])
 def test_layer_bounds_read_as_the_config_reads_them(overrides, layer_kwargs, expected):
     assert _message(lambda: _config(*overrides)) == expected
-    assert _message(lambda: MoELayer(16, 32, 8, 2, **layer_kwargs)) == expected
+    assert _message(lambda: MoELayer(16, MoEArgs(d_ff=32, num_experts=8, top_k=2, **layer_kwargs))) == expected

@@ -160,7 +160,7 @@ def test_checkpoint_collective_keeps_internal_errors_internal():
     """A refusal (CheckpointError) reaches every rank as a CheckpointError, the one-line user error;
     a bug on one rank stays itself there and is a RuntimeError naming that rank on the others,
     so neither is mistaken for a user error."""
-    from dist_harness import run_ranks
+    from helpers.dist_harness import run_ranks
 
     r0, r1 = run_ranks(_collective_errors, 2, timeout=60)
     assert r1 == {"internal": ("KeyError", "'a bug'"), "user": ("CheckpointError", "checkpoint x is damaged")}

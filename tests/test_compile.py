@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from dist_harness import run_ranks
+from helpers.dist_harness import run_ranks
 
 # compiling is slow on a busy 2-core machine: more room than the suite's 900 s per test
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -184,11 +184,12 @@ def test_what_is_compiled_and_the_eager_routers_named(router):
     """The compiled parts of an MoE block; the token-graph routers stay eager, named with the reason."""
     from moe_dist.config import load_config
     from moe_dist.model import build_model
-    from moe_dist.train.compile import EAGER_ROUTERS, compiled_parts, describe_compile
+    from moe_dist.train.compile import compiled_parts, describe_compile, eager_router_reason
 
     cfg = load_config(os.path.join(ROOT, "configs/test.yaml"), [f"model.moe.router={router}", "model.moe.shared_d_ff=32"])
-    names = [name for name, _, _ in compiled_parts(build_model(cfg.model, 512, device="meta"), router)]
-    block = ["attn_norm", "attn", "ffn_norm"] + (["ffn.router"] if router not in EAGER_ROUTERS else []) + ["ffn.shared_expert"]
+    model = build_model(cfg.model, 512, device="meta")
+    names = [name for name, _, _ in compiled_parts(model)]
+    block = ["attn_norm", "attn", "ffn_norm"] + (["ffn.router"] if router == "topk" else []) + ["ffn.shared_expert"]
     assert names == [f"blocks.{i}.{part}" for i in range(2) for part in block]
-    line = describe_compile(names, {"seconds": 1.0, "graphs": 3}, "cache", router)
+    line = describe_compile(names, {"seconds": 1.0, "graphs": 3}, "cache", router, eager_router_reason(model))
     assert ("left eager" in line) == (router == "similarity") and "\n" not in line

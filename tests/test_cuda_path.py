@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from moe_dist import hardware
-from moe_dist.dist import bootstrap
+from moe_dist.distributed import bootstrap
 
 
 @pytest.fixture

@@ -73,7 +73,7 @@ def test_deepspeed_zero1_zero2_match_native_and_resume(tmp_path):
     if not ok:
         pytest.skip(f"DeepSpeed is not importable ({why}): install the deepspeed extra (scripts/setup.sh with "
                     "EXTRAS=dev,deepspeed)")
-    from dist_harness import run_ranks
+    from helpers.dist_harness import run_ranks
 
     res = run_ranks(_engines, 2, args=(str(tmp_path),), timeout=600)[0]
     ref = res["A"]["curve"]

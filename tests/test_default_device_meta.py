@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 
-from dist_harness import run_ranks
+from helpers.dist_harness import run_ranks
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

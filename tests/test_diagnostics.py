@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dist_harness import run_ranks
+from helpers.dist_harness import run_ranks
 
 from moe_dist.diagnostics import (RoutingDiagnostics, fluctuation_rates, format_routing_summary, load_summary,
                                   probe_assignments, ranked_experts, routing_summary)
-from moe_dist.dist import build_parallel_groups
-from moe_dist.moe import MoELayer, collect_stats
+from moe_dist.distributed import build_parallel_groups
+from moe_dist.moe import MoEArgs, MoELayer, collect_stats
 from moe_dist.moe.routing import AttentionInputs, Routing, RouterInputs
 from moe_dist.parallel import apply_expert_parallel
 
@@ -78,8 +78,9 @@ class TinyLM(nn.Module):
         super().__init__()
         torch.manual_seed(seed)
         self.embed = nn.Embedding(VOCAB, D)
-        self.moe = nn.ModuleList(MoELayer(D, 24, E, 2, router=router, router_options=router_options, layer_idx=i,
-                                          expert_kernel="loop") for i in (1, 3))
+        self.moe = nn.ModuleList(MoELayer(D, MoEArgs(d_ff=24, num_experts=E, top_k=2, router=router,
+                                                     router_options=router_options or {},
+                                                     expert_kernel="loop"), layer_idx=i) for i in (1, 3))
 
     def forward(self, tokens, padding_mask=None):
         B, S = tokens.shape
@@ -284,7 +285,7 @@ def _extras_run(rank, world, ep):
     out = {}
     for name, options in EXTRA_ROUTERS.items():
         torch.manual_seed(1)
-        layer = MoELayer(16, 32, 8, 2, router=name, router_options=options)
+        layer = MoELayer(16, MoEArgs(d_ff=32, num_experts=8, top_k=2, router=name, router_options=options))
         if name == "symphony":  # a graph that changes choices
             with torch.no_grad():
                 layer.router.A.copy_(torch.rand(8, 8, generator=torch.Generator().manual_seed(3)))

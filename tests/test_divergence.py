@@ -97,8 +97,8 @@ def test_a_divergence_sets_aside_later_checkpoints_and_resume_auto_continues_bef
 
 
 def poisoned_run(tmp, run, poison, *args):
-    """tests/divergence_case.py: configs/test.yaml on 1 process, the loss of step 6 poisoned; (stdout, summary)."""
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "divergence_case.py"), str(run),
+    """tests/helpers/divergence_case.py: configs/test.yaml on 1 process, the loss of step 6 poisoned; (stdout, summary)."""
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "helpers", "divergence_case.py"), str(run),
                           str(tmp / "cache"), poison, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     return res.stdout, json.loads(res.stdout.split("SUMMARY ")[-1])

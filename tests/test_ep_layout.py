@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from dist_harness import run_ranks
+from helpers.dist_harness import run_ranks
 from moe_dist.config import ConfigError, load_config
 from moe_dist.config.layout import auto_ep, ep_sizes, expert_parallel_size
 
@@ -93,7 +93,7 @@ def test_the_config_accepts_auto_and_names_the_allowed_values():
 
 def _groups_of(rank, world_size, choices):
     """``init_distributed`` on an existing gloo group with the config's ep, for each ``parallel.ep`` choice."""
-    from moe_dist.dist.bootstrap import init_distributed
+    from moe_dist.distributed.bootstrap import init_distributed
 
     out = []
     for choice in choices:

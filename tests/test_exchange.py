@@ -4,7 +4,7 @@ plain exchange-then-compute path gets (outputs and row gradients bit for bit).""
 import pytest
 import torch
 
-from dist_harness import run_ranks
+from helpers.dist_harness import run_ranks
 from moe_dist.moe.exchange import Exchange, exchange_rows, return_rows
 from moe_dist.moe.experts import GroupedExperts
 
@@ -138,7 +138,7 @@ def _peer_leaves(rank, world):
     """Rank 1 leaves before the exchange; rank 0's pipelined transfer fails in its wait()."""
     import torch.distributed as dist
 
-    from moe_dist.dist.collective_errors import failed_collective
+    from moe_dist.distributed.collective_errors import failed_collective
 
     if rank == 1:
         dist.destroy_process_group()  # closes its connections, as a killed process would

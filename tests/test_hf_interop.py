@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from hf_cases import add_sentencepiece, build_dense, hf_classes, rel_err
+from helpers.hf_cases import add_sentencepiece, build_dense, hf_classes, rel_err
 
 pytest.importorskip("transformers")
 
@@ -17,6 +17,7 @@ from moe_dist.hf import DenseCheckpoint, HFFormatError  # noqa: E402
 from moe_dist.hf.export import export, load_our_model  # noqa: E402
 from moe_dist.model import count_parameters  # noqa: E402
 from moe_dist.upcycle import load_model_weights, upcycle, upcycle_config, upcycle_model  # noqa: E402
+from moe_dist.moe import moe_layers
 
 TOL = 1e-5
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2"]
@@ -43,7 +44,7 @@ def test_upcycled_logits_equal_dense_transformers_logits(family, tmp_path):
     for (router, setup), layers in zip(ROUTER_SETUPS.items(), ["every", "every_other", "[0, 2]"]):
         cfg = upcycle_config(ckpt.spec, MOE + setup + [f"model.moe.layers={layers}"])
         model = upcycle_model(ckpt, cfg).eval()
-        assert len(model.moe_layers()) == {"every": 3, "every_other": 1, "[0, 2]": 2}[layers]
+        assert len(moe_layers(model)) == {"every": 3, "every_other": 1, "[0, 2]": 2}[layers]
         with torch.no_grad():
             got = model(x)
         assert rel_err(got, want) < TOL, (family, router, rel_err(got, want))
@@ -96,10 +97,10 @@ def test_expert_parallel_slice_loads_its_rows(tmp_path):
     from moe_dist.parallel.expert_parallel import _slice_experts
 
     part = build_model(cfg.model, cfg.model.vocab_size, seed=5)
-    for layer in part.moe_layers():
+    for layer in moe_layers(part):
         _slice_experts(layer.experts, 2, 2)  # what rank 1 of ep=2 keeps
     load_model_weights(part, out)
-    for a, b in zip(full.moe_layers(), part.moe_layers()):
+    for a, b in zip(moe_layers(full), moe_layers(part)):
         assert torch.equal(a.experts.w1[2:4], b.experts.w1) and torch.equal(a.experts.w2[2:4], b.experts.w2)
         assert not torch.equal(a.experts.w1[0], a.experts.w1[1])  # noise makes the copies differ
 
@@ -124,7 +125,7 @@ def test_export_to_mixtral_round_trip(family, tied, tmp_path):
         got, want = hf(x).logits, ours(x)
     assert rel_err(got, want) < TOL
     with torch.no_grad():  # the experts are really used differently per token: not a dense model in disguise
-        layer = ours.moe_layers()[0]
+        layer = moe_layers(ours)[0]
         ours(x)
         assert layer.last_routing.expert_ids[:, 0].unique().numel() > 1
 
@@ -197,7 +198,7 @@ def test_upcycle_warns_when_the_function_is_not_preserved(tmp_path):
 
 
 def test_tokenizer_json_checkpoint_trains_with_its_own_ids(tmp_path):
-    from hf_cases import add_tokenizer_json
+    from helpers.hf_cases import add_tokenizer_json
     from tokenizers import Tokenizer as HFTokenizer
 
     from moe_dist.data import Tokenizer

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from hf_cases import add_tokenizer_json, build_dense, build_moe, hf_classes, rel_err
+from helpers.hf_cases import add_tokenizer_json, build_dense, build_moe, hf_classes, rel_err
 
 pytest.importorskip("transformers")
 
@@ -18,6 +18,7 @@ from moe_dist.cli import main as cli  # noqa: E402
 from moe_dist.errors import CheckpointError, HFFormatError  # noqa: E402
 from moe_dist.hf.export import load_our_model  # noqa: E402
 from moe_dist.hf.importer import import_hf  # noqa: E402
+from moe_dist.moe import moe_layers  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = os.path.join(ROOT, "tests", "data", "python-docs", "tutorial", "introduction.rst.txt")
@@ -251,7 +252,7 @@ def test_unexplained_tensors_are_refused(tmp_path, capsys):
 def test_fused_expert_layout_gives_transformers_logits(family, tmp_path):
     """transformers' in-memory layout (gate_up_proj [E, 2 ff, d], down_proj [E, d, ff], Mixtral's
     router under mlp), as save_pretrained(save_original_format=False) writes it."""
-    from hf_cases import MOE_EXTRAS, MOE_TINY
+    from helpers.hf_cases import MOE_EXTRAS, MOE_TINY
 
     config_cls, model_cls = hf_classes(family)
     extra = dict(num_hidden_layers=3, mlp_only_layers=[1]) if family == "qwen2_moe" else {}
@@ -272,14 +273,14 @@ def test_fused_expert_layout_gives_transformers_logits(family, tmp_path):
     x = torch.randint(0, 96, (3, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert rel_err(ours(x), hf(x).logits) <= TOL
-    assert ours.moe_layers()[0].last_routing.expert_ids.unique().numel() == 4  # routing decides the output
+    assert moe_layers(ours)[0].last_routing.expert_ids.unique().numel() == 4  # routing decides the output
 
 
 def test_fused_layout_of_another_shape_is_refused_by_name(tmp_path):
     from safetensors.torch import load_file, save_file
 
     config_cls, model_cls = hf_classes("mixtral")
-    from hf_cases import MOE_EXTRAS, MOE_TINY
+    from helpers.hf_cases import MOE_EXTRAS, MOE_TINY
 
     src = str(tmp_path / "fused")
     model_cls(config_cls(**{**MOE_TINY, **MOE_EXTRAS["mixtral"]})).save_pretrained(src, save_original_format=False)

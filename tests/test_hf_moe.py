@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from dist_harness import run_ranks
-from hf_cases import add_tokenizer_json, build_moe, hf_classes, rel_err
+from helpers.dist_harness import run_ranks
+from helpers.hf_cases import add_tokenizer_json, build_moe, hf_classes, rel_err
 
 pytest.importorskip("transformers")
 
@@ -20,6 +20,7 @@ from moe_dist.hf.export import export, load_our_model  # noqa: E402
 from moe_dist.hf.importer import import_config, import_hf  # noqa: E402
 from moe_dist.hf.moe_checkpoint import MoECheckpoint  # noqa: E402
 from moe_dist.model import build_model, count_parameters  # noqa: E402
+from moe_dist.moe import moe_layers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(ROOT, "tests", "data", "python-docs")
@@ -63,7 +64,7 @@ def test_import_gives_transformers_logits(family, tmp_path):
         got, want = ours(x), hf(x).logits
     assert rel_err(got, want) <= TOL, rel_err(got, want)
     assert count_parameters(ours)["total"] == sum(p.numel() for p in hf.parameters()) == info["total_params"]
-    layer = ours.moe_layers()[0]
+    layer = moe_layers(ours)[0]
     assert layer.last_routing.expert_ids.unique().numel() == 4  # every expert is used: routing matters
     # the router alone: same experts and gates as transformers' (OLMoE: softmax probabilities, not renormalised)
     h = torch.randn(50, 32, generator=torch.Generator().manual_seed(3))
@@ -132,9 +133,9 @@ def test_import_train_at_ep2_and_export_back(tmp_path):
         x = _tokens(vocab=320)
         with torch.no_grad():
             assert rel_err(hf(x).logits, ours(x)) <= TOL
-        trained = ours.moe_layers()[0].experts.w1
+        trained = moe_layers(ours)[0].experts.w1
         imported_model, _, _ = load_our_model(imported)
-        assert not torch.equal(trained, imported_model.moe_layers()[0].experts.w1)  # the steps changed the experts
+        assert not torch.equal(trained, moe_layers(imported_model)[0].experts.w1)  # the steps changed the experts
 
 
 def _our_model_dir(tmp_path, overrides, perturb=False):

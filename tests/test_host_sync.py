@@ -11,11 +11,11 @@ import os
 import pytest
 import torch
 
-from dist_harness import run_ranks
-from host_sync import count_host_syncs
-from moe_cases import make_batch, make_layer, split_sizes
+from helpers.dist_harness import run_ranks
+from helpers.host_sync import count_host_syncs
+from helpers.moe_cases import make_batch, make_layer, split_sizes
 from moe_dist.bench.attention_inputs import synthetic_attention_inputs
-from moe_dist.dist import build_parallel_groups
+from moe_dist.distributed import build_parallel_groups
 from moe_dist.moe import ROUTERS, RouterInputs
 from moe_dist.moe.routers.token_graph import AttentionRouter
 from moe_dist.parallel import apply_expert_parallel
@@ -58,7 +58,8 @@ def extra_reads(name: str, layer, world: int) -> tuple[int, str]:
         iters, every, cap = int(sinkhorn_iters), layer.router.check_every, layer.router.max_iters
         n += (iters - 1) // every + (1 if iters < cap else 0)  # a test at each multiple of check_every below max_iters
         why.append(CONVERGENCE)
-    if layer.capacity_factor is not None and (layer.capacity_scope, layer.drop_policy) == ("global", "probs") and world > 1:
+    args = layer.args
+    if args.capacity_factor is not None and (args.capacity_scope, args.drop_policy) == ("global", "probs") and world > 1:
         n, why = n + 1, why + [PROBS_GATHER]
     return n, "; ".join(why)
 

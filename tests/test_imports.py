@@ -1,5 +1,5 @@
-"""The import structure of moe_dist.train: every module imports on its own, and the trainer, the
-engines and the checkpoint package do not import each other in a cycle.
+"""The import structure of moe_dist: imports point down the layers, no module of any package
+imports itself through others, and every module of moe_dist.train imports on its own.
 
 Two checks: (1) the static graph of import statements (module level and inside functions,
 so lazy imports count too) of the whole moe_dist package; (2) each module of moe_dist.train
@@ -94,7 +94,7 @@ LAYERS = (
      "moe_dist.integrations", "moe_dist.exits"),
     ("moe_dist.model",),
     ("moe_dist.moe",),
-    ("moe_dist.dist",),
+    ("moe_dist.distributed",),
     ("moe_dist.checks", "moe_dist.safe_dcp"),
     ("moe_dist.errors", "moe_dist.hardware"),
 )
@@ -114,11 +114,14 @@ def test_imports_point_down_the_layers():
     assert not upward, "imports that do not point down the layers:\n" + "\n".join(upward)
 
 
-def test_no_import_cycle_in_train():
+def test_no_import_cycle():
+    """No module of any package of moe_dist imports itself through others (a package's
+    ``__init__`` counts as a module)."""
     graph = _graph()
-    train = {m for m in graph if m.startswith("moe_dist.train")}
-    cycles = [m for m in sorted(train) if m in _reachable(graph, m)]
-    assert not cycles, f"modules of moe_dist.train that import themselves through others: {cycles}"
+    packages = sorted({_package(m) for m in graph if m != "moe_dist"})
+    assert {"moe_dist.train", "moe_dist.hf", "moe_dist.moe", "moe_dist.config"} <= set(packages)
+    cycles = [m for m in sorted(graph) if m in _reachable(graph, m)]
+    assert not cycles, f"modules that import themselves through others: {cycles}"
 
 
 _FRESH_IMPORTS = r"""
@@ -152,14 +155,22 @@ def test_each_train_module_imports_first():
 
 
 def test_test_modules_do_not_import_each_other():
-    """Shared test cases live in helper modules (moe_cases, probe_router, ...), never in a test_*
-    module that another imports (that would run its tests' module code twice and hide the coupling)."""
+    """Shared test cases live in the helper package tests/helpers/ (moe_cases, probe_router, ...),
+    never in a test_* module that another imports (that would run its tests' module code twice and
+    hide the coupling); tests/ itself holds only test modules and conftest.py."""
     tests_dir = os.path.dirname(os.path.abspath(__file__))
+    helpers_dir = os.path.join(tests_dir, "helpers")
+    stray = sorted(n for n in os.listdir(tests_dir) if n.endswith(".py") and not n.startswith("test_")
+                   and n != "conftest.py")
+    assert not stray, f"modules in tests/ that are not tests (move them into tests/helpers/): {stray}"
+    files = [os.path.join(tests_dir, n) for n in sorted(os.listdir(tests_dir))]
+    files += [os.path.join(helpers_dir, n) for n in sorted(os.listdir(helpers_dir))]
     bad = []
-    for name in sorted(os.listdir(tests_dir)):
+    for path in files:
+        name = os.path.relpath(path, tests_dir)
         if not name.endswith(".py"):
             continue
-        tree = ast.parse(open(os.path.join(tests_dir, name), encoding="utf-8").read(), name)
+        tree = ast.parse(open(path, encoding="utf-8").read(), name)
         for node in ast.walk(tree):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []

@@ -13,8 +13,8 @@ import os
 
 import torch
 
-from dist_harness import run_ranks
-from moe_dist.moe import MoELayer
+from helpers.dist_harness import run_ranks
+from moe_dist.moe import MoEArgs, MoELayer
 from moe_dist.moe.experts import GroupedExperts, KernelTuner
 from moe_dist.parallel.kernel_choice import MIN_ROWS, agree_expert_kernels
 
@@ -35,7 +35,8 @@ class ScriptedTuner(KernelTuner):
 
 def _model(d_model=32, d_ff=64, layers=2, kernel="auto"):
     torch.manual_seed(0)
-    return torch.nn.ModuleList([MoELayer(d_model, d_ff, 4, 2, expert_kernel=kernel) for _ in range(layers)])
+    return torch.nn.ModuleList([MoELayer(d_model, MoEArgs(d_ff=d_ff, num_experts=4, top_k=2,
+                                                          expert_kernel=kernel)) for _ in range(layers)])
 
 
 def test_pick_rule():
@@ -54,7 +55,8 @@ def test_time_kernels_measures_each_candidate():
 
 def test_one_process_decides_and_fixes_every_auto_layer():
     model = _model()
-    model.append(MoELayer(32, 64, 4, 2, expert_kernel="bmm"))  # a fixed kernel is left alone
+    model.append(MoELayer(32, MoEArgs(d_ff=64, num_experts=4, top_k=2,
+                                      expert_kernel="bmm")))  # a fixed kernel is left alone
     tuner = ScriptedTuner({"loop": 1.0, "bmm": 0.5, "grouped_mm": 0.7})
     decisions = agree_expert_kernels(model, 512, torch.float32, torch.device("cpu"), tuner=tuner)
     assert [m.experts.kernel for m in model] == ["bmm", "bmm", "bmm"]
@@ -105,7 +107,7 @@ def test_real_timings_agree_over_four_ranks():
 
 def _trainer_kernels(rank, world, tmp):
     from moe_dist.config import load_config
-    from moe_dist.dist.bootstrap import init_distributed
+    from moe_dist.distributed.bootstrap import init_distributed
     from moe_dist.train.trainer import Trainer
 
     cfg = load_config(os.path.join(ROOT, "configs/test.yaml"), [

@@ -9,7 +9,7 @@
     while Megatron's own sinkhorn router (local tokens only) differs: the control;
   - Megatron dist-checkpointing save/load keeps the routers' state (also loaded at ep=1).
 
-Megatron-Core needs a few CUDA calls stubbed on a CPU: tests/megatron_shim.py (test-only).
+Megatron-Core needs a few CUDA calls stubbed on a CPU: tests/helpers/megatron_shim.py (test-only).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ INVARIANT = ("topk", "sinkhorn", "ac", "symphony")
 
 # ---- what the ranks run -----------------------------------------------------------------
 def _one_rank(rank, world):
-    import megatron_cases as mc
+    from helpers import megatron_cases as mc
 
     mc.init_megatron(ep=1)
     out = {"vs_moe_dist": {}, "megatron": {}}
@@ -65,7 +65,7 @@ def _one_rank(rank, world):
 
 
 def _two_ranks(rank, world):
-    import megatron_cases as mc
+    from helpers import megatron_cases as mc
 
     mc.init_megatron(ep=2)
     x, w = mc.data()
@@ -115,14 +115,14 @@ def _max_diffs(a: dict, b: dict) -> dict:
 # ---- fixtures: one spawn per world size ---------------------------------------------------
 @pytest.fixture(scope="module")
 def one_rank():
-    from dist_harness import run_ranks
+    from helpers.dist_harness import run_ranks
 
     return run_ranks(_one_rank, 1, timeout=600)[0]
 
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    from dist_harness import run_ranks
+    from helpers.dist_harness import run_ranks
 
     return run_ranks(_two_ranks, 2, timeout=600)
 
@@ -176,7 +176,7 @@ def test_one_vs_two_ranks_inside_megatron(one_rank, two_ranks):
 # ---- distributed checkpointing ------------------------------------------------------------
 def _checkpoint_save_and_load(rank, world, ckpt_dir):
     """Train a step, save; then fresh layers in the same processes load it back."""
-    import megatron_cases as mc
+    from helpers import megatron_cases as mc
     from megatron.core import dist_checkpointing
 
     mc.init_megatron(ep=world)
@@ -196,7 +196,7 @@ def _checkpoint_save_and_load(rank, world, ckpt_dir):
 
 
 def _checkpoint_load(rank, world, ckpt_dir):
-    import megatron_cases as mc
+    from helpers import megatron_cases as mc
 
     mc.init_megatron(ep=world)
     out = _load(mc, rank, world, ckpt_dir)
@@ -252,7 +252,7 @@ def _eval_output(models, x) -> dict:
 
 
 def test_dist_checkpointing_keeps_router_state(tmp_path):
-    from dist_harness import run_ranks
+    from helpers.dist_harness import run_ranks
 
     ckpt = str(tmp_path / "ckpt")
     os.makedirs(ckpt)
@@ -283,8 +283,8 @@ def _planted_checkpoints(rank, world, tmp):
     loaded with the checked loader, and the last with Megatron-Core's own loader as the control."""
     import shutil
 
-    import megatron_cases as mc
-    from checkpoint_payloads import plant_bytes_entry, read_metadata
+    from helpers import megatron_cases as mc
+    from helpers.checkpoint_payloads import plant_bytes_entry, read_metadata
     from megatron.core import dist_checkpointing
 
     from moe_dist.integrations.megatron import load_checkpoint
@@ -324,7 +324,7 @@ def test_checkpoint_entries_planted_with_code_are_refused(tmp_path):
     """:func:`load_checkpoint` loads a clean checkpoint and refuses, unread, the plug-in's router state
     declared as a pickled object and a module's extra state that would run code. The control:
     Megatron-Core's own ``dist_checkpointing.load`` runs the second."""
-    from dist_harness import run_ranks
+    from helpers.dist_harness import run_ranks
 
     [out] = run_ranks(_planted_checkpoints, 1, args=(str(tmp_path),), timeout=600)
     assert out["clean"] is None, out["clean"]

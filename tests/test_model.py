@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import probe_router  # noqa: F401  (registers the _test_probe router)
+from helpers import probe_router  # noqa: F401  (registers the _test_probe router)
 
 from moe_dist.config import load_config
 from moe_dist.model import Attention, apply_rotary, build_model, count_parameters, rotary_tables
 from moe_dist.model.layers import SwiGLU
-from moe_dist.moe import MoELayer
+from moe_dist.moe import MoELayer, moe_layers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 512
@@ -52,7 +52,7 @@ def test_moe_layer_placement(layers, expected):
     model = build_model(model_cfg("model.n_layers=4", f"model.moe.layers={layers}"), VOCAB)
     assert [i for i, b in enumerate(model.blocks) if isinstance(b.ffn, MoELayer)] == expected
     assert all(isinstance(b.ffn, SwiGLU) for i, b in enumerate(model.blocks) if i not in expected)
-    assert [m.context.layer_idx for m in model.moe_layers()] == expected
+    assert [m.context.layer_idx for m in moe_layers(model)] == expected
 
 
 @pytest.mark.parametrize("router", ["topk", "_test_probe"])
@@ -88,12 +88,12 @@ def test_left_padding_mask():
     padded = torch.cat([torch.zeros(1, 4, dtype=torch.long), real], dim=1)
     mask = torch.cat([torch.zeros(1, 4, dtype=torch.bool), torch.ones(1, 12, dtype=torch.bool)], dim=1)
     handed = []  # the RouterInputs each MoE layer's forward gets
-    hooks = [m.register_forward_pre_hook(lambda mod, args: handed.append(args[1])) for m in model.moe_layers()]
+    hooks = [m.register_forward_pre_hook(lambda mod, args: handed.append(args[1])) for m in moe_layers(model)]
     with torch.no_grad():
         ref = model(real)
         handed.clear()
         out = model(padded, padding_mask=mask)
-        assert len(handed) == len(model.moe_layers()) and all(i.padding_mask is mask for i in handed)
+        assert len(handed) == len(moe_layers(model)) and all(i.padding_mask is mask for i in handed)
         unmasked = model(padded)
     for hook in hooks:
         hook.remove()
@@ -109,7 +109,7 @@ def test_router_context_plumbing():
     with torch.no_grad():
         out_probe, out_plain = probe(x), plain(x)
     torch.testing.assert_close(out_probe, out_plain, rtol=1e-5, atol=1e-5)  # explicit path == fused path
-    layers = probe.moe_layers()
+    layers = moe_layers(probe)
     for i, layer in enumerate(layers):
         seen = layer.router.seen[-1]
         assert seen["batch_shape"] == (2, 8) and seen["causal"] is True and seen["tokens"] == 16
@@ -124,12 +124,12 @@ def test_router_context_plumbing():
         assert layer.attention_needs == "probs"
     # layers whose router does not ask keep the fused kernel and get no attention
     handed = []
-    for m in plain.moe_layers():
+    for m in moe_layers(plain):
         m.register_forward_pre_hook(lambda mod, args: handed.append(args[1]))
     with torch.no_grad():
         plain(x)
-    assert len(handed) == len(plain.moe_layers()) and all(i.attention is None for i in handed)
-    assert all(m.attention_needs is None for m in plain.moe_layers())
+    assert len(handed) == len(moe_layers(plain)) and all(i.attention is None for i in handed)
+    assert all(m.attention_needs is None for m in moe_layers(plain))
 
 
 def test_attention_probs_are_the_blocks_own():
@@ -140,12 +140,12 @@ def test_attention_probs_are_the_blocks_own():
         h = model.embed(x)
         cos, sin = rotary_tables(6, model.head_dim, 10000.0, h.device, h.dtype)
         _, expected = model.blocks[0].attn(model.blocks[0].attn_norm(h), cos, sin, capture="probs")
-    torch.testing.assert_close(model.moe_layers()[0].router.seen[-1]["attn_probs"], expected.probs)
+    torch.testing.assert_close(moe_layers(model)[0].router.seen[-1]["attn_probs"], expected.probs)
 
 
 def _grads(model, x):
     model.zero_grad(set_to_none=True)
-    for layer in model.moe_layers():
+    for layer in moe_layers(model):
         layer.context.step, layer.context.micro_step, layer.context.seed = 3, 1, 11
     logits = model(x[:, :-1])
     loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
@@ -169,10 +169,10 @@ def test_activation_checkpointing_gives_the_same_gradients(router, options):
     for name in g_ref:
         torch.testing.assert_close(g_ckpt[name], g_ref[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
     if router == "_test_probe":
-        for layer in ckpt.moe_layers():  # routed twice (forward + recompute), side effects once
+        for layer in moe_layers(ckpt):  # routed twice (forward + recompute), side effects once
             assert layer.router.invocations == 2 and len(layer.router.seen) == 1
             assert layer.router.seen[0]["step"] == 3 and layer.router.seen[0]["seed"] == 11
-        for layer in ref.moe_layers():
+        for layer in moe_layers(ref):
             assert layer.router.invocations == 1
 
 
@@ -219,17 +219,17 @@ def test_attention_router_reads_scores_and_matches_the_explicit_path():
     results = {}
     for form in ("scores", "probs"):
         model = build_model(cfg, VOCAB, seed=9)
-        for layer in model.moe_layers():
+        for layer in moe_layers(model):
             layer.router.attention_needs = form
         handed = []
-        model.moe_layers()[0].register_forward_pre_hook(lambda mod, args: handed.append(args[1].attention))
+        moe_layers(model)[0].register_forward_pre_hook(lambda mod, args: handed.append(args[1].attention))
         model.zero_grad(set_to_none=True)
         logits = model(x[:, :-1], padding_mask=pad)
         F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).backward()
         assert (handed[0].probs is None) == (form == "scores")
         assert handed[0].queries.shape == (3, cfg.n_heads, 12, model.head_dim)
         results[form] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
-                         [m.last_routing.expert_ids for m in model.moe_layers()])
+                         [m.last_routing.expert_ids for m in moe_layers(model)])
     (l_s, g_s, ids_s), (l_p, g_p, ids_p) = results["scores"], results["probs"]
     assert all(torch.equal(a, b) for a, b in zip(ids_s, ids_p))
     torch.testing.assert_close(l_s, l_p, rtol=1e-5, atol=1e-5)

@@ -3,8 +3,8 @@ computes on the whole batch (outputs, losses, gradients, counts)."""
 import pytest
 import torch
 
-from dist_harness import run_ranks
-from moe_cases import check_against_reference, distributed_case, reference
+from helpers.dist_harness import run_ranks
+from helpers.moe_cases import check_against_reference, distributed_case, reference
 
 CASES = {
     "topk-dropless": dict(router="topk"),

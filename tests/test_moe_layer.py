@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dist_harness import run_ranks
-from moe_dist.dist import build_parallel_groups
-from moe_dist.moe import MoELayer
+from helpers.dist_harness import run_ranks
+from moe_dist.distributed import build_parallel_groups
+from moe_dist.moe import MoEArgs, MoELayer
 from moe_dist.parallel import apply_expert_parallel, sync_gradients
 
 
@@ -42,8 +42,8 @@ def loop_reference(layer: MoELayer, x: torch.Tensor, capacity: int | None = None
 @pytest.mark.parametrize("kernel", ["loop", "bmm", "grouped_mm"])
 def test_layer_matches_loop_reference(top_k, capacity_factor, kernel):
     torch.manual_seed(0)
-    layer = MoELayer(16, 32, 8, top_k, capacity_factor=capacity_factor, expert_kernel=kernel,
-                     router_options={"init_std": 0.3})
+    layer = MoELayer(16, MoEArgs(d_ff=32, num_experts=8, top_k=top_k, capacity_factor=capacity_factor,
+                                 expert_kernel=kernel, router_options={"init_std": 0.3}))
     x = torch.randn(40, 16)
     w = torch.randn(40, 16)
     out = layer(x)
@@ -65,8 +65,8 @@ STRENGTH = [1.0, 3.0, 1.0, 2.0, 0.5, 1.0, 4.0, 1.0]  # larger => larger gate
 
 def constructed_layer(policy, scope):
     torch.manual_seed(0)
-    layer = MoELayer(4, 8, 4, 1, capacity_factor=1.0, drop_policy=policy, capacity_scope=scope,
-                     expert_kernel="loop", router_options={"normalize": False})
+    layer = MoELayer(4, MoEArgs(d_ff=8, num_experts=4, top_k=1, capacity_factor=1.0, drop_policy=policy,
+                                capacity_scope=scope, expert_kernel="loop", router_options={"normalize": False}))
     with torch.no_grad():
         layer.router.weight.copy_(torch.eye(4))  # gates e^s / (e^s + 3): distinct in fp32
         for w in (layer.experts.w1, layer.experts.w3, layer.experts.w2):
@@ -124,7 +124,8 @@ def test_dropless_drops_nothing_and_huge_capacity_is_fine():
     torch.manual_seed(0)
     x = torch.randn(33, 16)
     for cf in (None, 1000.0):
-        layer = MoELayer(16, 32, 8, 2, capacity_factor=cf, router_options={"init_std": 2.0})
+        layer = MoELayer(16, MoEArgs(d_ff=32, num_experts=8, top_k=2, capacity_factor=cf,
+                                     router_options={"init_std": 2.0}))
         out = layer(x)
         assert int(layer.stats.dropped) == 0 and out.abs().sum(-1).gt(0).all()
 
@@ -135,7 +136,8 @@ def _edge_ranks(rank, world):
     torch.manual_seed(0)
     groups = build_parallel_groups(world, 4)
     res = {}
-    layer = MoELayer(4, 8, 4, 1, expert_kernel="loop", router_options={"normalize": False})
+    layer = MoELayer(4, MoEArgs(d_ff=8, num_experts=4, top_k=1, expert_kernel="loop",
+                                router_options={"normalize": False}))
     with torch.no_grad():
         layer.router.weight.copy_(torch.tensor([[10.0, 0, 0, 0]] * 1 + [[0, 0, 0, 0]] * 3))
     x = torch.ones(6, 4)
@@ -167,7 +169,7 @@ def test_idle_experts_and_empty_rank(world):
 
 def test_one_token_k_equals_e_bf16_and_noncontiguous():
     torch.manual_seed(0)
-    layer = MoELayer(16, 32, 4, 4, expert_kernel="loop")
+    layer = MoELayer(16, MoEArgs(d_ff=32, num_experts=4, top_k=4, expert_kernel="loop"))
     one = torch.randn(1, 16)
     assert layer(one).shape == (1, 16)
     assert layer.last_routing.expert_ids.shape == (1, 4)
@@ -194,7 +196,8 @@ def _scope_ranks(rank, world):
     values = []
     for scope in ("global", "local"):
         torch.manual_seed(0)
-        layer = apply_expert_parallel(MoELayer(16, 32, 8, 2, loss_scope=scope, router_options={"init_std": 1.0}),
+        layer = apply_expert_parallel(MoELayer(16, MoEArgs(d_ff=32, num_experts=8, top_k=2, loss_scope=scope,
+                                                           router_options={"init_std": 1.0})),
                                       build_parallel_groups(2, 8))
         x = torch.randn(64, 16) + (3.0 if rank else -3.0)  # the ranks see different token distributions
         layer(x)
@@ -205,17 +208,17 @@ def _scope_ranks(rank, world):
 # ---- bad input ---------------------------------------------------------------------------------
 def test_bad_input_messages():
     with pytest.raises(ValueError, match="top_k=9"):
-        MoELayer(16, 32, 8, 9)
+        MoELayer(16, MoEArgs(d_ff=32, num_experts=8, top_k=9))
     for cf in (0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="capacity_factor"):
-            MoELayer(16, 32, 8, 2, capacity_factor=cf)
+            MoELayer(16, MoEArgs(d_ff=32, num_experts=8, top_k=2, capacity_factor=cf))
     with pytest.raises(ValueError, match="drop_policy='random'.*position"):
-        MoELayer(16, 32, 8, 2, drop_policy="random")
+        MoELayer(16, MoEArgs(d_ff=32, num_experts=8, top_k=2, drop_policy="random"))
     with pytest.raises(ValueError, match="router='nope'.*topk"):
-        MoELayer(16, 32, 8, 2, router="nope")
+        MoELayer(16, MoEArgs(d_ff=32, num_experts=8, top_k=2, router="nope"))
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['bogus'\]"):
-        MoELayer(16, 32, 8, 2, router_options={"bogus": 1})
-    layer = MoELayer(16, 32, 8, 2)
+        MoELayer(16, MoEArgs(d_ff=32, num_experts=8, top_k=2, router_options={"bogus": 1}))
+    layer = MoELayer(16, MoEArgs(d_ff=32, num_experts=8, top_k=2))
     with pytest.raises(FloatingPointError, match="NaN/Inf"):
         layer(torch.full((3, 16), float("nan")))
     with pytest.raises(ValueError, match=r"\[\.\.\., 16\]"):

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dist_harness import run_ranks
+from helpers.dist_harness import run_ranks
 from moe_dist.config import ConfigError, load_config
-from moe_dist.dist import build_parallel_groups
-from moe_dist.moe import MoELayer
+from moe_dist.distributed import build_parallel_groups
+from moe_dist.moe import MoEArgs, MoELayer
 from moe_dist.parallel import apply_expert_parallel, sync_gradients
 
 D, E = 16, 8
@@ -21,7 +21,8 @@ B, S = 6, 8  # sequences per step and their length
 def make(cfg: dict, seed: int = 0) -> MoELayer:
     torch.manual_seed(seed)
     cfg = dict(cfg)
-    return MoELayer(D, cfg.pop("d_ff", 8), cfg.pop("num_experts", E), cfg.pop("top_k", 2), expert_kernel="loop", **cfg)
+    return MoELayer(D, MoEArgs(d_ff=cfg.pop("d_ff", 8), num_experts=cfg.pop("num_experts", E),
+                               top_k=cfg.pop("top_k", 2), expert_kernel="loop", **cfg))
 
 
 # ---- loop reference ------------------------------------------------------------------------
@@ -306,7 +307,7 @@ def test_trainer_bias_and_losses_match_one_process_and_survive_a_resume_at_anoth
 def test_new_options_add_no_host_reads():
     """Forward (the layer's one read), backward and the bias update (none) read the host no more
     often with a shared gated expert, the sequence loss, the expert bias and fp64 scores."""
-    from host_sync import count_host_syncs
+    from helpers.host_sync import count_host_syncs
 
     layer = make(dict(shared_d_ff=12, shared_gate=True, balance_loss="sequence", expert_bias=True, router_dtype="fp64"))
     x = torch.randn(B, S, D, requires_grad=True)

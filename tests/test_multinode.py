@@ -26,7 +26,7 @@ import time
 import pytest
 
 from moe_dist.testing.cluster import Cluster, ClusterUnavailable, recorded_clusters, remove_stale, unavailable_reason
-from multinode_harness import (ROOT, RUN_TIMEOUT, STEPS, _clean_nodes, _config, _env, _one_rank_line,  # noqa: F401 (fixtures)
+from helpers.multinode_harness import (ROOT, RUN_TIMEOUT, STEPS, _clean_nodes, _config, _env, _one_rank_line,  # noqa: F401 (fixtures)
                                cluster, finish, start_nodes)
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]

@@ -1,4 +1,4 @@
-"""A job continued on fewer nodes, and on more, on the namespace cluster (tests/multinode_harness.py;
+"""A job continued on fewer nodes, and on more, on the namespace cluster (tests/helpers/multinode_harness.py;
 marker ``multinode``: opt-in, and skipped with the reason where it cannot run).
 
 One loss curve, three layouts, each a real ``launch/torchrun.sh`` job with the same global batch:
@@ -27,7 +27,7 @@ import time
 
 import pytest
 
-from multinode_harness import _clean_nodes, _one_rank_line, cluster, finish, start_nodes  # noqa: F401 (fixtures)
+from helpers.multinode_harness import _clean_nodes, _one_rank_line, cluster, finish, start_nodes  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 

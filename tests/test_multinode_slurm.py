@@ -19,7 +19,7 @@ The unplugged node and the crashed ranks run with ``MOE_DIST_MULTINODE_FULL=1`` 
 more; the killed node covers Slurm's requeue and the survivors' lines).
 
 Opt-in like every multi-node test (``MOE_DIST_MULTINODE=1``, tests/conftest.py); needs root, ``ip netns``
-(the cluster of tests/multinode_harness.py) and Slurm (installed from Debian's packages when missing);
+(the cluster of tests/helpers/multinode_harness.py) and Slurm (installed from Debian's packages when missing);
 skipped with the reason elsewhere.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ import time
 import pytest
 
 from moe_dist.testing.slurm import SlurmCluster, install_slurm
-from multinode_harness import ROOT, cluster  # noqa: F401 (fixture)
+from helpers.multinode_harness import ROOT, cluster  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 

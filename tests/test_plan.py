@@ -66,7 +66,7 @@ def test_counts_equal_an_instantiated_model(overrides):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "phi3", "mixtral"])
 def test_counts_equal_transformers_models(family, tmp_path):
     pytest.importorskip("transformers")
-    from hf_cases import TINY, FAMILY_EXTRAS, hf_classes
+    from helpers.hf_cases import TINY, FAMILY_EXTRAS, hf_classes
 
     config_cls, model_cls = hf_classes(family)
     extras = FAMILY_EXTRAS.get(family, {"num_local_experts": 4, "num_experts_per_tok": 2})

@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dist_harness import run_ranks
-from router_cases import SPAWN, build_jobs, call_labels, check_calls, differs, per_job, reference_calls, run_layouts
-from moe_dist.moe import MoELayer
+from helpers.dist_harness import run_ranks
+from helpers.router_cases import SPAWN, build_jobs, call_labels, check_calls, differs, per_job, reference_calls, run_layouts
+from moe_dist.moe import MoEArgs, MoELayer
 from moe_dist.moe.routers import build_router
 from moe_dist.moe.routers.ac import cluster_dispersion, dispersion_weights
 from moe_dist.moe.routing import RouterInputs, RoutingContext
@@ -87,7 +87,8 @@ def test_dispersion_and_weights_definition():
 
 def _layer(**opts):
     torch.manual_seed(0)
-    return MoELayer(16, 32, E, 2, router="ac", router_options=opts, expert_kernel="loop")
+    return MoELayer(16, MoEArgs(d_ff=32, num_experts=E, top_k=2, router="ac", router_options=opts,
+                                expert_kernel="loop"))
 
 
 def test_scaled_scores_and_plain_fallback():

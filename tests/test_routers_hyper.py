@@ -4,12 +4,11 @@ hash check, negative control without it), outside the optimizer, and the inferen
 import pytest
 import torch
 
-from dist_harness import run_ranks
-from router_cases import SPAWN, build_jobs, check_calls, differs, distributed_calls, per_job, reference_calls, run_layouts
-from moe_dist.moe import MoELayer
-from moe_dist.moe.routers import build_router
-from moe_dist.moe.routers.hyper import (FrozenRouter, HyperRouter, scheduled_k, set_inference_k,
-                                        synchronize_frozen_routers)
+from helpers.dist_harness import run_ranks
+from helpers.router_cases import SPAWN, build_jobs, check_calls, differs, distributed_calls, per_job, reference_calls, run_layouts
+from moe_dist.moe import MoEArgs, MoELayer
+from moe_dist.moe.routers import build_router, synchronize_frozen_routers
+from moe_dist.moe.routers.hyper import FrozenRouter, HyperRouter, scheduled_k, set_inference_k
 from moe_dist.moe.routing import RoutingContext
 
 E = 8
@@ -119,7 +118,8 @@ def test_validation_messages():
 
 def test_frozen_parts_outside_the_optimizer():
     torch.manual_seed(0)
-    layer = MoELayer(16, 32, E, 2, router="hyper", router_options=dict(embed_dim=8, hyper_dim=16), expert_kernel="loop")
+    layer = MoELayer(16, MoEArgs(d_ff=32, num_experts=E, top_k=2, router="hyper",
+                                 router_options=dict(embed_dim=8, hyper_dim=16), expert_kernel="loop"))
     frozen = {id(t) for t in layer.router.frozen_tensors()}
     names = dict(layer.named_parameters())
     assert "router.embedding" in names and not any("hyper_w" in n for n in names)
@@ -139,7 +139,7 @@ def test_frozen_parts_outside_the_optimizer():
     assert not torch.equal(emb, layer.router.embedding)
     assert {"router.hyper_w1", "router.hyper_w2"} <= set(layer.state_dict())
     # smoe_dropout: nothing of the router trains
-    dropout = MoELayer(16, 32, E, 2, router="smoe_dropout", expert_kernel="loop")
+    dropout = MoELayer(16, MoEArgs(d_ff=32, num_experts=E, top_k=2, router="smoe_dropout", expert_kernel="loop"))
     assert not list(dropout.router.parameters()) and "router.frozen_weight" in dropout.state_dict()
 
 

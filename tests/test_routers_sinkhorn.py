@@ -4,10 +4,10 @@ iteration on very different per-rank data, the kernel's sign, coins and gradient
 import pytest
 import torch
 
-from dist_harness import run_ranks
-from router_cases import SPAWN, TOKENS, build_jobs, check_calls, differs, per_job, reference_calls, run_layouts
-from moe_dist.dist.collectives import all_reduce_sum
-from moe_dist.moe import MoELayer
+from helpers.dist_harness import run_ranks
+from helpers.router_cases import SPAWN, TOKENS, build_jobs, check_calls, differs, per_job, reference_calls, run_layouts
+from moe_dist.distributed.collectives import all_reduce_sum
+from moe_dist.moe import MoEArgs, MoELayer
 from moe_dist.moe.routers import build_router
 from moe_dist.moe.routers.sinkhorn import sinkhorn_dual, transport_plan
 from moe_dist.moe.routers.ssr import SelectiveSinkhornRouter
@@ -210,7 +210,8 @@ def test_coin_is_shared_and_has_rate_p():
 
 def _layer(router, **opts):
     torch.manual_seed(0)
-    return MoELayer(16, 32, E, 2, router=router, router_options=dict(init_std=0.3, **opts), expert_kernel="loop", **NO_AUX)
+    return MoELayer(16, MoEArgs(d_ff=32, num_experts=E, top_k=2, router=router,
+                                router_options=dict(init_std=0.3, **opts), expert_kernel="loop", **NO_AUX))
 
 
 def test_gradients_and_inference():

@@ -7,12 +7,12 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from collective_count import record_collectives
-from dist_harness import run_ranks
-from moe_cases import D_MODEL, check_against_reference, collect, make_batch, make_layer, split_sizes, step
+from helpers.collective_count import record_collectives
+from helpers.dist_harness import run_ranks
+from helpers.moe_cases import D_MODEL, check_against_reference, collect, make_batch, make_layer, split_sizes, step
 
-from moe_dist.dist import build_parallel_groups
-from moe_dist.moe import MoELayer
+from moe_dist.distributed import build_parallel_groups
+from moe_dist.moe import MoEArgs, MoELayer
 from moe_dist.moe.routers import build_router
 from moe_dist.moe.routing import RouterInputs, RoutingContext
 from moe_dist.parallel import apply_expert_parallel, sync_gradients
@@ -134,7 +134,8 @@ def test_bias_correction():
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_recomputation_does_not_count_twice(reentrant):
     torch.manual_seed(2)
-    layer = MoELayer(D_MODEL, 32, E, K, router="symphony", router_options={"init": "identity"}, expert_kernel="loop")
+    layer = MoELayer(D_MODEL, MoEArgs(d_ff=32, num_experts=E, top_k=K, router="symphony",
+                                      router_options={"init": "identity"}, expert_kernel="loop"))
     x = torch.randn(40, D_MODEL, requires_grad=True)
     layer(x)
     once = layer.router.pending_counts().clone()
@@ -147,7 +148,7 @@ def test_recomputation_does_not_count_twice(reentrant):
 
 def test_graph_stays_fp32_under_casts_and_in_state_dict():
     torch.manual_seed(3)
-    layer = MoELayer(D_MODEL, 32, E, K, router="symphony", expert_kernel="loop")
+    layer = MoELayer(D_MODEL, MoEArgs(d_ff=32, num_experts=E, top_k=K, router="symphony", expert_kernel="loop"))
     with torch.no_grad():
         layer.router.A.copy_(torch.rand(E, E) / 3)  # values with low mantissa bits bf16 would lose
     layer.router.n_updates.fill_(5)
@@ -162,7 +163,8 @@ def test_graph_stays_fp32_under_casts_and_in_state_dict():
     sd = layer.state_dict()
     assert sd["router.A"].dtype == torch.float32 and torch.equal(sd["router.A"], A)
     assert int(sd["router.n_updates"]) == 5 and not any("count" in k for k in sd)
-    fresh = MoELayer(D_MODEL, 32, E, K, router="symphony", expert_kernel="loop").to(torch.bfloat16)
+    fresh = MoELayer(D_MODEL, MoEArgs(d_ff=32, num_experts=E, top_k=K, router="symphony",
+                                      expert_kernel="loop")).to(torch.bfloat16)
     fresh.load_state_dict(sd)
     assert fresh.router.A.dtype == torch.float32 and torch.equal(fresh.router.A, A)
     out = fresh(torch.randn(6, D_MODEL, dtype=torch.bfloat16))

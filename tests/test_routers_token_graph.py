@@ -5,13 +5,13 @@ import math
 import pytest
 import torch
 
-from collective_count import record_collectives
-from dist_harness import run_ranks
-from moe_cases import D_MODEL, check_against_reference, collect, make_layer, step
+from helpers.collective_count import record_collectives
+from helpers.dist_harness import run_ranks
+from helpers.moe_cases import D_MODEL, check_against_reference, collect, make_layer, step
 
-from moe_dist.dist import build_parallel_groups
+from moe_dist.distributed import build_parallel_groups
 from moe_dist.errors import ConfigError
-from moe_dist.moe import MoELayer
+from moe_dist.moe import MoEArgs, MoELayer
 from moe_dist.moe.routers import build_router
 from moe_dist.moe.routers.token_graph import mix_over_sequence
 from moe_dist.moe.routing import AttentionInputs, RouterInputs, RoutingContext
@@ -464,8 +464,8 @@ def test_bf16_graph_products_track_fp32(router):
 
 def test_layer_extras_and_bf16_model():
     torch.manual_seed(6)
-    layer = MoELayer(D_MODEL, 32, E, K, router="similarity", router_options={"temperature": 4.0, "base": "xmoe"},
-                     expert_kernel="loop")
+    layer = MoELayer(D_MODEL, MoEArgs(d_ff=32, num_experts=E, top_k=K, router="similarity",
+                                      router_options={"temperature": 4.0, "base": "xmoe"}, expert_kernel="loop"))
     B, S = 3, 10
     inputs = RouterInputs(batch_shape=(B, S))
     x = torch.randn(B, S, D_MODEL, requires_grad=True)

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from dist_harness import run_ranks
+from helpers.dist_harness import run_ranks
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "test.yaml")
 RUNS = {

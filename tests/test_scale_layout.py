@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from dist_harness import run_ranks
+from helpers.dist_harness import run_ranks
 from moe_dist.config import load_config
 from moe_dist.model import build_model
 from moe_dist.model.init import is_meta
@@ -39,7 +39,7 @@ def _local_numel(tensors) -> int:
 
 
 def _build_and_fill(rank, world, tmp, ep, weights):
-    from moe_dist.dist.bootstrap import init_distributed
+    from moe_dist.distributed.bootstrap import init_distributed
     from moe_dist.model.init import materialize
     from moe_dist.parallel import expert_parameters
     from moe_dist.train.model_setup import build_meta_model, weights_filler
@@ -176,7 +176,7 @@ def test_eval_of_an_upcycled_model_directory_at_any_layout(tmp_path):
     pytest.importorskip("transformers")
     import json
 
-    from hf_cases import add_sentencepiece, build_dense
+    from helpers.hf_cases import add_sentencepiece, build_dense
     from moe_dist.cli import main
     from moe_dist.upcycle import upcycle
 

@@ -1,4 +1,4 @@
-"""moe_dist/dist/interfaces.py without root: this machine's own interfaces and routes (nothing is sent
+"""moe_dist/distributed/interfaces.py without root: this machine's own interfaces and routes (nothing is sent
 anywhere but to this machine's own addresses), and the rule's decisions for launches over several hosts.
 On the namespace cluster, with an interface that cannot reach the other node: tests/test_multinode_interfaces.py."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from moe_dist.dist.bootstrap import LaunchInfo
-from moe_dist.dist.interfaces import (HostNetworkError, interface_addresses, interface_holding, meeting_point,
+from moe_dist.distributed.bootstrap import LaunchInfo
+from moe_dist.distributed.interfaces import (HostNetworkError, interface_addresses, interface_holding, meeting_point,
                                       pick_socket_interface, probe, route_source)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

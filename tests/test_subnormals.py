@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from moe_dist.bench.attention_inputs import synthetic_attention_inputs
-from moe_dist.moe import ROUTERS, MoELayer, RouterInputs
+from moe_dist.moe import MoEArgs, MoELayer, RouterInputs, ROUTERS
 
 # Allocation ops return uninitialised memory (whatever bytes were there): not computed values.
 UNINITIALISED = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"}
@@ -54,7 +54,8 @@ class SubnormalCounter(TorchDispatchMode):
 
 def _layer(router: str, options: dict) -> MoELayer:
     torch.manual_seed(0)
-    layer = MoELayer(D, 2 * D, E, 2, router=router, router_options=options, expert_kernel="loop")
+    layer = MoELayer(D, MoEArgs(d_ff=2 * D, num_experts=E, top_k=2, router=router, router_options=options,
+                                expert_kernel="loop"))
     return layer.train()
 
 

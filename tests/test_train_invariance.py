@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-import probe_router  # noqa: F401  (registers the _test_probe router, also in spawned ranks)
-from dist_harness import run_ranks
+from helpers import probe_router  # noqa: F401  (registers the _test_probe router, also in spawned ranks)
+from helpers.dist_harness import run_ranks
 from moe_dist.config import load_config
 from moe_dist.train.trainer import Trainer, evaluate_run, train
 

@@ -12,12 +12,13 @@ import yaml
 
 from moe_dist.config import load_config
 from moe_dist.data import load_prepared, prepare_data
-from moe_dist.dist.bootstrap import init_distributed
+from moe_dist.distributed.bootstrap import init_distributed
 from moe_dist.model import build_model
 from moe_dist.train.checkpoint import expert_keyed_state_dict, latest_checkpoint, load_checkpoint, save_checkpoint
 from moe_dist.train.optim import build_optimizer, lr_at
 from moe_dist.train.parallelize import parallelize
 from moe_dist.train.trainer import train
+from moe_dist.moe import moe_layers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -94,7 +95,7 @@ def test_schedule_and_optimizer_groups(tmp_path):
     opt = build_optimizer(model, cfg.train)
     groups = {g["name"]: g for g in opt.param_groups}
     assert groups["dense_no_decay"]["weight_decay"] == 0 and all(p.dim() == 1 for p in groups["dense_no_decay"]["params"])
-    assert {id(p) for p in groups["experts"]["params"]} == {id(p) for m in model.moe_layers()
+    assert {id(p) for p in groups["experts"]["params"]} == {id(p) for m in moe_layers(model)
                                                            for p in m.experts.expert_parameters()}
     n_unique = len({id(p) for p in model.parameters()})
     assert sum(len(g["params"]) for g in opt.param_groups) == n_unique  # tied weights once

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from hf_cases import build_dense, rel_err
+from helpers.hf_cases import build_dense, rel_err
 
 pytest.importorskip("transformers")
 
@@ -16,6 +16,7 @@ from moe_dist.config import ConfigError, load_config  # noqa: E402
 from moe_dist.hf import DenseCheckpoint  # noqa: E402
 from moe_dist.hf.export import load_our_model  # noqa: E402
 from moe_dist.upcycle import core, upcycle_config, upcycle_model  # noqa: E402
+from moe_dist.moe import moe_layers
 
 TOL = 1e-5
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2"]
@@ -47,7 +48,7 @@ def test_granular_upcycling_preserves_the_dense_function(dense, G, router):
         got = model(x)
     assert rel_err(got, want) <= TOL, (G, router, rel_err(got, want))
     if G > 1:  # each expert is a slice: no single expert is the dense FFN
-        w1 = model.moe_layers()[0].experts.w1
+        w1 = moe_layers(model)[0].experts.w1
         assert w1.shape == (4 * G, 32, 48 // G) and not torch.equal(w1[0], w1[1])
 
 

@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from dist_harness import run_ranks
-from hf_cases import add_sentencepiece, add_tokenizer_json, build_dense, rel_err
+from helpers.dist_harness import run_ranks
+from helpers.hf_cases import add_sentencepiece, add_tokenizer_json, build_dense, rel_err
 
 pytest.importorskip("transformers")
 

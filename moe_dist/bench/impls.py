@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..dist import ParallelGroups
-from ..moe import MoELayer
+from ..distributed import ParallelGroups
+from ..moe import MoEArgs, MoELayer
 from ..moe.routing import RouterInputs
 from ..parallel import apply_expert_parallel
 from ..parallel.kernel_choice import agree_expert_kernels
@@ -53,17 +53,17 @@ class MoEDistImpl(Impl):
                  expert_kernel: str = "loop"):
         s, ref = work.sizes, work.reference
         self.work, self.router = work, router
-        layer = MoELayer(s.d_model, s.d_ff, s.num_experts, s.top_k, router=router, router_options=router_options,
-                         activation=s.activation, capacity_factor=s.capacity_factor, min_capacity=s.min_capacity,
-                         expert_kernel=expert_kernel)
+        layer = MoELayer(s.d_model, MoEArgs(d_ff=s.d_ff, num_experts=s.num_experts, top_k=s.top_k, router=router,
+                                            router_options=router_options or {}, activation=s.activation,
+                                            capacity_factor=s.capacity_factor, min_capacity=s.min_capacity,
+                                            expert_kernel=expert_kernel))
         with torch.no_grad():
             for name in ("w1", "w3", "w2"):
                 w = getattr(layer.experts, name)
                 if w is not None:
                     w.copy_(getattr(ref.experts, name))
             # same scores (and the same skew) as the reference router; a wrapping router's base scores
-            scorer = getattr(layer.router, "base", layer.router)
-            w = getattr(scorer, "weight", None)
+            w = getattr(layer.router.scorer, "weight", None)
             if isinstance(w, torch.Tensor) and w.shape == ref.router.weight.shape:
                 w.copy_(ref.router.weight)
         if groups.ep_size > 1:

@@ -13,8 +13,8 @@ COLUMNS = [  # (header, key, format)
 ]
 
 TARGETS = {"floor": 1.15, "deepspeed": 1.0, "control": 1.1, "per_token_spread": 1.2, "auto": 1.05}
-# layer time with the router / with ``topk`` in the same rounds (issue 17, at S = 512: the token-graph routers
-# <= 1.10, Selective Sinkhorn at small p <= 1.02, every other router <= 1.03)
+# layer time with the router / with ``topk`` in the same rounds, at S = 512: the token-graph routers
+# <= 1.10, Selective Sinkhorn at small p <= 1.02, every other router <= 1.03
 ROUTER_TARGETS = {"similarity": 1.10, "attention": 1.10, "ssr": 1.02, "symphony": 1.03, "ac": 1.03, "hyper": 1.03,
                   "smoe_dropout": 1.03, "xmoe": 1.03, "noisy_topk": 1.03, "sinkhorn": 1.03}
 

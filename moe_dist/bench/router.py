@@ -22,10 +22,10 @@ import sys
 
 import torch
 
-from ..dist import ParallelGroups
+from ..distributed import ParallelGroups
 from ..hardware import slow_bf16_note
 from ..moe.routers.token_graph import ENTROPY_SCAN_RANGE
-from ..train.compile import EAGER_ROUTERS, compile_parts, moe_layer_parts
+from ..train.compile import compile_parts, moe_layer_parts
 from .cli_args import add_size_arguments, check_routers, sizes_from_args
 from .impls import MoEDistImpl, _clear_grads
 from .report import ROUTER_TARGETS
@@ -110,9 +110,9 @@ def main(argv=None) -> int:
         variants.append(COMPILED)
         for name in ["topk"] + routers:
             impl = impls[name + COMPILED] = MoEDistImpl(work, name, groups, args.router_options.get(name), "loop")
-            # the router itself even where train.compile leaves it eager (EAGER_ROUTERS: measured here)
-            forced = [("router", impl.layer.router, False)] if name in EAGER_ROUTERS else []
-            compile_parts(forced + moe_layer_parts(impl.layer, name))
+            # the router itself even where train.compile leaves it eager (eager_under_compile: measured here)
+            forced = [("router", impl.layer.router, False)] if impl.layer.router.eager_under_compile else []
+            compile_parts(forced + moe_layer_parts(impl.layer))
     gen = torch.Generator().manual_seed(args.seed + 3)
     grad_gates = torch.randn(args.tokens, args.top_k, generator=gen).to(device)
     steps = {name: RouterStep(impl, grad_gates) for name, impl in impls.items()}

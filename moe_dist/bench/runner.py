@@ -15,13 +15,13 @@ import socket
 import sys
 import tempfile
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from ..dist import ParallelGroups, build_parallel_groups
+from ..distributed import ParallelGroups, build_parallel_groups
 from .allocator import keep_freed_memory
 from .impls import FLOOR_KERNELS, FloorImpl, Impl, MoEDistImpl
 from .timing import median, peak_step_memory, timed
@@ -297,7 +297,3 @@ def run_single(cfg: BenchConfig, emit=None) -> list[dict]:
     finally:
         if own_group:
             dist.destroy_process_group()
-
-
-def config_dict(cfg: BenchConfig) -> dict:
-    return asdict(cfg)

@@ -75,7 +75,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name in ("eager", "compiled"):
         model = build_model(cfg.model, vocab, seed=cfg.train.seed).train()
         if name == "compiled":
-            apply_compile(model, cfg.model.moe.router)
+            apply_compile(model)
         steps[name] = step_fn(model, tokens, args.dtype)
         t0 = time.perf_counter()
         steps[name]()

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from ..moe import MoELayer
+from ..moe import MoEArgs, MoELayer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -53,8 +53,10 @@ class Workload:
         if self.seq_len is not None and self.tokens % self.seq_len:
             raise ValueError(f"--seq-len {self.seq_len} must divide the token count {self.tokens}")
         torch.manual_seed(self.seed)
-        self.reference = MoELayer(s.d_model, s.d_ff, s.num_experts, s.top_k, router="topk", activation=s.activation,
-                                  capacity_factor=s.capacity_factor, min_capacity=s.min_capacity, expert_kernel="loop")
+        self.reference = MoELayer(s.d_model, MoEArgs(d_ff=s.d_ff, num_experts=s.num_experts, top_k=s.top_k,
+                                                     router="topk", activation=s.activation,
+                                                     capacity_factor=s.capacity_factor, min_capacity=s.min_capacity,
+                                                     expert_kernel="loop"))
         gen = torch.Generator().manual_seed(self.seed * 7919 + 1 + self.rank)
         x = torch.randn(self.tokens, s.d_model, generator=gen) + self.skew_shift()
         self.grad_out = torch.randn(self.tokens, s.d_model, generator=gen).to(self.device, self.dtype)

@@ -2,7 +2,7 @@
 ``parallel.ep: auto`` picks.
 
 The processes form a mesh ``(edp, ep)``: contiguous blocks of ``ep`` ranks split each MoE layer's
-experts (``moe_dist/dist/groups.py``), so ``ep`` must divide both the world size and
+experts (``moe_dist/distributed/groups.py``), so ``ep`` must divide both the world size and
 ``model.moe.num_experts``. A checkpoint loads at any of these sizes (experts are keyed by global
 index) and the loss curve does not depend on which one runs, so a job may continue on fewer or
 more processes with another ``ep``:

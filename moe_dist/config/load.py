@@ -15,7 +15,7 @@ from typing import Any, Iterable, Optional
 
 import yaml
 
-from ..checks import check_bounds, coerce_value, describe_type, describe_value
+from ..checks import check_field, describe_type, describe_value
 from .schema import Config, ConfigError
 
 
@@ -42,9 +42,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
         if dataclasses.is_dataclass(tp):
             kwargs[name] = _build(tp, raw.get(name), key)
         elif name in raw:
-            value = coerce_value(raw[name], tp, key)
-            check_bounds(key, value, f.metadata.get("min"), f.metadata.get("max"), f.metadata.get("gt"))
-            kwargs[name] = value
+            kwargs[name] = check_field(raw[name], tp, key, f.metadata)
     return cls(**kwargs)
 
 
@@ -88,13 +86,12 @@ def config_from_dict(raw: Optional[dict]) -> Config:
 
 
 def _resolve_cross_section_defaults(cfg: Config) -> None:
-    """Defaults that depend on another section: a router's k schedule (HyperRouter,
-    SMoE-Dropout) spans the whole run, train.steps, unless the user set its length."""
-    from ..moe.routers import router_options
+    """Defaults that depend on another section: router options that follow the run's length
+    (``Router.options_for_run``, e.g. a k schedule spanning train.steps)."""
+    from ..moe.routers import ROUTERS
 
     moe = cfg.model.moe
-    if "k_schedule_steps" in router_options(moe.router) and moe.router_options.get("k_schedule_steps") is None:
-        moe.router_options = {**moe.router_options, "k_schedule_steps": cfg.train.steps}
+    moe.router_options = ROUTERS[moe.router].options_for_run(moe.router_options, cfg.train.steps)
 
 
 def read_yaml(path: str) -> dict:

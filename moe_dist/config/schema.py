@@ -11,20 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Sequence, Union
 
-from ..checks import check_choice
+from ..checks import check_choice, knob
 from ..errors import ConfigError
+from ..moe.args import MoEArgs
 from .layout import AUTO, check_ep, expert_parallel_size
 
 DEFAULT_CORPUS = "/usr/share/doc/python3.11/html/_sources"
 MOE_LAYER_PATTERNS = ("every", "every_other")
-
-
-def knob(default: Any, help: str, **bounds: Any) -> Any:
-    """A config field: ``bounds`` may hold ``min``, ``max`` (inclusive) and ``gt`` (exclusive)."""
-    meta = {"help": help, **bounds}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 def section(cls) -> Any:
@@ -55,48 +48,27 @@ class RunConfig:
 
 
 @dataclass
-class MoEConfig:
-    """Which feed-forward layers are Mixture-of-Experts layers, and how they route."""
+class _MoEBlocks:
+    """The MoE section's first key (a base class, so written configs keep it first)."""
 
     layers: Union[Literal["every", "every_other"], list[int]] = knob(
         "every", "MoE blocks: every, every_other (blocks 1, 3, 5, ...) or a list of block indices")
-    router: str = knob("topk", "router name (see moe_dist.moe.routers)")
-    router_options: dict = knob({}, "keyword options of the router (its __init__ arguments)")
-    num_experts: int = knob(8, "experts per MoE layer", min=1)
-    top_k: int = knob(2, "experts per token", min=1)
-    d_ff: Optional[int] = knob(None, "hidden size of one expert (null = model.d_ff)", min=1)
-    capacity_factor: Optional[float] = knob(None, "tokens per expert = cf * tokens * k / E; null = dropless", gt=0)
-    eval_capacity_factor: Optional[float] = knob(None, "capacity factor in evaluation (null = capacity_factor)", gt=0)
-    min_capacity: int = knob(0, "lower bound on the per-expert capacity", min=0)
-    drop_policy: Literal["position", "probs"] = knob("position", "which pairs an over-full expert drops")
-    capacity_scope: Literal["global", "local"] = knob("global", "capacity over the global batch or per rank")
-    loss_scope: Literal["global", "local"] = knob("global", "aux / z statistics over the global batch or per rank")
-    aux_loss_coef: float = knob(0.01, "load-balance loss weight", min=0)
-    z_loss_coef: float = knob(0.001, "router z-loss weight", min=0)
-    activation: Literal["swiglu", "gelu"] = knob("swiglu", "expert activation")
-    expert_kernel: Literal["auto", "loop", "bmm", "grouped_mm"] = knob("loop", "expert matmul kernel: loop (measured best or tied in most cases, bench/results.md), bmm, grouped_mm, or auto (timed once per expert shape, the same on every rank)")
-    balance_loss: Literal["batch", "sequence"] = knob("batch", "load-balance loss: batch (Switch/GShard over the batch) or "
-                                                      "sequence (DeepSeek-V2/V3: per sequence, averaged over sequences)")
-    shared_d_ff: Optional[int] = knob(None, "hidden size of the always-active shared expert(s) beside the routed ones "
-                                      "(null = none)", min=1)
-    shared_gate: bool = knob(False, "scale the shared expert per token by sigmoid(x w) (Qwen2-MoE's shared_expert_gate)")
-    expert_bias: bool = knob(False, "aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the router "
-                             "probabilities for choosing only, updated after each optimizer step from the global counts")
-    expert_bias_rate: float = knob(1e-3, "expert-bias update per step: bias += rate * sign(mean count - count)", min=0)
-    router_dtype: Literal["fp32", "fp64"] = knob("fp32", "dtype of the router's scores and softmax")
+
+
+@dataclass
+class MoEConfig(MoEArgs, _MoEBlocks):
+    """Which feed-forward layers are Mixture-of-Experts layers, and how they route.
+
+    The layer's own keys are :class:`~moe_dist.moe.args.MoEArgs` (declared and checked there);
+    a block hands this section whole to its layer. The keys' order: ``layers``, the layer's keys,
+    ``granularity``."""
+
     granularity: int = knob(1, "moe-dist upcycle / plan of a dense checkpoint: split each dense FFN into G experts "
                             "(num_experts and top_k given per dense copy are multiplied by G, d_ff = model.d_ff / G); "
                             "the written config holds the expanded values and granularity 1", min=1)
 
     def check(self, n_layers: int) -> None:
-        # the registry's checks (routers register on import), the same the MoE layer runs when built
-        from ..moe.routers import check_router_features, check_router_options, check_top_k
-        from ..moe.shared import check_shared_expert
-
-        check_router_options(self.router, self.router_options)
-        check_top_k(self.num_experts, self.top_k)
-        check_router_features(self.router, self.expert_bias, self.router_dtype)
-        check_shared_expert(self.shared_d_ff, self.shared_gate)
+        self.validated()  # the MoE layer's rules, the same it runs when built
         if self.granularity != 1:
             _fail("model.moe.granularity", f"{self.granularity}: read only by `moe-dist upcycle` and `moe-dist plan` of a "
                   "dense checkpoint (a model config gives the expanded num_experts, top_k and d_ff); allowed here: 1")

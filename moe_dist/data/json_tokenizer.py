@@ -9,10 +9,6 @@ from ..errors import InputError, UserError
 EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 
 
-def is_tokenizer_json(data: bytes) -> bool:
-    return data.lstrip()[:1] == b"{"
-
-
 class JsonTokenizerBackend:
     """A Hugging Face ``tokenizer.json`` behind the few sentencepiece calls the data pipeline
     makes (``encode``, ``decode``, ``get_piece_size``, ``eos_id``, ``unk_id``), so that

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..dist.collectives import all_reduce_sum
+from ..distributed.collectives import all_reduce_sum
 from .fluctuation import fluctuation_counts, layer_keys, probe_assignments
 from .load import load_summary
 
@@ -92,12 +92,13 @@ class RoutingDiagnostics:
 
     # ---- Symphony graphs -------------------------------------------------------------------
     def record_graphs(self, model: nn.Module) -> int:
-        """Snapshot the expert graph of every layer whose router has one (``expert_graph``).
+        """Snapshot the expert graph of every layer whose router has one (``Router.expert_graph_state``).
         Returns how many layers have one."""
         for key, layer in layer_keys(model).items():
-            router = layer.router
-            if callable(getattr(router, "expert_graph", None)):
-                self.graphs[key] = (router.A.detach().float().cpu().numpy().copy(), int(router.n_updates))
+            state = layer.router.expert_graph_state()
+            if state is not None:
+                graph, updates = state
+                self.graphs[key] = (graph.detach().float().cpu().numpy().copy(), int(updates))
         return len(self.graphs)
 
     # ---- output ----------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from .config import HFFormatError
+from ..errors import HFFormatError
 
 
 @dataclass(frozen=True)

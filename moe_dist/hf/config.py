@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from ..config.schema import ROPE_SCALING_KEYS
 from ..errors import HFFormatError
+from .architectures import MOE_ARCHITECTURES
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "phi3")
 MOE_FAMILIES = ("mixtral", "olmoe", "qwen2_moe")  # the keys of hf.architectures.MOE_ARCHITECTURES
@@ -184,8 +185,6 @@ def hf_model_spec(raw: dict, where: str = "config.json") -> HFModelSpec:
         "qkv_bias": family == "qwen2" or (family == "qwen2_moe" and bool(raw.get("qkv_bias", True))),
     }
     if family in MOE_FAMILIES:
-        from .architectures import MOE_ARCHITECTURES  # the table imports this module's error type
-
         moe_keys, moe_notes = MOE_ARCHITECTURES[family].moe_section(raw, where)
         model.update(moe_keys)
         notes += moe_notes

@@ -32,10 +32,7 @@ class DenseCheckpoint(HFCheckpoint):
         return gate.contiguous(), up.contiguous(), self.tensor(p + "down_proj.weight", (d, ff))
 
     def _read_all(self):
-        return self.dense_state_dict().items()
-
-    def dense_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole dense model under our names (for small models and tests)."""
+        """The whole dense model under our names: ``(name, tensor)`` pairs."""
         sd = {"embed.weight": self.embedding(), "norm.weight": self.final_norm()}
         head = self.lm_head()
         sd["lm_head.weight"] = sd["embed.weight"] if head is None else head
@@ -44,4 +41,4 @@ class DenseCheckpoint(HFCheckpoint):
             gate, up, down = self.ffn(i)
             sd.update({f"blocks.{i}.ffn.w1.weight": gate, f"blocks.{i}.ffn.w3.weight": up,
                        f"blocks.{i}.ffn.w2.weight": down})
-        return sd
+        return sd.items()

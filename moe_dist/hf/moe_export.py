@@ -29,6 +29,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from ..moe import moe_layers
 from ..weights import ShardedWriter
 from .architectures import MoEArchitecture
 from .config import HFFormatError
@@ -61,8 +62,8 @@ def check_exportable(model, cfg, arch: MoEArchitecture) -> list[str]:
         has = "always normalises" if arch.qk_norm != "none" else "never normalises"
         raise HFFormatError(f"model.qk_norm={m.qk_norm!r} cannot be exported to {name}, whose attention {has} the "
                             f"queries and keys; allowed: {arch.qk_norm!r}")
-    for layer in model.moe_layers():
-        if arch.family == "mixtral" and not getattr(layer.router, "normalize", False):
+    for layer in moe_layers(model):
+        if arch.family == "mixtral" and not layer.router.renormalizes_gates:
             raise HFFormatError(f"block {layer.context.layer_idx}: the router does not renormalise its gates over the "
                                 "top-k (model.moe.router_options.normalize), which Mixtral always does; allowed: "
                                 "normalize=true (OLMoE's format holds both: --format olmoe)")
@@ -124,7 +125,7 @@ def export_moe(model, cfg, out_dir: str, arch: MoEArchitecture, dtype: torch.dty
     notes = check_exportable(model, cfg, arch)
     m = cfg.model
     E, k, d_ff = m.moe.num_experts, m.moe.top_k, m.moe.d_ff or m.d_ff
-    normalized = all(bool(getattr(layer.router, "normalize", False)) for layer in model.moe_layers())
+    normalized = all(layer.router.renormalizes_gates for layer in moe_layers(model))
     os.makedirs(out_dir, exist_ok=True)
     writer = ShardedWriter(out_dir, max_shard_bytes, metadata={"format": "pt", **(metadata or {})})
 

@@ -20,7 +20,7 @@ k schedules). :func:`load_checkpoint` is ``dist_checkpointing.load`` after a che
 checkpoint is data (see docs/megatron.md).
 
 This module never patches Megatron-Core and never calls CUDA itself; the CPU shim the
-tests use lives in ``tests/megatron_shim.py``.
+tests use lives in ``tests/helpers/megatron_shim.py``.
 """
 from __future__ import annotations
 
@@ -39,13 +39,13 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("moe_dist.integrations.megatron needs megatron-core: pip install 'moe_dist[megatron]'") from exc
 
-from ..dist.collectives import all_gather_tensor, all_reduce_sum, group_rank, group_size
-from ..moe.capacity import expert_capacity, keep_by_probs
-from ..moe.counting import count_values
-from ..moe.losses import load_balance_share, load_balance_value, z_loss_share
+from ..distributed.collectives import group_size
+from ..moe.capacity import apply_capacity
+from ..moe.losses import balance_losses
+from ..moe.route import route
 from ..moe.routers import build_router
-from ..moe.routers.token_graph import TokenGraphRouter
 from ..moe.routing import RouterInputs, RoutingContext, is_recomputing
+from ..moe.routing_stats import RoutingStats, reduce_routing_stats
 from ..moe.stats import MoEStats
 from ..safe_dcp import SafeFileSystemReader
 
@@ -119,10 +119,11 @@ class MegatronRouter(MegatronModule):
             raise ValueError(f"router={router!r} reads the preceding attention (its queries and keys, or its "
                              "probabilities), which Megatron-Core's MoE layer does not receive; choose another router "
                              "(e.g. 'similarity')")
-        if getattr(self.router, "k_min", self.router.top_k) != getattr(self.router, "k_max", self.router.top_k):
+        k_first, k_last = self.router.k_range
+        if k_first != k_last:
             raise ValueError(f"router={router!r} with a k schedule (k_min < k_max) is not supported: Megatron's "
                              "dispatchers size their buffers by moe_router_topk")
-        self.sequence_major = isinstance(self.router, TokenGraphRouter)
+        self.sequence_major = self.router.needs_whole_sequences
         if self.sequence_major and (config.context_parallel_size > 1 or config.sequence_parallel):
             raise ValueError(f"router={router!r} mixes tokens within a sequence and needs whole sequences on every "
                              "rank: context_parallel_size must be 1 and sequence_parallel False")
@@ -173,60 +174,37 @@ class MegatronRouter(MegatronModule):
             prev_top1 = prev_top1.view(S, B).t().reshape(-1)
         return x, RouterInputs(batch_shape=(B, S), padding_mask=None if real is None else real.t(), prev_top1=prev_top1)
 
-    def _token_layout(self, n_tok: int, device) -> tuple[int, int]:
-        sizes = all_gather_tensor(torch.full((1,), n_tok, device=device), self.stats_group).view(-1).tolist()
-        return sum(sizes[: group_rank(self.stats_group)]), sum(sizes)
-
     def forward(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
         S, B, H = hidden_states.shape
-        ctx, E = self.context, self.config.num_moe_experts
+        ctx = self.context
         x, inputs = self._router_inputs(hidden_states, padding_mask)
         if self.training and not is_recomputing():
             ctx.micro_step = self._micro_steps
             self._micro_steps += 1
-        if self.router.needs_token_layout:
-            ctx.token_offset, ctx.global_tokens = self._token_layout(x.shape[0], x.device)
-        routing = self.router(x, ctx, inputs)
+        routing = route(self.router, x, ctx, inputs)
         if self.sequence_major:
             routing = replace(routing, **{name: _to_seq_first(getattr(routing, name), B, S)
                                           for name in ("expert_ids", "gates", "probs", "logits")})
         self.last_routing = routing
-        probs, k, n_tok = routing.probs, routing.top_k, S * B
-
-        # one small all-reduce: [per-expert counts, prob sums, z sum, entropy sum, tokens]
-        with torch.no_grad():
-            counts_local = count_values(routing.expert_ids, E).double()
-            lse = torch.logsumexp(routing.logits, -1) if routing.logits is not None else None
-            entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
-            row = torch.cat([counts_local, probs.sum(0).double(),
-                             (lse.square().sum() if lse is not None else probs.new_zeros(())).double().view(1),
-                             entropy.sum().double().view(1), counts_local.new_full((1,), n_tok)])
-            tot = all_reduce_sum(row, self.stats_group)
-            counts_g, tokens_g = tot[:E], tot[-1]
-        gates, keep, capacity, dropped = routing.gates, None, None, counts_g.new_zeros(())
-        cf = self.config.moe_expert_capacity_factor
-        if cf is not None:  # global capacity: the pairs one process would drop on the whole batch
-            capacity = expert_capacity(cf, tokens_g, k, E)
-            keep = keep_by_probs(routing.expert_ids, gates, capacity, E, self.stats_group)
-            dropped = (counts_g - capacity).clamp_min(0).sum()
-            gates = gates * keep
-        tokens_f = tokens_g.to(probs.dtype)
-        aux_share = load_balance_share(probs, counts_g.float(), tokens_f, k)
-        z_share = z_loss_share(routing.logits, tokens_f) if routing.logits is not None else probs.new_zeros(())
-        aux_value = load_balance_value(counts_g, tot[E:2 * E], tokens_g, k)
-        z_value = tot[2 * E] / tokens_g.clamp_min(1)
-        self.stats = MoEStats(expert_counts=counts_g, dropped=dropped, pairs=tokens_g * k, tokens=tokens_g,
-                              aux_loss=aux_value, z_loss=z_value, entropy=tot[2 * E + 1] / tokens_g.clamp_min(1),
-                              capacity=capacity, extras=dict(routing.extras))
+        probs = routing.probs
+        # the layer's stages with Megatron's settings: global statistics (one small all-reduce),
+        # batch balance loss, global capacity dropping the lowest gates
+        stats = reduce_routing_stats(RoutingStats.measure(routing, self.config.num_moe_experts), self.stats_group)
+        losses = balance_losses(routing, stats)
+        capacity = apply_capacity(routing, stats, self.config.moe_expert_capacity_factor, scope="global",
+                                  drop_policy="probs", group=self.stats_group)
+        keep, tokens_g = capacity.keep, stats.total.tokens
+        gates = routing.gates if keep is None else routing.gates * keep
+        self.stats = MoEStats.of(stats.total, losses, capacity, routing)
 
         out_probs = torch.zeros_like(probs).scatter(1, routing.expert_ids, gates)
         routing_map = torch.zeros(probs.shape, dtype=torch.bool, device=probs.device).scatter_(
             1, routing.expert_ids, True if keep is None else keep)
         if self.training and torch.is_grad_enabled() and (self.aux_loss_coef or self.z_loss_coef):
-            aux = self.aux_loss_coef * aux_share + self.z_loss_coef * z_share
+            aux = losses.weighted(self.aux_loss_coef, self.z_loss_coef)
             out_probs = MoEAuxLossAutoScaler.apply(out_probs, aux * self._aux_grad_scale(tokens_g))
             if not is_recomputing():  # a recomputed forward is not logged twice
-                self._log(aux_value, z_value)
+                self._log(losses.aux_value, losses.z_value)
         return out_probs, routing_map
 
     def _aux_grad_scale(self, tokens_g: torch.Tensor):

@@ -30,7 +30,7 @@ import hashlib
 import torch
 import torch.nn as nn
 
-from ..dist.shards import copy_rows_, local_rows
+from ..distributed.shards import copy_rows_, local_rows
 from ..moe.experts import GroupedExperts
 from ..moe.layer import MoELayer
 from .layers import RMSNorm
@@ -102,8 +102,7 @@ def _copy_router(layer: MoELayer, seed: int) -> list[torch.Tensor]:
                            f"the built one {sorted(target)}")
     for name, t in target.items():
         copy_rows_(t, source[name])
-    if hasattr(layer.router, "frozen_changed"):  # cached products of frozen tensors (HyperRouter)
-        layer.router.frozen_changed()
+    layer.router.frozen_changed()
     return list(target.values())
 
 

@@ -1,7 +1,10 @@
 """Decoder-only language model whose feed-forward layers may be MoE layers.
 
-The model knows nothing of parallelism: ``moe_dist.parallel.apply_expert_parallel`` and the
-trainer's sharding are applied to it afterwards. Each MoE block calls its layer with a
+The model is defined as for one process; parallelism reaches it from outside, afterwards:
+``moe_dist.parallel.apply_expert_parallel`` keeps each MoE layer's share of the experts and hands
+the layer its process groups (``MoELayer.set_groups``, the one way they reach a layer; its forward
+then exchanges routing statistics and tokens over them), and the trainer shards the dense
+weights. Each MoE block calls its layer with a
 :class:`~moe_dist.moe.routing.RouterInputs`: ``batch_shape``, ``padding_mask``, ``causal``,
 ``prev_top1`` (top-1 experts of the previous MoE layer in this forward, handed from block to
 block) and, only when the layer asks (``MoELayer.attention_needs``), the same block's attention
@@ -36,16 +39,8 @@ class Block(nn.Module):
                               qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if is_moe:
-            m = cfg.moe
-            self.ffn = MoELayer(cfg.d_model, m.d_ff or cfg.d_ff, m.num_experts, m.top_k, router=m.router,
-                                router_options=m.router_options, capacity_factor=m.capacity_factor,
-                                eval_capacity_factor=m.eval_capacity_factor, min_capacity=m.min_capacity,
-                                drop_policy=m.drop_policy, capacity_scope=m.capacity_scope, loss_scope=m.loss_scope,
-                                aux_loss_coef=m.aux_loss_coef, z_loss_coef=m.z_loss_coef, activation=m.activation,
-                                expert_kernel=m.expert_kernel, layer_idx=idx, init_std=cfg.init_std,
-                                out_init_std=out_std, balance_loss=m.balance_loss, shared_d_ff=m.shared_d_ff,
-                                shared_gate=m.shared_gate, expert_bias=m.expert_bias,
-                                expert_bias_rate=m.expert_bias_rate, router_dtype=m.router_dtype)
+            self.ffn = MoELayer(cfg.d_model, cfg.moe, d_ff=cfg.d_ff, layer_idx=idx, init_std=cfg.init_std,
+                                out_init_std=out_std)
         else:
             self.ffn = SwiGLU(cfg.d_model, cfg.d_ff, cfg.init_std, out_std)
 
@@ -83,9 +78,6 @@ class TransformerLM(nn.Module):
             nn.init.normal_(self.lm_head.weight, std=cfg.init_std)
         self.head_dim = cfg.d_model // cfg.n_heads
         self.activation_checkpointing = False
-
-    def moe_layers(self) -> list[MoELayer]:
-        return [b.ffn for b in self.blocks if b.is_moe]
 
     def set_activation_checkpointing(self, enabled: bool) -> None:
         """Recompute each block in backward (non-reentrant ``torch.utils.checkpoint``)."""

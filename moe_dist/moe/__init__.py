@@ -1,7 +1,10 @@
 """The Mixture-of-Experts layer and its parts.
 
-    from moe_dist.moe import MoELayer, collect_aux_loss, collect_stats
+    from moe_dist.moe import MoEArgs, MoELayer, collect_aux_loss, collect_stats
+
+    layer = MoELayer(d_model, MoEArgs(d_ff=1024, num_experts=8, top_k=2))
 """
+from .args import MoEArgs
 from .experts import GroupedExperts
 from .layer import MoELayer, collect_aux_loss, collect_stats, moe_layers
 from .routers import ROUTERS, Router, build_router, register_router
@@ -10,7 +13,7 @@ from .shared import SharedExpert
 from .stats import MoEStats
 
 __all__ = [
-    "MoELayer", "GroupedExperts", "SharedExpert", "MoEStats", "Routing", "RoutingContext", "RouterInputs",
+    "MoELayer", "MoEArgs", "GroupedExperts", "SharedExpert", "MoEStats", "Routing", "RoutingContext", "RouterInputs",
     "AttentionInputs", "Router", "ROUTERS",
     "build_router", "register_router", "collect_aux_loss", "collect_stats", "moe_layers",
 ]

@@ -10,17 +10,16 @@ Two scopes:
 from __future__ import annotations
 
 import math
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from ..dist.collectives import all_gather_tensor, group_size
+from ..distributed.collectives import all_gather_tensor, group_rank, group_size
 from .counting import count_values
 from ..errors import ConfigError
 
-DROP_POLICIES = ("position", "probs")
-CAPACITY_SCOPES = ("global", "local")
 
 
 def expert_capacity(capacity_factor: float, tokens, top_k: int, num_experts: int, min_capacity: int = 0):
@@ -99,3 +98,44 @@ def keep_by_probs(expert_ids: torch.Tensor, gates: torch.Tensor, capacity, num_e
     keep_all = _keep_by_gate_ranking(every[1].long(), every[0], capacity, num_experts)
     start = sum(sizes[: dist.get_rank(group)])
     return keep_all[start : start + n_local].view_as(expert_ids)
+
+
+@dataclass
+class CapacityDecision:
+    """Which pairs the experts take: ``keep`` ``[T, k]`` bool (None: dropless, every pair),
+    ``capacity`` token slots per expert (None: dropless; a 0-d int64 tensor on the device for the
+    global scope, an int for the local one) and ``dropped`` pairs over the stats group (0-d)."""
+
+    keep: Optional[torch.Tensor]
+    capacity: Optional[Union[int, torch.Tensor]]
+    dropped: torch.Tensor
+
+
+def apply_capacity(routing, stats, capacity_factor: Optional[float], *, scope: str = "global",
+                   drop_policy: str = "position", min_capacity: int = 0,
+                   group: Optional[dist.ProcessGroup] = None) -> CapacityDecision:
+    """The capacity stage: which of ``routing``'s pairs are kept, from the gathered statistics
+    ``stats`` (:class:`~moe_dist.moe.routing_stats.GatheredStats` over ``group``, the stats group).
+
+    Host synchronisation: none for ``position`` (the capacity and this rank's start positions are
+    computed on the device from the gathered counts); ``probs`` with the global scope on 2+ ranks
+    reads the ranks' pair counts once (:func:`keep_by_probs`)."""
+    total, per_rank = stats.total, stats.per_rank
+    if capacity_factor is None:
+        return CapacityDecision(None, None, total.counts.new_zeros(()))
+    E, k, n_tok = total.num_experts, routing.top_k, routing.expert_ids.shape[0]
+    if scope == "global":
+        capacity = expert_capacity(capacity_factor, total.tokens, k, E, min_capacity)
+        dropped = (total.counts - capacity).clamp_min(0).sum()
+        if drop_policy == "position":
+            start = per_rank.counts[:group_rank(group)].sum(0).long().to(routing.expert_ids.device)
+            keep = keep_by_position(routing.expert_ids, capacity, E, start)
+        else:
+            keep = keep_by_probs(routing.expert_ids, routing.gates, capacity, E, group)
+        return CapacityDecision(keep, capacity, dropped)
+    capacity = expert_capacity(capacity_factor, n_tok, k, E, min_capacity)
+    caps = expert_capacity(capacity_factor, per_rank.tokens, k, E, min_capacity)  # every rank's, on the device
+    dropped = (per_rank.counts - caps[:, None]).clamp_min(0).sum()
+    keep = (keep_by_position(routing.expert_ids, capacity, E) if drop_policy == "position"
+            else keep_by_probs(routing.expert_ids, routing.gates, capacity, E, None))
+    return CapacityDecision(keep, capacity, dropped)

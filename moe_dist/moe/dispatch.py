@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from ..dist.collectives import group_rank, group_size
+from ..distributed.collectives import group_rank, group_size
 from .counting import count_values
 from .exchange import Exchange
 

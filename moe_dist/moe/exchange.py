@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from ..dist.collective_errors import wait_collective
-from ..dist.collectives import all_to_all_rows
+from ..distributed.collective_errors import wait_collective
+from ..distributed.collectives import all_to_all_rows
 from .loop_kernel import CHUNK_ROWS, begin_backward, span_backward, span_forward, spans_of
 
 

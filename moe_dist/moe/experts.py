@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..dist.shards import local_rows
+from ..distributed.shards import local_rows
 from ..checks import check_choice
 from .exchange import Exchange, PipelinedLoop, exchange_rows, return_rows
 from .loop_kernel import LoopFFN

@@ -1,7 +1,14 @@
-"""MoELayer = router -> capacity -> dispatch -> experts -> combine.
+"""MoELayer: route -> gather the routing statistics -> balance losses -> capacity -> dispatch ->
+experts -> combine -> shared expert.
 
-The layer is built for one process; ``apply_expert_parallel`` (moe_dist.parallel) later
-keeps only this rank's experts and hands the layer its process groups. What its router needs
+Each stage lives in its own module: :mod:`~moe_dist.moe.route`, :mod:`~moe_dist.moe.routing_stats`,
+:mod:`~moe_dist.moe.losses`, :mod:`~moe_dist.moe.capacity`, :mod:`~moe_dist.moe.dispatch`,
+:mod:`~moe_dist.moe.experts`, :mod:`~moe_dist.moe.shared`; each states its host reads. The Megatron
+plug-in (``moe_dist.integrations.megatron``) runs the same routing stages.
+
+The layer is built for one process from one :class:`~moe_dist.moe.args.MoEArgs`;
+``apply_expert_parallel`` (moe_dist.parallel) later keeps only this rank's experts and hands the
+layer its process groups (:meth:`MoELayer.set_groups`). What its router needs
 from the model for a call (sequence structure, padding, the previous MoE layer's top-1, the
 attention before it: :class:`~moe_dist.moe.routing.RouterInputs`) is an argument of ``forward``;
 ``attention_needs`` says which form of the attention the router reads.
@@ -13,20 +20,20 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from ..checks import check_bounds, check_choice, coerce_value
 from ..errors import ConfigError
-from ..dist.collectives import all_gather_tensor, group_rank, group_size, subgroup_rows
-from ..dist.groups import ParallelGroups
-from .capacity import CAPACITY_SCOPES, DROP_POLICIES, expert_capacity, keep_by_position, keep_by_probs
-from .counting import count_values
+from ..distributed.collectives import subgroup_rows
+from ..distributed.groups import ParallelGroups
+from .args import MoEArgs
+from .capacity import apply_capacity
 from .dispatch import combine, dispatch
 from .experts import GroupedExperts
-from .losses import (BALANCE_LOSSES, LOSS_SCOPES, load_balance_share, load_balance_value, sequence_balance_sum,
-                     z_loss_share)
-from .routers import build_router, check_router_features
-from .routers.base import count_nonfinite, nonfinite_logits_error
+from .losses import balance_losses, sequence_balance_sum
+from .route import route
+from .routers import build_router
+from .routers.base import nonfinite_logits_error
 from .routing import NO_INPUTS, Routing, RouterInputs, RoutingContext, is_recomputing
-from .shared import SharedExpert, check_shared_expert, init_linear
+from .routing_stats import GatheredStats, RoutingStats, gather_routing_stats
+from .shared import SharedExpert, add_shared_expert, init_linear
 from .stats import MoEStats
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
@@ -41,67 +48,31 @@ class MoELayer(nn.Module):
           ``moe_dist.moe.losses``);
       ``layer.stats``: a :class:`MoEStats` (per-expert counts, drops, losses, entropy).
 
-    capacity_factor: None = dropless; else each expert takes at most
-        ``max(min_capacity, ceil(cf * tokens * k / E))`` pairs (``eval_capacity_factor`` in eval).
-    drop_policy: ``position`` (first come) or ``probs`` (lowest gate dropped first).
-    capacity_scope: ``global`` (drops as one process would on the whole batch) or ``local``
-        (per source rank). loss_scope: ``global`` or ``local`` for the aux / z statistics and
-        the expert-bias counts.
-    balance_loss: ``batch`` (Switch / GShard over the batch) or ``sequence`` (DeepSeek-V2/V3:
-        the same loss per sequence, averaged over sequences; needs ``[B, S, d]`` input or
-        ``inputs.batch_shape``).
-    shared_d_ff: hidden size of the always-active shared expert (None / 0: none);
-        shared_gate: scale it per token by ``sigmoid(x w)`` (Qwen2-MoE's ``shared_expert_gate``).
-    expert_bias: aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the router's
-        probabilities for choosing only, updated after each optimizer step by
-        ``expert_bias_rate * sign(mean count - count)`` from the step's per-expert counts over
-        the stats group (``loss_scope=global``) or this rank (``local``).
-    router_dtype: ``fp32`` or ``fp64`` for the router's scores and softmax.
+    Built from ``d_model`` and one :class:`~moe_dist.moe.args.MoEArgs` (``model.moe`` of a
+    config; its fields say what each option does), checked once (:meth:`MoEArgs.validated`).
+    ``d_ff``: the experts' hidden size when ``args.d_ff`` is None (the model's ``d_ff``).
+    ``layer_idx``: the block's index (router seeds, metrics); ``init_std`` / ``out_init_std``: the
+    model's initialisation recipe for the experts' input and output projections.
+
+    The expert bias (``args.expert_bias``) is updated after each optimizer step by
+    ``expert_bias_rate * sign(mean count - count)`` from the step's per-expert counts over the
+    stats group (``loss_scope=global``) or this rank (``local``).
     """
 
-    def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int = 2, *, router: str = "topk",
-                 router_options: Optional[dict] = None, capacity_factor: Optional[float] = None,
-                 eval_capacity_factor: Optional[float] = None, min_capacity: int = 0,
-                 drop_policy: str = "position", capacity_scope: str = "global", loss_scope: str = "global",
-                 aux_loss_coef: float = 0.01, z_loss_coef: float = 0.001, activation: str = "swiglu",
-                 expert_kernel: str = "loop", layer_idx: int = 0, init_std: float = 0.02,
-                 out_init_std: Optional[float] = None, balance_loss: str = "batch", shared_d_ff: Optional[int] = None,
-                 shared_gate: bool = False, expert_bias: bool = False, expert_bias_rate: float = 1e-3,
-                 router_dtype: str = "fp32"):
+    def __init__(self, d_model: int, args: MoEArgs, *, d_ff: Optional[int] = None, layer_idx: int = 0,
+                 init_std: float = 0.02, out_init_std: Optional[float] = None):
         super().__init__()
-        # the config's bounds on these keys (moe_dist.config.schema.MoEConfig), for callers of the layer itself
-        capacity_factor = coerce_value(capacity_factor, Optional[float], "model.moe.capacity_factor")
-        eval_capacity_factor = coerce_value(eval_capacity_factor, Optional[float], "model.moe.eval_capacity_factor")
-        expert_bias_rate = coerce_value(expert_bias_rate, float, "model.moe.expert_bias_rate")
-        min_capacity = coerce_value(min_capacity, int, "model.moe.min_capacity")
-        shared_d_ff = coerce_value(shared_d_ff, Optional[int], "model.moe.shared_d_ff")
-        for key, value, bound in (("capacity_factor", capacity_factor, dict(gt=0)),
-                                  ("eval_capacity_factor", eval_capacity_factor, dict(gt=0)),
-                                  ("min_capacity", min_capacity, dict(min=0)), ("shared_d_ff", shared_d_ff, dict(min=0)),
-                                  ("expert_bias_rate", expert_bias_rate, dict(min=0))):
-            check_bounds(f"model.moe.{key}", value, **bound)
-        check_choice("model.moe.drop_policy", drop_policy, DROP_POLICIES)
-        check_choice("model.moe.capacity_scope", capacity_scope, CAPACITY_SCOPES)
-        check_choice("model.moe.loss_scope", loss_scope, LOSS_SCOPES)
-        check_choice("model.moe.balance_loss", balance_loss, BALANCE_LOSSES)
-        check_choice("model.moe.router_dtype", router_dtype, ROUTER_DTYPES)
-        check_shared_expert(shared_d_ff, shared_gate)
-        self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
-        self.capacity_factor = capacity_factor
-        self.eval_capacity_factor = capacity_factor if eval_capacity_factor is None else eval_capacity_factor
-        self.min_capacity, self.drop_policy = min_capacity, drop_policy
-        self.capacity_scope, self.loss_scope = capacity_scope, loss_scope
-        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
-        self.balance_loss, self.router_dtype = balance_loss, router_dtype
-        self.expert_bias_rate = float(expert_bias_rate)
-        self._router_spec = (router, d_model, num_experts, top_k, dict(router_options or {}), bool(expert_bias),
-                             router_dtype)
+        self.args = args = args.validated()
+        d_ff = args.d_ff or d_ff
+        if not d_ff:
+            raise ValueError("MoELayer needs the experts' hidden size: args.d_ff or d_ff")
+        self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, args.num_experts, args.top_k
         self.router = self._build_router()
-        self.experts = GroupedExperts(num_experts, d_model, d_ff, activation=activation, kernel=expert_kernel,
-                                      init_std=init_std, out_init_std=out_init_std)
-        self.shared_expert = (SharedExpert(d_model, shared_d_ff, activation, init_std, out_init_std)
-                              if shared_d_ff else None)
-        self.shared_expert_gate = init_linear(d_model, 1, init_std) if shared_gate else None
+        self.experts = GroupedExperts(args.num_experts, d_model, d_ff, activation=args.activation,
+                                      kernel=args.expert_kernel, init_std=init_std, out_init_std=out_init_std)
+        self.shared_expert = (SharedExpert(d_model, args.shared_d_ff, args.activation, init_std, out_init_std)
+                              if args.shared_d_ff else None)
+        self.shared_expert_gate = init_linear(d_model, 1, init_std) if args.shared_gate else None
         self._pending_counts: Optional[torch.Tensor] = None  # expert-bias counts of the current optimizer step
         self.groups = ParallelGroups.single()
         self.context = RoutingContext(layer_idx=layer_idx)
@@ -120,12 +91,11 @@ class MoELayer(nn.Module):
             return self._build_router()
 
     def _build_router(self) -> nn.Module:
-        name, d_model, num_experts, top_k, options, expert_bias, router_dtype = self._router_spec
-        router = build_router(name, d_model, num_experts, top_k, **options)
-        check_router_features(name, expert_bias, router_dtype)
-        if expert_bias:
+        args = self.args
+        router = build_router(args.router, self.d_model, args.num_experts, args.top_k, **args.router_options)
+        if args.expert_bias:
             router.enable_expert_bias()
-        router.set_compute_dtype(ROUTER_DTYPES[router_dtype])
+        router.set_compute_dtype(ROUTER_DTYPES[args.router_dtype])
         return router
 
     @property
@@ -151,7 +121,7 @@ class MoELayer(nn.Module):
         bias = self.expert_bias
         if bias is not None and self._pending_counts is not None:
             c = self._pending_counts.to(bias.device)
-            bias.add_(self.expert_bias_rate * torch.sign(c.mean() - c).to(bias.dtype))
+            bias.add_(self.args.expert_bias_rate * torch.sign(c.mean() - c).to(bias.dtype))
         self._pending_counts = None
 
     def discard_step(self) -> None:
@@ -172,152 +142,76 @@ class MoELayer(nn.Module):
 
     # ---- parallelism (applied from outside) ---------------------------------------------
     def set_groups(self, groups: ParallelGroups) -> None:
+        """The one way parallelism reaches the layer (``moe_dist.parallel.apply_expert_parallel`` calls
+        it): the routing statistics are gathered over ``groups.dp`` (the ranks holding distinct
+        tokens), the tokens exchanged over ``groups.ep``. Until then the layer runs as one process."""
         if self.num_experts % groups.ep_size:
             raise ConfigError(f"parallel.ep={groups.ep_size} must divide model.moe.num_experts={self.num_experts}")
         self.groups = groups
         self.context.stats_group, self.context.ep_group = groups.dp, groups.ep
 
     # ---- forward ------------------------------------------------------------------------
-    def _capacity_factor(self) -> Optional[float]:
-        return self.capacity_factor if self.training else self.eval_capacity_factor
-
-    def _token_layout(self, n_tok: int, device) -> tuple[int, int]:
-        """(this rank's first token in the concatenated global batch, global tokens): one
-        all-gather of the ranks' token counts, read to the host once."""
-        group = self.context.stats_group
-        sizes = all_gather_tensor(torch.full((1,), n_tok, device=device), group).view(-1).tolist()
-        return sum(sizes[: group_rank(group)]), sum(sizes)
-
     def forward(self, x: torch.Tensor, inputs: Optional[RouterInputs] = None) -> torch.Tensor:
         """``x`` ``[..., d_model]``; ``inputs``: what the router needs from the model for this call
         (None: nothing, tokens without sequence structure).
 
-        Host synchronisation: one read per call, the dispatch's (split sizes and per-expert
-        row counts, with the global count of non-finite router logits riding along); one more
-        for routers with ``needs_token_layout`` (the ranks' token counts), for the ``probs`` drop
-        policy with global capacity on 2+ ranks (the ranks' pair counts), and whatever the router
-        itself reads (Sinkhorn: its stop test). None in backward."""
+        Stages: route -> gather the routing statistics -> balance losses -> capacity -> dispatch ->
+        experts -> combine -> shared expert. Host synchronisation: one read per call, the
+        dispatch's (split sizes and per-expert row counts, with the global count of non-finite
+        router logits riding along), plus the reads some stages state for some settings (the
+        router's token layout, ``probs`` drops with global capacity on 2+ ranks). None in backward."""
+        inputs = NO_INPUTS if inputs is None else inputs
+        rows, n_seq = self._rows(x, inputs)
+        routing = self.last_routing = route(self.router, rows, self.context, inputs)
+        args = self.args
+        seq_loss = (sequence_balance_sum(routing.probs, routing.expert_ids, n_seq)
+                    if args.balance_loss == "sequence" else None)
+        stats = gather_routing_stats(RoutingStats.measure(routing, self.num_experts, seq_loss, n_seq),
+                                     self.context.stats_group)
+        losses = balance_losses(routing, stats, args.loss_scope, args.balance_loss, seq_loss, n_seq)
+        self.aux_loss = losses.weighted(args.aux_loss_coef, args.z_loss_coef)
+        self._count_for_expert_bias(stats)
+        capacity = apply_capacity(routing, stats, args.capacity_factor_for(self.training), scope=args.capacity_scope,
+                                  drop_policy=args.drop_policy, min_capacity=args.min_capacity,
+                                  group=self.context.stats_group)
+        # dropless: every expert-parallel peer's counts are already here (no count exchange)
+        peer_counts = (subgroup_rows(stats.per_rank.counts, self.context.stats_group, self.groups.ep)
+                       if capacity.keep is None else None)
+        routed, plan = dispatch(rows, routing.expert_ids, routing.gates, capacity.keep, self.num_experts, self.groups.ep,
+                                peer_counts, read_along=torch.stack([stats.total.nonfinite, stats.total.tokens]))
+        self._check_nonfinite(*plan.read_along)
+        out = combine(self.experts(routed, plan.local_counts, plan.exchange), plan, rows.shape[0])
+        out = add_shared_expert(out, rows, self.shared_expert, self.shared_expert_gate)
+        self.stats = MoEStats.of(stats.total, losses, capacity, routing)
+        return out.to(x.dtype).reshape(x.shape)
+
+    def _rows(self, x: torch.Tensor, inputs: RouterInputs) -> tuple[torch.Tensor, int]:
+        """The input as rows ``[T, d_model]``, and its sequences for the sequence-level loss (0 for
+        ``balance_loss=batch``): ``B`` of a ``[B, S, d]`` input, else of ``inputs.batch_shape``."""
         if x.shape[-1] != self.d_model:
             raise ValueError(f"MoELayer expects [..., {self.d_model}] input, got {tuple(x.shape)}")
-        inputs = NO_INPUTS if inputs is None else inputs
-        shape = x.shape
-        n_seq = self._num_sequences(x, inputs) if self.balance_loss == "sequence" else 0
-        x2 = x.reshape(-1, self.d_model)
-        n_tok = x2.shape[0]
-        ctx = self.context
-        stats_group = ctx.stats_group
-        ranks = group_size(stats_group)
-        me = group_rank(stats_group)
-
-        if self.router.needs_token_layout:
-            ctx.token_offset, ctx.global_tokens = self._token_layout(n_tok, x.device)
-        routing = self.router(x2, ctx, inputs)
-        self.last_routing = routing
-        E, k = self.num_experts, routing.top_k
-        probs = routing.probs
-
-        # the sequence-level loss summed over this rank's sequences (gradient through the probabilities)
-        seq_loss_sum = sequence_balance_sum(probs, routing.expert_ids, n_seq) if self.balance_loss == "sequence" else None
-        # one small collective: every rank's [counts, prob sums, z sum, entropy sum, non-finite logits,
-        # sequence-loss sum, sequences, tokens]
-        with torch.no_grad():
-            counts_local = count_values(routing.expert_ids, E).double()
-            lse = torch.logsumexp(routing.logits, -1) if routing.logits is not None else None
-            entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
-            nonfinite = count_nonfinite(routing.logits if routing.logits is not None else probs)
-            seq_sum = seq_loss_sum.detach().double().view(1) if n_seq else counts_local.new_zeros(1)
-            row = torch.cat([counts_local, probs.sum(0).double(),
-                             (lse.square().sum() if lse is not None else probs.new_zeros(())).double().view(1),
-                             entropy.sum().double().view(1), nonfinite.double().view(1),
-                             seq_sum, counts_local.new_full((1,), n_seq), counts_local.new_full((1,), n_tok)])
-            rows = all_gather_tensor(row, stats_group)  # [R, 2E+6]
-            tot = rows.sum(0)
-            counts_r, psum_r, tokens_r = rows[:, :E], rows[:, E:2 * E], rows[:, -1]
-            counts_g, tokens_g = tot[:E], tot[-1]
-            nonfinite_g = tot[2 * E + 2]
-
-        # auxiliary losses: a differentiable share, a global value (token counts stay on the device)
-        seq_r, nseq_r = rows[:, 2 * E + 3], rows[:, 2 * E + 4]
-        if self.loss_scope == "global":
-            tokens_f = tokens_g.to(probs.dtype)
-            if self.balance_loss == "sequence":
-                aux_share = seq_loss_sum / nseq_r.sum().clamp_min(1).to(probs.dtype)
-                aux_value = seq_r.sum() / nseq_r.sum().clamp_min(1)
-            else:
-                aux_share = load_balance_share(probs, counts_g.float(), tokens_f, k)
-                aux_value = load_balance_value(counts_g, tot[E:2 * E], tokens_g, k)
-            z_share = z_loss_share(routing.logits, tokens_f) if routing.logits is not None else probs.new_zeros(())
-            z_value = tot[2 * E] / tokens_g.clamp_min(1)
-        else:
-            local_tokens = float(max(n_tok, 1))
-            if self.balance_loss == "sequence":
-                aux_share = seq_loss_sum / (max(n_seq, 1) * ranks)
-                aux_value = (seq_r / nseq_r.clamp_min(1)).mean()
-            else:
-                aux_share = load_balance_share(probs, counts_local.float(), local_tokens, k) / ranks
-                aux_value = load_balance_value(counts_r, psum_r, tokens_r, k).mean()
-            z_share = (z_loss_share(routing.logits, local_tokens) / ranks) if routing.logits is not None else probs.new_zeros(())
-            z_value = (rows[:, 2 * E] / tokens_r.clamp_min(1)).mean()
-        self.aux_loss = self.aux_loss_coef * aux_share + self.z_loss_coef * z_share
-        if self.expert_bias is not None and self.training and not is_recomputing():
-            seen = counts_g if self.loss_scope == "global" else counts_local
-            self._pending_counts = seen if self._pending_counts is None else self._pending_counts + seen
-
-        keep, capacity, dropped = self._capacity_keep(routing, counts_g, counts_r, tokens_g, tokens_r, n_tok, me, x.device)
-
-        # dropless: every expert-parallel peer's counts are already here (no count exchange)
-        peer_counts = subgroup_rows(counts_r, stats_group, self.groups.ep) if keep is None else None
-        routed, plan = dispatch(x2, routing.expert_ids, routing.gates, keep, E, self.groups.ep, peer_counts,
-                                read_along=torch.stack([nonfinite_g, tokens_g]))
-        bad, global_tokens = plan.read_along
-        if bad:  # the same global count on every rank: all take the same branch, none waits in a collective
-            if self.raise_on_nonfinite_logits:
-                raise nonfinite_logits_error(f"layer {ctx.layer_idx} router", bad, global_tokens * E)
-            self.nonfinite_logits += int(bad)  # the output holds NaN; the trainer skips the step
-        y = self.experts(routed, plan.local_counts, plan.exchange)
-        out = combine(y, plan, n_tok)
-        if self.shared_expert is not None:
-            shared = self.shared_expert(x2)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x2)) * shared
-            out = out + shared.to(out.dtype)
-
-        self.stats = MoEStats(expert_counts=counts_g, dropped=dropped, pairs=tokens_g * k, tokens=tokens_g,
-                              aux_loss=aux_value, z_loss=z_value, entropy=tot[2 * E + 1] / tokens_g.clamp_min(1),
-                              capacity=capacity, extras=dict(routing.extras))
-        return out.to(x.dtype).reshape(shape)
-
-    def _num_sequences(self, x: torch.Tensor, inputs: RouterInputs) -> int:
-        """Sequences in this rank's input for the sequence-level loss: ``B`` of a ``[B, S, d]``
-        input, else of ``inputs.batch_shape``."""
+        if self.args.balance_loss != "sequence":
+            return x.reshape(-1, self.d_model), 0
         shape = tuple(x.shape[:-1]) if x.dim() == 3 else inputs.batch_shape
         if shape is None or len(shape) != 2 or shape[0] * shape[1] != x.numel() // self.d_model:
             raise ValueError(f"model.moe.balance_loss='sequence' needs [batch, seq, {self.d_model}] input or "
                              f"inputs.batch_shape; got input {tuple(x.shape)} and batch_shape {inputs.batch_shape}")
-        return int(shape[0])
+        return x.reshape(-1, self.d_model), int(shape[0])
 
-    def _capacity_keep(self, routing: Routing, counts_g, counts_r, tokens_g, tokens_r, n_tok: int, me: int, device):
-        """``(keep [T, k] bool or None, capacity, dropped pairs)``; the capacity is computed on the
-        device (an int64 tensor) from the reduced token counts for the global scope, no host read."""
-        cf = self._capacity_factor()
-        if cf is None:
-            return None, None, counts_g.new_zeros(())
-        E, k = self.num_experts, routing.top_k
-        if self.capacity_scope == "global":
-            capacity = expert_capacity(cf, tokens_g, k, E, self.min_capacity)
-            dropped = (counts_g - capacity).clamp_min(0).sum()
-            if self.drop_policy == "position":
-                start = counts_r[:me].sum(0).long().to(device)
-                keep = keep_by_position(routing.expert_ids, capacity, E, start)
-            else:
-                keep = keep_by_probs(routing.expert_ids, routing.gates, capacity, E, self.context.stats_group)
-            return keep, capacity, dropped
-        capacity = expert_capacity(cf, n_tok, k, E, self.min_capacity)
-        caps = expert_capacity(cf, tokens_r, k, E, self.min_capacity)  # every rank's, on the device
-        dropped = (counts_r - caps[:, None]).clamp_min(0).sum()
-        keep = (keep_by_position(routing.expert_ids, capacity, E) if self.drop_policy == "position"
-                else keep_by_probs(routing.expert_ids, routing.gates, capacity, E, None))
-        return keep, capacity, dropped
+    def _count_for_expert_bias(self, stats: GatheredStats) -> None:
+        """Add this forward's per-expert counts to the optimizer step's (expert bias, training only)."""
+        if self.expert_bias is not None and self.training and not is_recomputing():
+            seen = stats.total.counts if self.args.loss_scope == "global" else stats.local.counts
+            self._pending_counts = seen if self._pending_counts is None else self._pending_counts + seen
+
+    def _check_nonfinite(self, bad: int, global_tokens: int) -> None:
+        """NaN/Inf router logits (the same global count on every rank: all take the same branch, none
+        waits in a collective): raise, or count them for a trainer that skips the step."""
+        if not bad:
+            return
+        if self.raise_on_nonfinite_logits:
+            raise nonfinite_logits_error(f"layer {self.context.layer_idx} router", bad, global_tokens * self.num_experts)
+        self.nonfinite_logits += int(bad)  # the output holds NaN; the trainer skips the step
 
 
 def moe_layers(model: nn.Module) -> list[MoELayer]:

@@ -8,9 +8,11 @@ ones, identical on every rank.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
-LOSS_SCOPES = ("global", "local")
 
 
 def load_balance_share(probs: torch.Tensor, counts: torch.Tensor, tokens: float, top_k: int) -> torch.Tensor:
@@ -38,7 +40,6 @@ def load_balance_value(counts: torch.Tensor, prob_sums: torch.Tensor, tokens: to
     return counts.shape[-1] * (f * p).sum(-1)
 
 
-BALANCE_LOSSES = ("batch", "sequence")
 
 
 def sequence_balance_sum(probs: torch.Tensor, expert_ids: torch.Tensor, num_sequences: int) -> torch.Tensor:
@@ -60,3 +61,51 @@ def sequence_balance_sum(probs: torch.Tensor, expert_ids: torch.Tensor, num_sequ
     f = counts / (seq_len * k)
     p = probs.view(num_sequences, seq_len, num_experts).sum(1) / seq_len
     return num_experts * (f * p).sum()
+
+
+@dataclass
+class BalanceLosses:
+    """One forward's auxiliary losses: ``aux_share`` / ``z_share`` this rank's differentiable shares,
+    ``aux_value`` / ``z_value`` the reported values (0-d tensors, identical on every rank)."""
+
+    aux_share: torch.Tensor
+    z_share: torch.Tensor
+    aux_value: torch.Tensor
+    z_value: torch.Tensor
+
+    def weighted(self, aux_loss_coef: float, z_loss_coef: float) -> torch.Tensor:
+        """The auxiliary loss to add to the task loss (this rank's share)."""
+        return aux_loss_coef * self.aux_share + z_loss_coef * self.z_share
+
+
+def balance_losses(routing, stats, loss_scope: str = "global", balance_loss: str = "batch",
+                   seq_loss_sum: Optional[torch.Tensor] = None, num_sequences: int = 0) -> BalanceLosses:
+    """The load-balance and z losses of ``routing`` (this rank's :class:`~moe_dist.moe.routing.Routing`)
+    from the gathered statistics ``stats`` (:class:`~moe_dist.moe.routing_stats.GatheredStats`;
+    ``loss_scope=local`` needs its per-rank values). ``seq_loss_sum``: this rank's
+    :func:`sequence_balance_sum` over its ``num_sequences`` sequences for ``balance_loss=sequence``. Token counts stay on the device
+    (no host read)."""
+    probs, logits, k = routing.probs, routing.logits, routing.top_k
+    total, per_rank, local = stats.total, stats.per_rank, stats.local
+    if loss_scope == "global":
+        tokens_f = total.tokens.to(probs.dtype)
+        if balance_loss == "sequence":
+            aux_share = seq_loss_sum / total.sequences.clamp_min(1).to(probs.dtype)
+            aux_value = total.seq_loss_sum / total.sequences.clamp_min(1)
+        else:
+            aux_share = load_balance_share(probs, total.counts.float(), tokens_f, k)
+            aux_value = load_balance_value(total.counts, total.prob_sums, total.tokens, k)
+        z_share = z_loss_share(logits, tokens_f) if logits is not None else probs.new_zeros(())
+        z_value = total.z_sum / total.tokens.clamp_min(1)
+        return BalanceLosses(aux_share, z_share, aux_value, z_value)
+    ranks = stats.ranks
+    local_tokens = float(max(routing.expert_ids.shape[0], 1))
+    if balance_loss == "sequence":
+        aux_share = seq_loss_sum / (max(num_sequences, 1) * ranks)
+        aux_value = (per_rank.seq_loss_sum / per_rank.sequences.clamp_min(1)).mean()
+    else:
+        aux_share = load_balance_share(probs, local.counts.float(), local_tokens, k) / ranks
+        aux_value = load_balance_value(per_rank.counts, per_rank.prob_sums, per_rank.tokens, k).mean()
+    z_share = (z_loss_share(logits, local_tokens) / ranks) if logits is not None else probs.new_zeros(())
+    z_value = (per_rank.z_sum / per_rank.tokens.clamp_min(1)).mean()
+    return BalanceLosses(aux_share, z_share, aux_value, z_value)

@@ -47,3 +47,15 @@ class SharedExpert(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.silu(self.w1(x)) * self.w3(x) if self.w3 is not None else F.gelu(self.w1(x))
         return self.w2(h)
+
+
+def add_shared_expert(out: torch.Tensor, x: torch.Tensor, shared_expert: Optional[SharedExpert],
+                      gate: Optional[nn.Linear]) -> torch.Tensor:
+    """The shared-expert stage: ``out + [sigmoid(x w_g) *] shared(x)`` (``out`` unchanged without a
+    shared expert). Host synchronisation: none."""
+    if shared_expert is None:
+        return out
+    shared = shared_expert(x)
+    if gate is not None:
+        shared = torch.sigmoid(gate(x)) * shared
+    return out + shared.to(out.dtype)

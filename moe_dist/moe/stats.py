@@ -30,6 +30,17 @@ class MoEStats:
     capacity: Optional[Union[int, torch.Tensor]] = None
     extras: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def of(cls, total, losses, capacity, routing) -> "MoEStats":
+        """The stats of one forward from its stages' results: ``total`` the routing statistics summed
+        over the stats group (:class:`~moe_dist.moe.routing_stats.RoutingStats`), ``losses``
+        (:class:`~moe_dist.moe.losses.BalanceLosses`), ``capacity``
+        (:class:`~moe_dist.moe.capacity.CapacityDecision`) and this rank's ``routing``."""
+        return cls(expert_counts=total.counts, dropped=capacity.dropped, pairs=total.tokens * routing.top_k,
+                   tokens=total.tokens, aux_loss=losses.aux_value, z_loss=losses.z_value,
+                   entropy=total.entropy_sum / total.tokens.clamp_min(1), capacity=capacity.capacity,
+                   extras=dict(routing.extras))
+
     @property
     def dropped_fraction(self) -> torch.Tensor:
         return self.dropped / self.pairs.clamp_min(1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..dist.groups import ParallelGroups
+from ..distributed.groups import ParallelGroups
 from ..moe.experts import GroupedExperts
 from ..moe.layer import MoELayer, moe_layers
 

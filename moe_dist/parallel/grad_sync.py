@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..dist.collectives import group_size
-from ..dist.groups import ParallelGroups
+from ..distributed.collectives import group_size
+from ..distributed.groups import ParallelGroups
 from .expert_parallel import dense_parameters, expert_parameters
 
 

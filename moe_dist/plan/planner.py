@@ -107,14 +107,13 @@ def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int
     experts_local = n_moe * (s.num_experts // ep) * counts["per_expert"] if n_moe else 0
     dense = counts["dense_params"]
     from ..moe.routers import ROUTERS
-    from ..moe.routers.token_graph import TokenGraphRouter, graph_values_per_token
 
     router_cls = ROUTERS.get(m.moe.router)
-    graph = bool(n_moe and router_cls is not None and issubclass(router_cls, TokenGraphRouter))
+    graph_values = router_cls.graph_values_per_token(inp.seq_len) if n_moe and router_cls is not None else 0.0
     work = Workload(seq_len=inp.seq_len, micro_batch=micro_batch, grad_accum=inp.grad_accum,
                     act_bytes=2 if inp.dtype == "bf16" else 4, vocab_size=m.vocab_size, n_layers=m.n_layers,
                     moe_blocks=inp.moe_blocks,
-                    graph_values=graph_values_per_token(inp.seq_len) if graph else 0.0,
+                    graph_values=graph_values,
                     attention_probs=bool(n_moe and router_cls is not None and router_cls.attention_needs == "probs"))
     act = activation_bytes(s, work, checkpointing=False)
     act_ckpt = activation_bytes(s, work, checkpointing=True)

@@ -110,9 +110,6 @@ class Study:
     def runs_dir(self) -> str:
         return os.path.join(self.out, "runs")
 
-    def router_of(self, label: str) -> RouterEntry:
-        return self.routers[label]
-
 
 def _positive_int(value: Any, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

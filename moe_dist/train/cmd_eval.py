@@ -73,7 +73,7 @@ def _world_size() -> int:
     """The number of processes of this evaluation: the process group's, else the launcher's environment's."""
     import torch.distributed as dist
 
-    from ..dist.bootstrap import detect_launch
+    from ..distributed.bootstrap import detect_launch
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()

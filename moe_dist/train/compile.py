@@ -6,8 +6,8 @@ block part by part, so that no compiled region ever sees a size that depends on 
 
 - a dense block: its whole ``forward`` (norms, attention, SwiGLU, residuals) in one graph;
 - an MoE block: the attention norm, the attention (projections, RoPE, SDPA), the feed-forward
-  norm, the router (scores, softmax, top-k; for routers listed in :data:`EAGER_ROUTERS` it
-  stays eager, with the reason) and the shared expert.
+  norm, the router (scores, softmax, top-k; a router whose ``eager_under_compile`` gives a reason
+  stays eager) and the shared expert.
 
 What stays eager (:meth:`MoELayer.forward`'s own code, never traced): the statistics
 all-gather and the auxiliary losses built on it, capacity, the dispatch (a host read of the
@@ -29,14 +29,10 @@ same run finds it there and skips most of the compile time (:func:`use_cache_dir
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import torch.nn as nn
-
-# routers whose forward stays eager under train.compile (the rest of their block is compiled), and why
-_TOKEN_GRAPH = ("its time is the [S, S] token graph's products inside its own autograd functions, which "
-                "dynamo cannot fuse; compiled it measured slower (bench/results.md, 'Compiled training')")
-EAGER_ROUTERS: dict[str, str] = {"similarity": _TOKEN_GRAPH, "attention": _TOKEN_GRAPH}
 
 DEFAULT_CACHE_SUBDIR = "compile_cache"
 
@@ -71,21 +67,20 @@ def _compile_forward(module: nn.Module, fullgraph: bool) -> None:
     module.forward = torch.compile(module.forward, backend="inductor", fullgraph=fullgraph)
 
 
-def moe_layer_parts(layer, router: str, prefix: str = "") -> list[tuple[str, nn.Module, bool]]:
-    """``(name, module, fullgraph)`` of what is compiled inside an MoE layer whose router is
-    registered as ``router``: the router (unless listed in :data:`EAGER_ROUTERS`; graph breaks
-    allowed, at a router's own host reads or collectives) and the shared expert."""
+def moe_layer_parts(layer, prefix: str = "") -> list[tuple[str, nn.Module, bool]]:
+    """``(name, module, fullgraph)`` of what is compiled inside an MoE layer: the router (unless its
+    ``eager_under_compile`` says why not; graph breaks allowed, at a router's own host reads or
+    collectives) and the shared expert."""
     parts = []
-    if router not in EAGER_ROUTERS:
+    if layer.router.eager_under_compile is None:
         parts.append((f"{prefix}router", layer.router, False))
     if layer.shared_expert is not None:
         parts.append((f"{prefix}shared_expert", layer.shared_expert, True))
     return parts
 
 
-def compiled_parts(model: nn.Module, router: str) -> list[tuple[str, nn.Module, bool]]:
-    """``(name, module, fullgraph)`` of every part :func:`apply_compile` compiles, in block order
-    (``router``: ``model.moe.router``)."""
+def compiled_parts(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
+    """``(name, module, fullgraph)`` of every part :func:`apply_compile` compiles, in block order."""
     parts = []
     for i, block in enumerate(model.blocks):
         if not block.is_moe:
@@ -93,7 +88,7 @@ def compiled_parts(model: nn.Module, router: str) -> list[tuple[str, nn.Module, 
             continue
         parts += [(f"blocks.{i}.attn_norm", block.attn_norm, True), (f"blocks.{i}.attn", block.attn, True),
                   (f"blocks.{i}.ffn_norm", block.ffn_norm, True),
-                  *moe_layer_parts(block.ffn, router, f"blocks.{i}.ffn.")]
+                  *moe_layer_parts(block.ffn, f"blocks.{i}.ffn.")]
     return parts
 
 
@@ -114,9 +109,15 @@ def compile_parts(parts: list[tuple[str, nn.Module, bool]]) -> list[str]:
     return [name for name, _, _ in parts]
 
 
-def apply_compile(model: nn.Module, router: str) -> list[str]:
+def apply_compile(model: nn.Module) -> list[str]:
     """``train.compile``: compile the parts of :func:`compiled_parts` in place; their names."""
-    return compile_parts(compiled_parts(model, router))
+    return compile_parts(compiled_parts(model))
+
+
+def eager_router_reason(model: nn.Module) -> Optional[str]:
+    """Why :func:`compiled_parts` leaves the model's router eager, or None where it compiles it."""
+    return next((block.ffn.router.eager_under_compile for block in model.blocks
+                 if block.is_moe and block.ffn.router.eager_under_compile is not None), None)
 
 
 class CompileClock:
@@ -149,10 +150,11 @@ def _compile_seconds() -> float:
     return total
 
 
-def describe_compile(names: list[str], report: dict, cache: str, router: str = "") -> str:
+def describe_compile(names: list[str], report: dict, cache: str, router: str = "",
+                     eager_reason: Optional[str] = None) -> str:
     """The one line the trainer prints after the first step (``router``: the model's router, named
-    when it stays eager)."""
+    with ``eager_reason`` (:func:`eager_router_reason`) when it stays eager)."""
     blocks = len({n.split(".")[1] for n in names})
-    eager = f"; router {router} left eager: {EAGER_ROUTERS[router]}" if router in EAGER_ROUTERS else ""
+    eager = f"; router {router} left eager: {eager_reason}" if eager_reason else ""
     return (f"compile: {len(names)} part(s) of {blocks} block(s) compiled (torch.compile, inductor) in "
             f"{report['seconds']:.1f}s, {report['graphs']} graph(s); inductor cache {cache}{eager}")

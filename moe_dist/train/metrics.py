@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from ..dist.collectives import all_reduce_sum
+from ..distributed.collectives import all_reduce_sum
 from ..moe import MoELayer
 
 STANDARD_STATS = ("expert_counts", "dropped_fraction", "aux_loss", "z_loss", "entropy", "tokens", "capacity")
@@ -69,7 +69,7 @@ class MoEStepStats:
                                                    s.entropy.detach().double() * tokens, tokens])])
             acc["sums"] = step if acc["sums"] is None else acc["sums"] + step
             acc["n"] += 1
-            local = getattr(layer.router, "local_extras", {})
+            local = layer.router.local_extras
             rows = 0 if layer.last_routing is None else int(layer.last_routing.expert_ids.shape[0])
             acc["rows"] += rows
             for key, mode in local.items():

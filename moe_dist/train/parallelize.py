@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..dist.bootstrap import Runtime
+from ..distributed.bootstrap import Runtime
 from ..model.init import is_meta, materialize
 from ..moe import moe_layers
-from ..moe.routers.hyper import synchronize_frozen_routers
+from ..moe.routers import synchronize_frozen_routers
 from ..parallel import apply_expert_parallel, dense_parameters, expert_parameters, sync_gradients
 
 

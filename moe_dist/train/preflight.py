@@ -43,7 +43,7 @@ def check_engine(cfg: Config) -> None:
     directory is made, instead of in every rank after the launch)."""
     if cfg.train.engine != "deepspeed":
         return
-    from ..dist.bootstrap import device_type
+    from ..distributed.bootstrap import device_type
     from .engines.deepspeed import require_deepspeed
 
     require_deepspeed(device_type(cfg.run.device))

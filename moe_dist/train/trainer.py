@@ -27,7 +27,7 @@ from ..config import Config, ConfigError, save_config
 from ..config.load import config_to_dict
 from ..data import PreparedData, TrainSampler, load_prepared, prepare_data
 from ..diagnostics import RoutingDiagnostics, format_routing_summary, routing_summary
-from ..dist.bootstrap import Runtime, init_distributed, shutdown
+from ..distributed.bootstrap import Runtime, init_distributed, shutdown
 from ..errors import CheckpointError, MissingInputError
 from ..exits import JobStopped
 from ..hardware import batch_to_device, bf16_choice, cuda_memory_gib, peak_rss_bytes
@@ -37,7 +37,7 @@ from ..moe import collect_aux_loss, moe_layers
 from .checkpoint import TrainingCheckpoints, latest_checkpoint, load_checkpoint
 from .checkpoint.collective import broadcast
 from .checkpoint.divergence import last_good_step, read_record, record_divergence, take_pending
-from .compile import CompileClock, apply_compile, cache_dir, describe_compile, use_cache_dir
+from .compile import CompileClock, apply_compile, cache_dir, describe_compile, eager_router_reason, use_cache_dir
 from .engines import create_engine, engine_scope
 from .evaluate import autocast, evaluate, format_report, unigram_baseline, validation_batches
 from .metrics import MetricsLogger, MoEStepStats, read_metrics
@@ -228,7 +228,7 @@ class Trainer:
         if not self.cfg.train.compile:
             return
         use_cache_dir(cache_dir(self.cfg))
-        self.compiled = apply_compile(self.model, self.cfg.model.moe.router)
+        self.compiled = apply_compile(self.model)
         self.compile_clock = CompileClock()
 
     def _agree_expert_kernels(self) -> None:
@@ -525,7 +525,7 @@ class Trainer:
                 if self.compile_clock is not None and not self.compile_clock.said:
                     self.compile_clock.said = True
                     self.log(describe_compile(self.compiled, self.compile_clock.report(), cache_dir(cfg),
-                                              cfg.model.moe.router))
+                                              cfg.model.moe.router, eager_router_reason(self.model)))
                 step_tokens = cfg.train.global_batch * cfg.train.seq_len
                 tokens_seen += step_tokens
                 diverged = self.check_finite(row)

@@ -28,6 +28,7 @@ from ..hf.config import HFModelSpec, kept_values, source_dtype
 from ..hf.dense import DenseCheckpoint
 from ..hf.tokenizer import adopt_tokenizer, check_tokenizer_fits
 from ..model import Block, SwiGLU, TransformerLM, build_model
+from ..moe import moe_layers
 from ..weights import OutputDirectory, ShardedWriter, output_dtype
 
 # our model keys that the checkpoint's config.json fixes
@@ -164,7 +165,7 @@ def preserves_function(cfg: Config, tokens: int = 24, tol: float = 1e-4) -> Opti
             torch.manual_seed(0)
             model = build_model(small, small.vocab_size, seed=0).eval()
             captured = []
-            for layer in model.moe_layers():
+            for layer in moe_layers(model):
                 gate, up, down = torch.randn(24, 16) * 0.3, torch.randn(24, 16) * 0.3, torch.randn(16, 24) * 0.3
                 layer.experts.load_dense(gate, down, up)
                 if layer.shared_expert is not None:  # as upcycling leaves it: silent at first

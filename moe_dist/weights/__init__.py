@@ -4,7 +4,8 @@ model's weights in them, experts by global index so each rank reads only its row
 
 Below every command layer (train, hf, upcycle); above the model and the MoE layer it reads into.
 """
-from .output_dir import RECORDS, OutputDirectory, check_complete, check_tokenizer_named, read_record
+from .output_dir import OutputDirectory, check_tokenizer_named, read_record
+from .records import RECORDS, check_complete
 from .model_weights import DTYPES, has_model_weights, load_model_weights, output_dtype, save_model_weights
 from .safetensors_io import INDEX, SINGLE, SafetensorsCheckpoint, ShardedWriter
 

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from ..dist.shards import copy_rows_, local_rows
+from ..distributed.shards import copy_rows_, local_rows
 from ..errors import HFFormatError, UsageError
 from ..moe.experts import GroupedExperts
 from ..moe.layer import MoELayer

@@ -2,15 +2,15 @@
 
 The commands that write a model directory (``import``, ``upcycle``, ``convert``, ``export``)
 write it into ``<name>.partial-<host>-<pid>-<random>`` beside the target, their record file last
-(:data:`RECORDS`: ``import.json``, ``upcycle.json``, ``convert.json``, ``export.json``; its
+(:data:`~moe_dist.weights.records.RECORDS`: ``import.json``, ``upcycle.json``, ``convert.json``, ``export.json``; its
 presence is the completion marker), and only then move it into place (an existing target is
 renamed to ``<name>.replaced-...`` first and removed after). A failure removes the partial
 directory and leaves the target exactly as it was (or absent); the error says so. What a killed
 writer of this host left is tidied by the next writer of the same target: its partial directory
 removed, and a target it had renamed aside but not replaced put back.
 
-Their weights name the command in the safetensors metadata (:data:`WRITTEN_BY`), so a reader
-(:func:`check_complete`, run by every :class:`~moe_dist.weights.SafetensorsCheckpoint`)
+Their weights name the command in the safetensors metadata (:data:`~moe_dist.weights.records.WRITTEN_BY`), so a reader
+(:func:`~moe_dist.weights.records.check_complete`, run by every :class:`~moe_dist.weights.SafetensorsCheckpoint`)
 refuses a directory whose weights name a writer whose record is missing: a write that did not
 finish, or a partial directory given by its own name.
 """
@@ -26,34 +26,12 @@ import sys
 from typing import Optional
 
 from ..errors import CheckpointError, ConfigError, UsageError, UserError
-
-RECORDS = {"import": "import.json", "upcycle": "upcycle.json", "convert": "convert.json", "export": "export.json"}
-WRITTEN_BY = "written_by"  # safetensors metadata key: the command that wrote the weights
-
-
-def writer_of(metadata: dict) -> Optional[str]:
-    """The command named by a weights file's metadata (also the ``source`` key of earlier
-    ``import`` / ``upcycle`` outputs), or None for weights written otherwise."""
-    writer = metadata.get(WRITTEN_BY)
-    if writer is None and metadata.get("format_of") == "moe_dist":
-        writer = metadata.get("source")
-    return writer if writer in RECORDS else None
-
-
-def check_complete(directory: str, metadata: dict) -> None:
-    """Refuse ``directory`` if its weights (``metadata``) were written by one of our commands and
-    that command's record, written last, is missing."""
-    writer = writer_of(metadata)
-    if writer is not None and not os.path.isfile(os.path.join(directory, RECORDS[writer])):
-        raise CheckpointError(f"{directory}: an incomplete `moe-dist {writer}` output ({RECORDS[writer]}, written "
-                              f"last, is missing): its write did not finish; run `moe-dist {writer}` again")
-
+from .records import RECORDS, WRITTEN_BY, writer_of
+from .safetensors_io import SafetensorsCheckpoint
 
 def stored_writer(directory: str) -> Optional[str]:
     """The command named by the metadata of the weights in ``directory``, or None (also for
     unreadable or absent weights)."""
-    from .safetensors_io import SafetensorsCheckpoint
-
     try:
         return writer_of(SafetensorsCheckpoint(directory, require_complete=False).metadata())
     except UserError:
@@ -121,7 +99,7 @@ class OutputDirectory:
 
     @property
     def metadata(self) -> dict:
-        """Safetensors metadata naming the writer (see :func:`check_complete`)."""
+        """Safetensors metadata naming the writer (see :func:`~moe_dist.weights.records.check_complete`)."""
         return {WRITTEN_BY: self.writer}
 
     def _check_target(self) -> None:

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import HFFormatError
-from .output_dir import check_complete
+from .records import check_complete
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -26,7 +26,7 @@ INDEX = "model.safetensors.index.json"
 
 class SafetensorsCheckpoint:
     """Lazy access to the tensors of a checkpoint directory by name (``require_complete``: refuse an
-    output of ours whose completion record is missing, see :func:`.output_dir.check_complete`)."""
+    output of ours whose completion record is missing, see :func:`.records.check_complete`)."""
 
     def __init__(self, directory: str, require_complete: bool = True):
         self.directory = directory
@@ -164,10 +164,6 @@ class ShardedWriter:
         self._pending[name] = t
         self._pending_bytes += size
         self.total_bytes += size
-
-    def add_all(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
-        for name, tensor in items:
-            self.add(name, tensor)
 
     def _flush(self) -> None:
         tmp = os.path.join(self.directory, f".shard-{len(self._written):05d}.safetensors")

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...dist.collectives import all_reduce_sum
+from ...distributed.collectives import all_reduce_sum
 from ..routing import SCOPES, Routing, RouterInputs, RoutingContext, is_recomputing
 from .base import Router, default_normalize, fp32_linear, select_topk
 from .registry import register_router

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -27,6 +28,8 @@ class Router(nn.Module):
 
     Class attributes tell the layer and the model what to supply:
     ``needs_token_layout``: the layer fills ``ctx.token_offset`` / ``ctx.global_tokens`` (layout-invariant noise).
+    ``needs_whole_sequences``: the router mixes the tokens of a sequence, so a rank must hold whole
+    ``[B, S]`` sequences, rows sequence-major (``inputs.batch_shape``).
     ``attention_needs``: None, or what the model hands over of the attention sub-layer before the
     layer, in ``inputs.attention`` (one of :data:`~moe_dist.moe.routing.ATTENTION_NEEDS`): ``scores``
     (queries, keys, values, output and output projection; the attention keeps its fused kernel) or
@@ -34,6 +37,7 @@ class Router(nn.Module):
     """
 
     needs_token_layout = False
+    needs_whole_sequences = False
     attention_needs: Optional[str] = None
     # Routing.extras that describe this rank's tokens only, and how the metrics combine them over
     # the ranks holding distinct tokens: "mean" (weighted by router rows) or "sum"
@@ -46,6 +50,8 @@ class Router(nn.Module):
     # router tensors with one row per expert along dim 0 (granular upcycling duplicates them per virtual group)
     per_expert_tensors: tuple[str, ...] = ()
     compute_dtype = torch.float32
+    # train.compile compiles the router's forward unless this names why it stays eager
+    eager_under_compile: Optional[str] = None
 
     def __init__(self, d_model: int, num_experts: int, top_k: int):
         super().__init__()
@@ -58,8 +64,52 @@ class Router(nn.Module):
         k schedule ends above ``top_k``)."""
         return self.top_k
 
+    @property
+    def k_range(self) -> tuple[int, int]:
+        """Experts per token at the first and at the last training step: ``top_k`` both, unless the
+        router has a k schedule."""
+        return self.top_k, self.top_k
+
     def forward(self, x: torch.Tensor, ctx: RoutingContext, inputs: Optional[RouterInputs] = None) -> Routing:
         return self.route(x, ctx, NO_INPUTS if inputs is None else inputs)
+
+    # ---- what the rest of the code asks of a router family ----------------------------------
+    @classmethod
+    def options_for_run(cls, options: dict, total_steps: int) -> dict:
+        """``options`` with the defaults that depend on the run filled in (its ``total_steps``)."""
+        return options
+
+    @classmethod
+    def graph_values_per_token(cls, seq_len: int) -> float:
+        """Values per token the router keeps of a token graph for backward, per MoE layer, for
+        length-``seq_len`` sequences (the planner's activation count); 0 without a token graph."""
+        return 0.0
+
+    def synchronize_frozen(self, group: Optional[dist.ProcessGroup] = None, name: str = "") -> bool:
+        """Make the tensors the router draws at random but never trains (frozen) the same on every
+        rank of ``group`` (collective for a router that has them); False, with no collective, for a
+        router without frozen tensors."""
+        return False
+
+    def frozen_changed(self) -> None:
+        """Hook: the router's tensors were overwritten from outside (initialisation, a checkpoint);
+        a router that caches values derived from them drops the cache."""
+
+    @property
+    def renormalizes_gates(self) -> bool:
+        """The gates sum to one over each token's chosen experts (what an export to a format that
+        renormalises them needs)."""
+        return bool(getattr(self, "normalize", False))
+
+    @property
+    def scorer(self) -> nn.Module:
+        """The module whose linear scores the router starts from: itself (a wrapping router's base)."""
+        return self
+
+    def expert_graph_state(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """``(graph [E, E], updates folded in)`` of a router that learns a graph between experts
+        (diagnostics snapshot it), else None."""
+        return None
 
     # ---- options the MoE layer sets after construction (registry.check_router_features says which
     # routers support them) --------------------------------------------------------------------
@@ -154,3 +204,10 @@ def layout_invariant_normal(shape_tail: tuple[int, ...], ctx: RoutingContext, lo
     gen.manual_seed(seed)
     noise = torch.randn((total,) + tuple(shape_tail), generator=gen, device=device, dtype=torch.float32)
     return noise[ctx.token_offset : ctx.token_offset + local_tokens]
+
+
+def synchronize_frozen_routers(model: nn.Module, group: Optional[dist.ProcessGroup] = None) -> int:
+    """:meth:`Router.synchronize_frozen` for every router of ``model`` (collective over ``group``,
+    default: the world). Call after ``apply_expert_parallel`` and after loading a checkpoint.
+    Returns the number of routers that had frozen tensors."""
+    return sum(bool(m.synchronize_frozen(group, name)) for name, m in model.named_modules() if isinstance(m, Router))

@@ -10,7 +10,7 @@ Both raise k linearly from ``k_min`` to ``k_max`` over ``k_schedule_steps`` opti
 
 Frozen tensors are *buffers*: outside every optimizer, weight decay and gradient
 reduction, saved in the state dict. They are drawn from the global RNG like the other
-weights, then :meth:`FrozenRouter.synchronize_frozen` (or :func:`synchronize_frozen_routers`
+weights, then :meth:`FrozenRouter.synchronize_frozen` (or :func:`~moe_dist.moe.routers.synchronize_frozen_routers`
 for a whole model) broadcasts them from rank 0 and checks a hash on every rank; the
 trainer calls it once after ``apply_expert_parallel`` and after loading a checkpoint.
 """
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ...dist.collectives import all_gather_tensor, group_size
+from ...distributed.collectives import all_gather_tensor, group_size
 from ..routing import Routing, RouterInputs, RoutingContext
 from .base import Router, default_normalize, fp32_linear, select_topk
 from .registry import register_router
@@ -85,6 +85,17 @@ class FrozenRouter(Router):
     def final_k(self) -> int:
         return self.k_max
 
+    @property
+    def k_range(self) -> tuple[int, int]:
+        return self.k_min, self.k_max
+
+    @classmethod
+    def options_for_run(cls, options: dict, total_steps: int) -> dict:
+        """The k schedule spans the whole run (``total_steps``) unless ``k_schedule_steps`` is set."""
+        if options.get("k_schedule_steps") is None:
+            return {**options, "k_schedule_steps": total_steps}
+        return options
+
     def set_eval_k(self, k: Optional[int]) -> None:
         if k is not None and not 1 <= int(k) <= self.num_experts:
             raise ConfigError(f"eval_k must be in [1, num_experts={self.num_experts}] or null, got {k}")
@@ -108,7 +119,7 @@ class FrozenRouter(Router):
         return _digest(self.frozen_tensors())
 
     @torch.no_grad()
-    def synchronize_frozen(self, group: Optional[dist.ProcessGroup] = None, name: str = "") -> None:
+    def synchronize_frozen(self, group: Optional[dist.ProcessGroup] = None, name: str = "") -> bool:
         """Broadcast the frozen tensors from the group's first rank, then verify them.
 
         group: None = the default (world) group when torch.distributed is initialised.
@@ -121,6 +132,7 @@ class FrozenRouter(Router):
                 dist.broadcast(t, src=src, group=group)
         self.frozen_changed()
         self.verify_frozen(group, name)
+        return True
 
     def verify_frozen(self, group: Optional[dist.ProcessGroup] = None, name: str = "") -> None:
         """Raise on every rank if any rank's frozen tensors differ (hash all-gather)."""
@@ -134,9 +146,6 @@ class FrozenRouter(Router):
             raise RuntimeError(f"frozen router tensors{where} ({', '.join(self._frozen)}) differ between ranks: ranks "
                                f"{differ} do not match rank 0; call synchronize_frozen_routers(model) after building "
                                "the model on every rank")
-
-    def frozen_changed(self) -> None:
-        """Hook: the frozen tensors were overwritten (drop caches)."""
 
     # ---- routing ------------------------------------------------------------------------------
     def router_weights(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:  # pragma: no cover - abstract
@@ -227,18 +236,6 @@ class HyperRouter(FrozenRouter):
 
     def frozen_changed(self) -> None:
         self._cache = None
-
-
-def synchronize_frozen_routers(model: nn.Module, group: Optional[dist.ProcessGroup] = None) -> int:
-    """Broadcast and hash-check every frozen router of ``model`` (collective over ``group``,
-    default: the world). Call after ``apply_expert_parallel`` and after loading a checkpoint.
-    Returns the number of routers synchronised."""
-    count = 0
-    for name, module in model.named_modules():
-        if isinstance(module, FrozenRouter):
-            module.synchronize_frozen(group, name)
-            count += 1
-    return count
 
 
 def set_inference_k(model: nn.Module, k: Optional[int]) -> int:

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ...dist.collectives import all_reduce_sum
+from ...distributed.collectives import all_reduce_sum
 from ...errors import ConfigError
 
 _TINY = 1e-30  # a column that underflowed to 0 moves up by at most -log(_TINY) per iteration

@@ -23,7 +23,7 @@ import torch
 
 from ...checks import check_choice
 from ...errors import ConfigError
-from ...dist.collectives import all_reduce_sum
+from ...distributed.collectives import all_reduce_sum
 from ..counting import count_values
 from ..routing import SCOPES, Routing, RouterInputs, RoutingContext, is_recomputing
 from .registry import register_router
@@ -113,6 +113,9 @@ class SymphonyRouter(WrappingRouter):
         return self
 
     # ---- routing -------------------------------------------------------------------------
+    def expert_graph_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.A, self.n_updates
+
     def expert_graph(self) -> torch.Tensor:
         """The graph routing uses now (fp32, with bias correction when enabled)."""
         A = self.A.float()

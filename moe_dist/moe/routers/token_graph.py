@@ -279,6 +279,14 @@ class TokenGraphRouter(WrappingRouter):
 
     local_extras = {"topk_changed": "mean"}  # share of tokens whose top-k set the mixing changed
     supports_expert_bias = True
+    needs_whole_sequences = True
+    eager_under_compile = ("its time is the [S, S] token graph's products inside its own autograd functions, "
+                           "which dynamo cannot fuse; compiled it measured slower (bench/results.md, "
+                           "'Compiled training')")
+
+    @classmethod
+    def graph_values_per_token(cls, seq_len: int) -> float:
+        return graph_values_per_token(seq_len)
 
     def __init__(self, d_model, num_experts, top_k, base, base_options, normalize, aux_probs, detach_graph,
                  graph_dtype):
@@ -310,10 +318,9 @@ class SimilarityRouter(TokenGraphRouter):
     normalize: renormalise the k gates (default: yes for k > 1; top-1 keeps ``P[i, e*]``).
     aux_probs: load-balance loss on the ``mixed`` P (default) or the ``base`` R.
     graph_dtype: ``fp32`` (default) or ``bf16`` for the graph's ``u . u`` products and their
-        gradients (bf16: the router about 1.6x faster at S = 512 on an AVX-512 CPU, the scores
-        rounded to bf16: 8 significant bits, so ``dot`` logits near ``|u|^2 ~ d = 512`` are
-        rounded to multiples of 4 before the division by tau; use a tau of sqrt(d) or more, or
-        ``cosine``, with it).
+        gradients (bf16 rounds the scores to 8 significant bits, so ``dot`` logits near
+        ``|u|^2 ~ d = 512`` are rounded to multiples of 4 before the division by tau; use a tau of
+        sqrt(d) or more, or ``cosine``, with it; timings in bench/results.md).
     """
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, *, base: str = "topk",
@@ -462,7 +469,7 @@ class AttentionRouter(TokenGraphRouter):
     u = attention output * output_scale).
 
     sigma: likelihood std (paper default 1). likelihood: False uses ``A_{h*}`` alone.
-    output_scale: factor on the attention output used as u (default 1/H, the digest's reading).
+    output_scale: factor on the attention output used as u (default 1/H).
     Other options as for ``similarity`` (graph_dtype also for the entropy scan's scores and the
     likelihood's ``W_h^T u`` products);
     detach_graph stops gradients into the attention, v' and u.

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn as nn
 
 from ..routing import Routing, RouterInputs, RoutingContext
 from .base import Router
@@ -30,6 +31,10 @@ class WrappingRouter(Router):
                      sorted(n for n, cls in ROUTERS.items() if not issubclass(cls, WrappingRouter)))
         self.base = build_router(base, d_model, num_experts, top_k, **(base_options or {}))
         self.base_name = base
+
+    @property
+    def scorer(self) -> nn.Module:
+        return self.base
 
     @property
     def needs_token_layout(self) -> bool:  # e.g. noisy_topk draws layout-invariant noise

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
-from ...dist.groups import new_group
+from ...distributed.groups import new_group
 from ...exits import JobStopped
 from ..run_lock import readers_excluded
 from .collective import agree, all_gather, collectively, distributed, around_dcp

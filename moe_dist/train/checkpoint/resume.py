@@ -23,7 +23,7 @@ from .divergence import set_aside_pending
 from .files import META, CheckpointError, DamagedCheckpoint, latest_checkpoint, remove_leftovers, scan, set_aside
 
 if TYPE_CHECKING:
-    from ...dist.bootstrap import Runtime
+    from ...distributed.bootstrap import Runtime
 
 # model settings that decide the tensors' names and shapes: a checkpoint of another value is refused
 STRUCTURAL_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings", "qkv_bias",

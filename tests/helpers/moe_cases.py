@@ -6,8 +6,8 @@ from typing import Optional
 
 import torch
 
-from moe_dist.dist import build_parallel_groups
-from moe_dist.moe import MoELayer, RouterInputs
+from moe_dist.distributed import build_parallel_groups
+from moe_dist.moe import MoEArgs, MoELayer, RouterInputs
 from moe_dist.parallel import apply_expert_parallel, sync_gradients
 
 D_MODEL, D_FF = 16, 32
@@ -17,8 +17,10 @@ RTOL, ATOL = 1e-5, 1e-6
 def make_layer(cfg: dict, seed: int = 0) -> MoELayer:
     torch.manual_seed(seed)
     cfg = dict(cfg)
-    return MoELayer(cfg.pop("d_model", D_MODEL), cfg.pop("d_ff", D_FF), cfg.pop("num_experts", 8), cfg.pop("top_k", 2),
-                    expert_kernel=cfg.pop("expert_kernel", "loop"), **cfg)
+    return MoELayer(cfg.pop("d_model", D_MODEL), MoEArgs(d_ff=cfg.pop("d_ff", D_FF),
+                                                         num_experts=cfg.pop("num_experts", 8),
+                                                         top_k=cfg.pop("top_k", 2),
+                                                         expert_kernel=cfg.pop("expert_kernel", "loop"), **cfg))
 
 
 def make_batch(tokens: int, seed: int = 1, d_model: int = D_MODEL):

@@ -11,7 +11,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-import megatron_shim
+from . import megatron_shim
 from moe_dist.moe import RouterInputs
 
 H, FFN, E, K = 16, 32, 4, 2
@@ -76,13 +76,13 @@ def megatron_layers(dispatcher: str, router: str | None, options: dict | None = 
 def reference_layers(router: str, options: dict, capacity=None) -> torch.nn.ModuleList:
     """Two moe_dist MoELayers (the single-process reference), seeded; with a capacity, the
     global scope and the ``probs`` drop policy."""
-    from moe_dist.moe import MoELayer
+    from moe_dist.moe import MoEArgs, MoELayer
 
     torch.manual_seed(0)
     layers = torch.nn.ModuleList(
-        MoELayer(H, FFN, E, K, router=router, router_options=options, aux_loss_coef=AUX, z_loss_coef=Z,
-                 expert_kernel="loop", layer_idx=i, init_std=0.15, capacity_factor=capacity,
-                 drop_policy="probs", capacity_scope="global") for i in range(2))
+        MoELayer(H, MoEArgs(d_ff=FFN, num_experts=E, top_k=K, router=router, router_options=options, aux_loss_coef=AUX,
+                            z_loss_coef=Z, expert_kernel="loop", capacity_factor=capacity, drop_policy="probs",
+                            capacity_scope="global"), layer_idx=i, init_std=0.15) for i in range(2))
     with torch.no_grad():  # O(1) router scores and outputs, so that an absolute tolerance means something
         for p in layers.parameters():
             if p.requires_grad and p.dim() == 2:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moe_cases import D_MODEL, collect, make_batch, make_layer, split_sizes, step
-from moe_dist.dist import build_parallel_groups
-from moe_dist.dist.groups import ParallelGroups
+from .moe_cases import D_MODEL, collect, make_batch, make_layer, split_sizes, step
+from moe_dist.distributed import build_parallel_groups
+from moe_dist.distributed.groups import ParallelGroups
 from moe_dist.moe import RouterInputs
 from moe_dist.moe.routers.hyper import set_inference_k
 from moe_dist.parallel import apply_expert_parallel, sync_gradients

@@ -3,13 +3,13 @@ the trainer uses (step 6): ``nan`` makes it NaN, ``spike`` 10 times larger (fini
 summary as JSON. Defaults: a checkpoint every 2 steps, train.max_nonfinite_steps=1,
 train.on_divergence=rollback (the overrides may change them).
 
-    python tests/divergence_case.py RUN_DIR CACHE_DIR nan|spike [KEY=VALUE ...]
+    python tests/helpers/divergence_case.py RUN_DIR CACHE_DIR nan|spike [KEY=VALUE ...]
 """
 import json
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 from moe_dist.config import load_config  # noqa: E402

@@ -6,7 +6,7 @@ import contextlib
 
 import torch.distributed as dist
 
-import moe_dist.dist.collectives as collectives
+import moe_dist.distributed.collectives as collectives
 
 NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_to_all_single", "all_to_all",
          "broadcast", "reduce_scatter", "reduce_scatter_tensor", "reduce", "gather", "scatter", "barrier",
