@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from helpers.dist_harness import run_ranks
+from helpers.router_cases import ROUTER_OVERRIDES
 
 # compiling is slow on a busy 2-core machine: more room than the suite's 900 s per test
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -122,17 +123,7 @@ FEATURE_CASES = {
                                              "model.moe.balance_loss=sequence", "train.activation_checkpointing=true",
                                              "model.moe.shared_d_ff=32", "train.grad_accum=2"],
     "bf16": ["train.dtype=bf16", "train.bf16_on_slow_cpu=bf16"],
-    "sinkhorn": ["model.moe.router=sinkhorn"],
-    "ssr": ["model.moe.router=ssr"],
-    "ac": ["model.moe.router=ac", "model.moe.router_options={start_layer: 1}"],
-    "symphony": ["model.moe.router=symphony"],
-    "hyper": ["model.moe.router=hyper", "model.moe.router_options={k_max: 4, k_schedule_steps: 3, embed_dim: 16, "
-              "hyper_dim: 32}"],
-    "smoe_dropout": ["model.moe.router=smoe_dropout", "model.moe.router_options={k_max: 4, k_schedule_steps: 3}"],
-    "xmoe": ["model.moe.router=xmoe"],
-    "noisy_topk": ["model.moe.router=noisy_topk"],
-    "similarity": ["model.moe.router=similarity"],
-    "attention": ["model.moe.router=attention"],
+    **ROUTER_OVERRIDES,
     "deepspeed": ["train.engine=deepspeed", "deepspeed.zero_stage=2"],
 }
 CASE_STEPS = 3

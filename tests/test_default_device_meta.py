@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from helpers.dist_harness import run_ranks
+from helpers.router_cases import ROUTER_OVERRIDES
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,17 +29,7 @@ CASES = {
     "topk-capacity-bias-seqloss-ac": ["model.moe.capacity_factor=1.0", "model.moe.expert_bias=true",
                                       "model.moe.balance_loss=sequence", "train.activation_checkpointing=true"],
     "topk-dropless-shared": ["model.moe.capacity_factor=null", "model.moe.shared_d_ff=32"],
-    "sinkhorn": ["model.moe.router=sinkhorn"],
-    "ssr": ["model.moe.router=ssr"],
-    "ac": ["model.moe.router=ac", "model.moe.router_options={start_layer: 1}"],
-    "symphony": ["model.moe.router=symphony"],
-    "hyper": ["model.moe.router=hyper", "model.moe.router_options={k_max: 4, k_schedule_steps: 3, embed_dim: 16, "
-              "hyper_dim: 32}"],
-    "smoe_dropout": ["model.moe.router=smoe_dropout", "model.moe.router_options={k_max: 4, k_schedule_steps: 3}"],
-    "xmoe": ["model.moe.router=xmoe"],
-    "noisy_topk": ["model.moe.router=noisy_topk"],
-    "similarity": ["model.moe.router=similarity"],
-    "attention": ["model.moe.router=attention"],
+    **ROUTER_OVERRIDES,
 }
 
 

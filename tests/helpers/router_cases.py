@@ -20,6 +20,22 @@ from moe_dist.parallel import apply_expert_parallel, sync_gradients
 RTOL, ATOL = 1e-5, 1e-6
 TOKENS = 96
 
+# every router but topk with config overrides that fit configs/test.yaml (small options for the
+# hypernetwork routers): the cases of the whole-model tests that run each router
+ROUTER_OVERRIDES: dict[str, list[str]] = {
+    "sinkhorn": ["model.moe.router=sinkhorn"],
+    "ssr": ["model.moe.router=ssr"],
+    "ac": ["model.moe.router=ac", "model.moe.router_options={start_layer: 1}"],
+    "symphony": ["model.moe.router=symphony"],
+    "hyper": ["model.moe.router=hyper", "model.moe.router_options={k_max: 4, k_schedule_steps: 3, embed_dim: 16, "
+              "hyper_dim: 32}"],
+    "smoe_dropout": ["model.moe.router=smoe_dropout", "model.moe.router_options={k_max: 4, k_schedule_steps: 3}"],
+    "xmoe": ["model.moe.router=xmoe"],
+    "noisy_topk": ["model.moe.router=noisy_topk"],
+    "similarity": ["model.moe.router=similarity"],
+    "attention": ["model.moe.router=attention"],
+}
+
 
 def call_labels(call_idx: int, tokens: int, num_experts: int) -> torch.Tensor:
     """Previous-layer top-1 labels for the global batch; the last cluster holds a single token."""
