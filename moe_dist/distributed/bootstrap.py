@@ -29,6 +29,7 @@ import torch.distributed as dist
 from .groups import ParallelGroups, build_parallel_groups, set_group_timeout
 from .interfaces import SocketInterface, pick_socket_interface
 from .roll_call import hosts, remember_hosts
+from .topology import node_of_ranks
 from ..checks import check_choice
 from ..errors import ConfigError, UserError
 from ..hardware import default_allocator_settings
@@ -257,12 +258,15 @@ def _meshes(groups: ParallelGroups, device: torch.device, world: int):
 
 def init_distributed(ep: Union[int, Callable[[list[str]], int]] = 1, num_experts: Optional[int] = None, *,
                      backend: str = "auto", device: str = "auto", timeout_s: float = 600,
+                     ranks_per_node: Optional[int] = None,
                      environ: Optional[Mapping[str, str]] = None) -> Runtime:
     """Initialise the default process group (unless one exists) and build the parallel groups.
 
     Expert-parallel size ``ep`` must divide the world size and ``num_experts``. It may be given as
     a function of every rank's host name (in rank order) that returns it: called on every rank
     with the same list once the process group exists, before the groups are made.
+    ``ranks_per_node``: nodes are blocks of this many consecutive ranks (None: the ranks' host names;
+    :mod:`~moe_dist.distributed.topology`).
     """
     if dist.is_available() and dist.is_initialized():  # started by someone else (tests, a notebook)
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -289,11 +293,12 @@ def init_distributed(ep: Union[int, Callable[[list[str]], int]] = 1, num_experts
         # every rank's host name: to name a lost node after a failed collective (through the store the
         # group was made with), and for an ep chosen by where the ranks run
         remember_hosts(*((launch.master_addr, launch.master_port) if owns else (None, None)))
-        if callable(ep):
-            ep = ep(hosts())
+        node_of = node_of_ranks(hosts(), ranks_per_node)
+        if callable(ep):  # by host name, or by the declared nodes
+            ep = ep(hosts() if ranks_per_node is None else [f"node{n}" for n in node_of])
         if launch.world_size % ep:
             raise ConfigError(f"parallel.ep={ep} must divide the world size {launch.world_size}")
-        groups = build_parallel_groups(ep, num_experts)
+        groups = build_parallel_groups(ep, num_experts, node_of)
         dp_mesh, mesh = _meshes(groups, dev, launch.world_size)
     else:
         if callable(ep):

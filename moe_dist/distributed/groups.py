@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from ..errors import ConfigError
+from .topology import SINGLE, NodeLayout
 
 # the timeout every group is created with (parallel.timeout_s; set by init_distributed), so that a
 # collective on any group, not only the default one, gives up after it instead of torch's 30 minutes
@@ -63,14 +64,18 @@ class ParallelGroups:
     dp_size: int = 1
     dp_rank: int = 0
     edp_size: int = 1
+    ep_nodes: NodeLayout = SINGLE  # the node of each ep peer (in ep rank order)
 
     @classmethod
     def single(cls) -> "ParallelGroups":
         return cls()
 
 
-def build_parallel_groups(ep_size: int, num_experts: Optional[int] = None) -> ParallelGroups:
-    """Create the groups on an initialised default process group (collective: all ranks call it)."""
+def build_parallel_groups(ep_size: int, num_experts: Optional[int] = None,
+                          node_of: Optional[Sequence[int]] = None) -> ParallelGroups:
+    """Create the groups on an initialised default process group (collective: all ranks call it).
+    ``node_of``: the node of every rank (:func:`~moe_dist.distributed.topology.node_of_ranks`; None:
+    one node)."""
     if not (dist.is_available() and dist.is_initialized()):
         if ep_size != 1:
             raise ConfigError(f"parallel.ep={ep_size} needs torch.distributed to be initialised (world size 1 allows only ep=1)")
@@ -90,6 +95,10 @@ def build_parallel_groups(ep_size: int, num_experts: Optional[int] = None) -> Pa
         g = new_group(range(off, world, ep_size), name="edp")
         if rank % ep_size == off:
             edp_group = g
+    start = rank - rank % ep_size
+    if node_of is not None and len(node_of) != world:
+        raise ValueError(f"node_of names {len(node_of)} ranks, the world has {world}")
+    ep_nodes = NodeLayout(tuple(node_of[start:start + ep_size]) if node_of is not None else (0,) * ep_size)
     return ParallelGroups(
         dp=dist.group.WORLD,
         ep=ep_group,
@@ -99,4 +108,5 @@ def build_parallel_groups(ep_size: int, num_experts: Optional[int] = None) -> Pa
         dp_size=world,
         dp_rank=rank,
         edp_size=world // ep_size,
+        ep_nodes=ep_nodes,
     )
