@@ -65,6 +65,7 @@ class ParallelGroups:
     dp_rank: int = 0
     edp_size: int = 1
     ep_nodes: NodeLayout = SINGLE  # the node of each ep peer (in ep rank order)
+    dispatch: str = "flat"  # how tokens reach the ep peers: flat, or hierarchical (node-aware; moe_dist.moe.hierarchical)
 
     @classmethod
     def single(cls) -> "ParallelGroups":
@@ -72,14 +73,14 @@ class ParallelGroups:
 
 
 def build_parallel_groups(ep_size: int, num_experts: Optional[int] = None,
-                          node_of: Optional[Sequence[int]] = None) -> ParallelGroups:
+                          node_of: Optional[Sequence[int]] = None, dispatch: str = "flat") -> ParallelGroups:
     """Create the groups on an initialised default process group (collective: all ranks call it).
     ``node_of``: the node of every rank (:func:`~moe_dist.distributed.topology.node_of_ranks`; None:
-    one node)."""
+    one node). ``dispatch``: ``parallel.dispatch``, carried to the MoE layers."""
     if not (dist.is_available() and dist.is_initialized()):
         if ep_size != 1:
             raise ConfigError(f"parallel.ep={ep_size} needs torch.distributed to be initialised (world size 1 allows only ep=1)")
-        return ParallelGroups.single()
+        return ParallelGroups(dispatch=dispatch)
     world, rank = dist.get_world_size(), dist.get_rank()
     describe_group(None)  # remember the default group's ranks while it exists
     if ep_size < 1 or world % ep_size:
@@ -109,4 +110,5 @@ def build_parallel_groups(ep_size: int, num_experts: Optional[int] = None,
         dp_rank=rank,
         edp_size=world // ep_size,
         ep_nodes=ep_nodes,
+        dispatch=dispatch,
     )

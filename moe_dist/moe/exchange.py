@@ -38,12 +38,19 @@ class Exchange:
 
     send: rows this rank sends to each rank (its own experts' rows: ``send[rank]``, kept here).
     recv: ``recv[src][e]`` rows that rank ``src`` sends for this rank's local expert ``e``.
+    runs: the rows from each ``src`` as ``(local expert, rows)`` runs in arrival order, when the rows
+        of one expert from one source are several spans (the hierarchical dispatch forwards the rows
+        of several origins, each its own span); None: one run per expert, ``recv[src]``.
     """
 
     group: Optional[dist.ProcessGroup]
     rank: int
     send: list[int]
     recv: list[list[int]]
+    runs: Optional[list[list[tuple[int, int]]]] = None
+
+    def _runs(self, src: int) -> list[tuple[int, int]]:
+        return list(enumerate(self.recv[src])) if self.runs is None else list(self.runs[src])
 
     @property
     def sent_away(self) -> int:
@@ -60,11 +67,11 @@ class Exchange:
 
     def remote_segments(self) -> list[tuple[int, int]]:
         """``(local expert, rows)`` of the received rows, in arrival order (by source, then expert)."""
-        return [(e, c) for src, row in enumerate(self.recv) if src != self.rank for e, c in enumerate(row)]
+        return [run for src in range(len(self.recv)) if src != self.rank for run in self._runs(src)]
 
     def own_segments(self) -> list[tuple[int, int]]:
         """``(local expert, rows)`` of the rows that stay on this rank (the tail of the send order)."""
-        return list(enumerate(self.recv[self.rank]))
+        return self._runs(self.rank)
 
 
 class _Transfer:

@@ -97,7 +97,7 @@ def setup_runtime(cfg: Config, rt: Optional[Runtime] = None) -> Runtime:
     if rt is None:
         rt = init_distributed(cfg.expert_parallel_size, cfg.model.moe.num_experts, backend=cfg.parallel.backend,
                               device=cfg.run.device, timeout_s=cfg.parallel.timeout_s,
-                              ranks_per_node=cfg.parallel.ranks_per_node)
+                              ranks_per_node=cfg.parallel.ranks_per_node, dispatch=cfg.parallel.dispatch)
     cfg.check_world(rt.world_size)
     torch.set_num_threads(thread_choice(cfg.run.threads, rt.launch.local_world_size)[0])
     cfg.train.dtype, note = bf16_choice(rt.device, cfg.train.dtype, cfg.train.bf16_on_slow_cpu)

@@ -1,0 +1,126 @@
+"""Hierarchical (node-aware) dispatch against the flat one, on 4 real gloo ranks declared as 2 nodes
+of 2: outputs, input gradients and router gradients bit-identical, expert weight gradients equal to
+rounding, the rows that cross nodes fewer by exactly the flat dispatch's duplication; the same
+results as one process (layout invariance); and ``parallel.dispatch: hierarchical`` in a training run."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers.dist_harness import run_ranks
+from helpers.moe_cases import check_against_reference, collect, make_batch, make_layer, reference, split_sizes, step
+from moe_dist.distributed import build_parallel_groups
+from moe_dist.distributed.topology import NodeLayout
+from moe_dist.moe.hierarchical import dispatch_note, hierarchical_fallback
+from moe_dist.parallel import apply_expert_parallel, sync_gradients
+
+TOKENS = 96
+NODES = [0, 0, 1, 1]
+
+# (name, layer config): k = 2 and 4, capacity with both drop policies and dropless, a shared expert,
+# the loop kernel (overlapped exchange) and bmm
+CASES = [
+    ("k2 dropless loop", dict(top_k=2)),
+    ("k4 dropless loop", dict(top_k=4)),
+    ("k4 dropless bmm", dict(top_k=4, expert_kernel="bmm")),
+    ("k4 capacity position", dict(top_k=4, capacity_factor=1.0, drop_policy="position")),
+    ("k3 capacity probs bmm", dict(top_k=3, capacity_factor=1.0, drop_policy="probs", expert_kernel="bmm")),
+    ("k4 shared expert gelu", dict(top_k=4, shared_d_ff=24, shared_gate=True, activation="gelu")),
+]
+
+
+def _run(layer, groups, rank, world):
+    x, w = make_batch(TOKENS)
+    sizes = split_sizes(TOKENS, world, uneven=True)
+    start = sum(sizes[:rank])
+    res = step(layer, x[start:start + sizes[rank]], w[start:start + sizes[rank]], TOKENS)
+    sync_gradients(layer, groups)
+    res = collect(layer, res)
+    plan = layer.last_plan
+    res.update(pairs=plan.inter_node_pairs, rows=plan.inter_node_rows, hierarchical=layer.hierarchical)
+    # the duplication counted from the routing: per token and remote node, its pairs there minus one
+    routing = layer.last_routing
+    if layer.args.capacity_factor is None:
+        node = torch.tensor(NODES)[routing.expert_ids // (layer.num_experts // world)]
+        remote = node != NODES[rank]
+        per = torch.stack([(remote & (node == n)).sum(1) for n in range(2)], 1)
+        res["duplication"] = int((per - 1).clamp(min=0).sum())
+    return res
+
+
+def _compare(rank, world, cases):
+    torch.use_deterministic_algorithms(False)
+    flat_groups = build_parallel_groups(world, 8, node_of=NODES)
+    hier_groups = dataclasses.replace(flat_groups, dispatch="hierarchical")
+    out = {}
+    for name, cfg in cases:
+        flat = _run(apply_expert_parallel(make_layer(cfg), flat_groups), flat_groups, rank, world)
+        hier = _run(apply_expert_parallel(make_layer(cfg), hier_groups), hier_groups, rank, world)
+        out[name] = {"flat": flat, "hier": hier}
+    return out
+
+
+def _equal(a, b):
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+def test_hierarchical_equals_flat_bit_for_bit_and_sends_each_token_once_per_node():
+    results = run_ranks(_compare, 4, (CASES,), timeout=180)
+    for name, _ in CASES:
+        saved = 0
+        for rank, per_rank in enumerate(results):
+            flat, hier = per_rank[name]["flat"], per_rank[name]["hier"]
+            where = f"{name}, rank {rank}"
+            assert hier["hierarchical"] and not flat["hierarchical"], where
+            assert _equal(hier["out"], flat["out"]), f"{where}: outputs differ"
+            assert _equal(hier["x_grad"], flat["x_grad"]), f"{where}: input gradients differ"
+            for n, g in flat["router_grads"].items():
+                assert _equal(hier["router_grads"][n], g), f"{where}: router gradient {n} differs"
+            for n, g in flat["expert_grads"].items():
+                torch.testing.assert_close(hier["expert_grads"][n], g, rtol=1e-6, atol=1e-6,
+                                           msg=lambda m: f"{where}: expert gradient {n}: {m}")
+            # the same pairs would cross; the hierarchical dispatch sends one row per token and node
+            assert hier["pairs"] == flat["pairs"] == flat["rows"], where
+            assert hier["rows"] <= hier["pairs"], where
+            if "duplication" in hier:
+                assert flat["rows"] - hier["rows"] == hier["duplication"], where
+            saved += flat["rows"] - hier["rows"]
+        if "k4" in name:
+            assert saved > 0, f"{name}: no token had two experts on one remote node"
+
+
+def _invariance(rank, world, cfg, ep, nodes):
+    torch.use_deterministic_algorithms(False)
+    groups = build_parallel_groups(ep, 8, node_of=nodes, dispatch="hierarchical")
+    layer = apply_expert_parallel(make_layer(cfg), groups)
+    x, w = make_batch(TOKENS)
+    sizes = split_sizes(TOKENS, world, uneven=True)
+    start = sum(sizes[:rank])
+    res = step(layer, x[start:start + sizes[rank]], w[start:start + sizes[rank]], TOKENS)
+    sync_gradients(layer, groups)
+    res = collect(layer, res)
+    res["hierarchical"] = layer.hierarchical
+    return res
+
+
+@pytest.mark.parametrize("cfg", [dict(top_k=4), dict(top_k=2, capacity_factor=1.25, capacity_scope="global")])
+def test_hierarchical_dispatch_is_layout_invariant(cfg):
+    ref = reference(cfg, TOKENS)
+    results = run_ranks(_invariance, 4, (cfg, 4, NODES))
+    assert all(r["hierarchical"] for r in results)
+    check_against_reference(ref, results, TOKENS)
+
+
+def test_fallbacks_and_the_start_up_note():
+    one_node = dataclasses.replace(build_parallel_groups(1), ep_size=2, ep_nodes=NodeLayout((0, 0)),
+                                   dispatch="hierarchical")
+    assert "on one node" in hierarchical_fallback(one_node) and "running the flat dispatch" in dispatch_note(one_node)
+    odd = dataclasses.replace(one_node, ep_size=3, ep_nodes=NodeLayout((0, 1, 0)))
+    assert "not blocks of equally many consecutive ranks" in hierarchical_fallback(odd)
+    two = dataclasses.replace(one_node, ep_size=4, ep_nodes=NodeLayout((0, 0, 1, 1)))
+    assert hierarchical_fallback(two) is None and dispatch_note(two) == "dispatch=hierarchical over 2 nodes"
+    assert dispatch_note(dataclasses.replace(two, dispatch="flat")) == "dispatch=flat"
