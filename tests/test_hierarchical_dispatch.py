@@ -1,17 +1,12 @@
 """Hierarchical (node-aware) dispatch against the flat one, on 4 real gloo ranks declared as 2 nodes
 of 2: outputs, input gradients and router gradients bit-identical, expert weight gradients equal to
 rounding, the rows that cross nodes fewer by exactly the flat dispatch's duplication; the same
-results as one process (layout invariance); and ``parallel.dispatch: hierarchical`` in a training run."""
+results as one process (layout invariance); the fallbacks to the flat dispatch."""
 import dataclasses
-import json
-import os
-import subprocess
-import sys
-
-import pytest
 import torch
 
 from helpers.dist_harness import run_ranks
+from helpers.host_sync import count_host_syncs
 from helpers.moe_cases import check_against_reference, collect, make_batch, make_layer, reference, split_sizes, step
 from moe_dist.distributed import build_parallel_groups
 from moe_dist.distributed.topology import NodeLayout
@@ -36,10 +31,14 @@ CASES = [
 def _run(layer, groups, rank, world):
     x, w = make_batch(TOKENS)
     sizes = split_sizes(TOKENS, world, uneven=True)
-    start = sum(sizes[:rank])
-    res = step(layer, x[start:start + sizes[rank]], w[start:start + sizes[rank]], TOKENS)
+    x, w = x[sum(sizes[:rank]):sum(sizes[:rank + 1])].clone().requires_grad_(True), w[sum(sizes[:rank]):sum(sizes[:rank + 1])]
+    with count_host_syncs() as fwd:
+        out = layer(x)
+    loss = (out * w).sum() / TOKENS + layer.aux_loss
+    with count_host_syncs() as bwd:
+        loss.backward()
     sync_gradients(layer, groups)
-    res = collect(layer, res)
+    res = collect(layer, {"out": out.detach(), "x_grad": x.grad, "syncs": (fwd.describe(), len(fwd), len(bwd))})
     plan = layer.last_plan
     res.update(pairs=plan.inter_node_pairs, rows=plan.inter_node_rows, hierarchical=layer.hierarchical)
     # the duplication counted from the routing: per token and remote node, its pairs there minus one
@@ -76,6 +75,9 @@ def test_hierarchical_equals_flat_bit_for_bit_and_sends_each_token_once_per_node
             flat, hier = per_rank[name]["flat"], per_rank[name]["hier"]
             where = f"{name}, rank {rank}"
             assert hier["hierarchical"] and not flat["hierarchical"], where
+            # one host read per forward (the dispatch's counts), as the flat dispatch; none in backward
+            described, n_forward, n_backward = hier["syncs"]
+            assert n_forward == flat["syncs"][1] and n_backward == 0, described
             assert _equal(hier["out"], flat["out"]), f"{where}: outputs differ"
             assert _equal(hier["x_grad"], flat["x_grad"]), f"{where}: input gradients differ"
             for n, g in flat["router_grads"].items():
@@ -93,26 +95,30 @@ def test_hierarchical_equals_flat_bit_for_bit_and_sends_each_token_once_per_node
             assert saved > 0, f"{name}: no token had two experts on one remote node"
 
 
-def _invariance(rank, world, cfg, ep, nodes):
+INVARIANCE_CASES = [dict(top_k=4), dict(top_k=2, capacity_factor=1.25, capacity_scope="global")]
+
+
+def _invariance(rank, world, cfgs):
     torch.use_deterministic_algorithms(False)
-    groups = build_parallel_groups(ep, 8, node_of=nodes, dispatch="hierarchical")
-    layer = apply_expert_parallel(make_layer(cfg), groups)
+    groups = build_parallel_groups(world, 8, node_of=NODES, dispatch="hierarchical")
     x, w = make_batch(TOKENS)
     sizes = split_sizes(TOKENS, world, uneven=True)
     start = sum(sizes[:rank])
-    res = step(layer, x[start:start + sizes[rank]], w[start:start + sizes[rank]], TOKENS)
-    sync_gradients(layer, groups)
-    res = collect(layer, res)
-    res["hierarchical"] = layer.hierarchical
-    return res
+    out = []
+    for cfg in cfgs:
+        layer = apply_expert_parallel(make_layer(cfg), groups)
+        res = step(layer, x[start:start + sizes[rank]], w[start:start + sizes[rank]], TOKENS)
+        sync_gradients(layer, groups)
+        out.append(collect(layer, res) | {"hierarchical": layer.hierarchical})
+    return out
 
 
-@pytest.mark.parametrize("cfg", [dict(top_k=4), dict(top_k=2, capacity_factor=1.25, capacity_scope="global")])
-def test_hierarchical_dispatch_is_layout_invariant(cfg):
-    ref = reference(cfg, TOKENS)
-    results = run_ranks(_invariance, 4, (cfg, 4, NODES))
-    assert all(r["hierarchical"] for r in results)
-    check_against_reference(ref, results, TOKENS)
+def test_hierarchical_dispatch_is_layout_invariant():
+    results = run_ranks(_invariance, 4, (INVARIANCE_CASES,))
+    for i, cfg in enumerate(INVARIANCE_CASES):
+        per_rank = [r[i] for r in results]
+        assert all(r["hierarchical"] for r in per_rank)
+        check_against_reference(reference(cfg, TOKENS), per_rank, TOKENS)
 
 
 def test_fallbacks_and_the_start_up_note():

@@ -26,6 +26,7 @@ from ..distributed.collectives import group_rank, group_size
 from ..distributed.topology import NodeLayout
 from .counting import count_values
 from .exchange import Exchange
+from .experts import host_ints
 
 
 @dataclass(frozen=True, eq=False)
@@ -135,7 +136,7 @@ def scatter_rows(y: torch.Tensor, gate: Optional[torch.Tensor], index: torch.Ten
 def expert_nodes(nodes: NodeLayout, num_experts: int, device) -> torch.Tensor:
     """The node of every expert, and the node count for the index ``num_experts`` (a dropped pair)."""
     local = num_experts // nodes.size
-    return torch.tensor([nodes.node_of[e // local] for e in range(num_experts)] + [nodes.num_nodes], device=device)
+    return host_ints([nodes.node_of[e // local] for e in range(num_experts)] + [nodes.num_nodes], device)
 
 
 def pair_nodes(kept: torch.Tensor, nodes: NodeLayout, num_experts: int) -> torch.Tensor:

@@ -34,6 +34,7 @@ from ..hardware import batch_to_device, bf16_choice, cuda_memory_gib, peak_rss_b
 from ..model import count_parameters
 from ..parallel.kernel_choice import agree_expert_kernels
 from ..moe import collect_aux_loss, moe_layers
+from ..moe.hierarchical import dispatch_note
 from .checkpoint import TrainingCheckpoints, latest_checkpoint, load_checkpoint
 from .checkpoint.collective import broadcast
 from .checkpoint.divergence import last_good_step, read_record, record_divergence, take_pending
@@ -507,7 +508,7 @@ class Trainer:
         self.log(f"parallel: {self.rt.world_size} process(es) [{self.rt.launch.launcher}, {self.rt.backend or 'no backend'}{over}, "
                  f"{self.rt.device}, {torch.get_num_threads()} thread(s) each from "
                  f"{thread_choice(cfg.run.threads, self.rt.launch.local_world_size)[1]}], ep={self.rt.groups.ep_size}"
-                 f"{' (parallel.ep=auto)' if cfg.parallel.ep == 'auto' else ''}, "
+                 f"{' (parallel.ep=auto)' if cfg.parallel.ep == 'auto' else ''}, {dispatch_note(self.rt.groups)}, "
                  f"dense={self.engine.dense_layout()}; data: "
                  f"{self.data.train.count:,} train tokens, {cfg.train.global_batch}x{cfg.train.seq_len} tokens per step")
         small = small_corpus_note(self.data.train.count, cfg.train.global_batch, cfg.train.seq_len, steps)
