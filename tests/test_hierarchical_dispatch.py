@@ -54,7 +54,7 @@ def _run(layer, groups, rank, world):
 def _compare(rank, world, cases):
     torch.use_deterministic_algorithms(False)
     flat_groups = build_parallel_groups(world, 8, node_of=NODES)
-    hier_groups = dataclasses.replace(flat_groups, dispatch="hierarchical")
+    hier_groups = build_parallel_groups(world, 8, node_of=NODES, dispatch="hierarchical")
     out = {}
     for name, cfg in cases:
         flat = _run(apply_expert_parallel(make_layer(cfg), flat_groups), flat_groups, rank, world)
@@ -128,5 +128,7 @@ def test_fallbacks_and_the_start_up_note():
     odd = dataclasses.replace(one_node, ep_size=3, ep_nodes=NodeLayout((0, 1, 0)))
     assert "not blocks of equally many consecutive ranks" in hierarchical_fallback(odd)
     two = dataclasses.replace(one_node, ep_size=4, ep_nodes=NodeLayout((0, 0, 1, 1)))
+    assert "without its node and rail groups" in hierarchical_fallback(two)
+    two = dataclasses.replace(two, ep_node=object(), ep_rail=object())  # stand-ins: only their presence is read
     assert hierarchical_fallback(two) is None and dispatch_note(two) == "dispatch=hierarchical over 2 nodes"
     assert dispatch_note(dataclasses.replace(two, dispatch="flat")) == "dispatch=flat"

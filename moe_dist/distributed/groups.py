@@ -66,6 +66,8 @@ class ParallelGroups:
     edp_size: int = 1
     ep_nodes: NodeLayout = SINGLE  # the node of each ep peer (in ep rank order)
     dispatch: str = "flat"  # how tokens reach the ep peers: flat, or hierarchical (node-aware; moe_dist.moe.hierarchical)
+    ep_node: Optional[dist.ProcessGroup] = None  # hierarchical: this rank's ep peers on its node
+    ep_rail: Optional[dist.ProcessGroup] = None  # hierarchical: the ep peers in this rank's position on every node
 
     @classmethod
     def single(cls) -> "ParallelGroups":
@@ -100,6 +102,9 @@ def build_parallel_groups(ep_size: int, num_experts: Optional[int] = None,
     if node_of is not None and len(node_of) != world:
         raise ValueError(f"node_of names {len(node_of)} ranks, the world has {world}")
     ep_nodes = NodeLayout(tuple(node_of[start:start + ep_size]) if node_of is not None else (0,) * ep_size)
+    ep_node = ep_rail = None
+    if dispatch == "hierarchical" and node_of is not None:
+        ep_node, ep_rail = _node_and_rail_groups(world, ep_size, node_of, rank)
     return ParallelGroups(
         dp=dist.group.WORLD,
         ep=ep_group,
@@ -111,4 +116,29 @@ def build_parallel_groups(ep_size: int, num_experts: Optional[int] = None,
         edp_size=world // ep_size,
         ep_nodes=ep_nodes,
         dispatch=dispatch,
+        ep_node=ep_node,
+        ep_rail=ep_rail,
     )
+
+
+def _node_and_rail_groups(world: int, ep_size: int, node_of: Sequence[int], rank: int) -> tuple:
+    """The hierarchical dispatch's groups of every expert-parallel group that spans several nodes as
+    blocks of equally many consecutive ranks: its ranks on each node, and its ranks in each position
+    on every node (a rail). Collective: every rank makes every group, in the same order. Returns
+    this rank's two (None, None where its ep group does not qualify)."""
+    node_group = rail_group = None
+    for start in range(0, world, ep_size):
+        layout = NodeLayout(tuple(node_of[start:start + ep_size]))
+        if not (layout.multi_node and layout.contiguous() and layout.uniform()):
+            continue
+        nodes = [[start + p for p in layout.peers_on(n)] for n in range(layout.num_nodes)]
+        for members in nodes:
+            g = new_group(members, name="ep_node")
+            if rank in members:
+                node_group = g
+        for j in range(len(nodes[0])):
+            members = [ranks[j] for ranks in nodes]
+            g = new_group(members, name="ep_rail")
+            if rank in members:
+                rail_group = g
+    return node_group, rail_group

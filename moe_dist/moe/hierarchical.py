@@ -36,8 +36,8 @@ and gates), and as many partial rows back. The plan counts both (``inter_node_pa
 
 Host synchronisation: one read per forward (the gathered per-expert and per-node counts, with the
 caller's ``read_along``), as the flat dispatch; none in backward. Collectives: one all-gather of the
-counts, then all-to-alls over the expert-parallel group (rows between nodes: only to proxies; rows
-inside a node: only to node peers).
+counts over the expert-parallel group, the stage-1 and stage-3 all-to-alls over this rank's rail
+(``ParallelGroups.ep_rail``: its proxies), stage 2 over its node (``ParallelGroups.ep_node``).
 """
 from __future__ import annotations
 
@@ -69,6 +69,9 @@ def hierarchical_fallback(groups: ParallelGroups) -> Optional[str]:
     if not (nodes.contiguous() and nodes.uniform()):
         return (f"parallel.dispatch=hierarchical: the expert-parallel group's nodes {list(nodes.node_of)} are not "
                 "blocks of equally many consecutive ranks; running the flat dispatch")
+    if groups.ep_node is None or groups.ep_rail is None:
+        return ("parallel.dispatch=hierarchical: the groups were built without its node and rail groups "
+                "(build_parallel_groups(..., dispatch='hierarchical')); running the flat dispatch")
     return None
 
 
@@ -84,12 +87,12 @@ def dispatch_note(groups: ParallelGroups) -> str:
 class HierarchicalPlan:
     """Where the rows of one forward travel (:func:`dispatch_hierarchical`), and the counts."""
 
-    group: Optional[dist.ProcessGroup]
+    rail: Optional[dist.ProcessGroup]  # stages 1 and 3: this rank's proxies (rail rank = node)
     num_tokens: int
     row_token: torch.Tensor  # [rows] the token of each stage-1 row (remote nodes' rows by node, own node's last)
     row_sum: SumOrder  # a token's stage-1 rows summed in node order
-    to_proxy: list[int]  # stage-1 rows to each ep rank (its proxies on other nodes)
-    from_origin: list[int]  # stage-1 rows from each ep rank (the origins it is proxy for)
+    to_proxy: list[int]  # stage-1 rows to each node's proxy (none to this node)
+    from_origin: list[int]  # stage-1 rows from each node's origin in this rank's position (none from this node)
     held: int  # rows this rank holds as a proxy (received, then its own node's)
     pair_row: torch.Tensor  # [pairs] the held row of each pair, in stage-2 send order
     pair_gates: torch.Tensor  # [pairs] the gate of each pair (differentiable)
@@ -110,13 +113,14 @@ def _proxy(nodes: NodeLayout, rank: int, node: int) -> int:
 
 
 def dispatch_hierarchical(x: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor, keep: Optional[torch.Tensor],
-                          num_experts: int, ep_group: Optional[dist.ProcessGroup], nodes: NodeLayout,
+                          num_experts: int, groups: ParallelGroups,
                           read_along: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, HierarchicalPlan]:
     """Stage 1: the rows of ``x`` ``[T, d]`` to the proxies, and the pairs of the rows this rank holds
     laid out in stage-2 send order (returned with the plan). Arguments as
-    :func:`~moe_dist.moe.dispatch.dispatch`; ``nodes``: the node of every ``ep_group`` rank (several
-    nodes, contiguous and uniform: :func:`hierarchical_fallback`)."""
+    :func:`~moe_dist.moe.dispatch.dispatch`; ``groups``: the expert-parallel group, its node layout
+    and this rank's node and rail groups (:func:`hierarchical_fallback` says None)."""
     T, k = expert_ids.shape
+    ep_group, nodes = groups.ep, groups.ep_nodes
     R, me, N = group_size(ep_group), group_rank(ep_group), nodes.num_nodes
     local, my_node = num_experts // R, nodes.node_of[me]
     kept = expert_ids.reshape(-1) if keep is None else torch.where(keep.reshape(-1), expert_ids.reshape(-1), num_experts)
@@ -140,17 +144,17 @@ def dispatch_hierarchical(x: torch.Tensor, expert_ids: torch.Tensor, gates: torc
     row_gates = torch.where(mask, gates.index_select(0, row_token), torch.zeros((), dtype=gates.dtype, device=gates.device))
     meta_dtype = torch.promote_types(gates.dtype, torch.float32)  # expert ids are exact in it
     meta = torch.cat([row_gates.to(meta_dtype), ids.to(meta_dtype)], 1)
-    to_proxy = [D[me][nodes.node_of[p]] if nodes.node_of[p] != my_node and _proxy(nodes, me, nodes.node_of[p]) == p
-                else 0 for p in range(R)]
-    from_origin = [D[o][my_node] if nodes.node_of[o] != my_node and _proxy(nodes, o, my_node) == me else 0
-                   for o in range(R)]
+    # stage 1 over the rail: its rank n is this rank's proxy on node n (origin, coming the other way)
+    rail_peer = [_proxy(nodes, me, n) for n in range(N)]
+    to_proxy = [D[me][n] if n != my_node else 0 for n in range(N)]
+    from_origin = [D[rail_peer[n]][my_node] if n != my_node else 0 for n in range(N)]
     away = sum(to_proxy)
     sent = gather_rows(x, row_token, row_sum)
-    held_x = torch.cat([all_to_all_rows(sent[:away], from_origin, to_proxy, ep_group), sent[away:]])
-    held_meta = torch.cat([all_to_all_rows(meta[:away], from_origin, to_proxy, ep_group), meta[away:]])
+    held_x = torch.cat([all_to_all_rows(sent[:away], from_origin, to_proxy, groups.ep_rail), sent[away:]])
+    held_meta = torch.cat([all_to_all_rows(meta[:away], from_origin, to_proxy, groups.ep_rail), meta[away:]])
     held = held_x.shape[0]
-    origins = [o for o in range(R) if from_origin[o]] + [me]
-    origin_rows = [from_origin[o] for o in origins[:-1]] + [rows - away]
+    origins = [rail_peer[n] for n in range(N) if from_origin[n]] + [me]
+    origin_rows = [c for c in from_origin if c] + [rows - away]
     origin = torch.repeat_interleave(host_ints(origins, x.device), host_ints(origin_rows, x.device), output_size=held)
     # stage 2: the pairs of the held rows in send order (this node's other ranks, then this rank),
     # by expert, then by origin, each origin's rows in token order
@@ -158,17 +162,17 @@ def dispatch_hierarchical(x: torch.Tensor, expert_ids: torch.Tensor, gates: torc
     valid = held_ids >= 0
     key = torch.where(valid, send_order_key(held_ids.clamp(min=0), num_experts, R, me) * R
                       + origin.repeat_interleave(k), num_experts * R)
-    served = {p: [o for o in range(R) if nodes.local_index(o) == nodes.local_index(p)] for p in range(R)}
-    send = [sum(C[o][e] for o in served[me] for e in range(t * local, (t + 1) * local))
-            if nodes.node_of[t] == my_node else 0 for t in range(R)]
+    peers = nodes.peers_on(my_node)  # this node's ranks: the node group's ranks, in order
+    served = {p: [_proxy(nodes, p, n) for n in range(N)] for p in peers}  # the origins p is proxy for
+    send = [sum(C[o][e] for o in served[me] for e in range(t * local, (t + 1) * local)) for t in peers]
     pairs = torch.argsort(key, stable=True)[:sum(send)]
     pair_row = torch.div(pairs, k, rounding_mode="floor")
     pair_expert = held_ids.index_select(0, pairs)
     pair_gates = held_meta[:, :k].reshape(-1).index_select(0, pairs).to(gates.dtype)
     pair_sum = SumOrder(torch.argsort(pair_expert, stable=True))
-    exchange, flat_segments, to_flat = _stage2(nodes, me, local, C, served, send, ep_group, x.device)
+    exchange, flat_segments, to_flat = _stage2(nodes, me, local, C, served, send, groups.ep_node, x.device)
     plan = HierarchicalPlan(
-        ep_group, T, row_token, row_sum, to_proxy, from_origin, held, pair_row, pair_gates, pair_sum, exchange,
+        groups.ep_rail, T, row_token, row_sum, to_proxy, from_origin, held, pair_row, pair_gates, pair_sum, exchange,
         [sum(C[o][me * local + e] for o in range(R)) for e in range(local)], flat_segments, to_flat,
         inverse_permutation(to_flat), read_along=along[0] if along else None,
         inter_node_pairs=inter_node_pairs([sum(C[me][r * local:(r + 1) * local]) for r in range(R)], nodes, me),
@@ -177,23 +181,22 @@ def dispatch_hierarchical(x: torch.Tensor, expert_ids: torch.Tensor, gates: torc
 
 
 def _stage2(nodes: NodeLayout, me: int, local: int, C: list, served: dict, send: list[int], group, device):
-    """The stage-2 exchange (one run per proxy, expert and origin, in arrival order), the flat
-    dispatch's layout of this rank's expert rows (by origin: the others in rank order, this rank
-    last; then by expert) and the permutation from the arrival layout to it."""
-    R, my_node = nodes.size, nodes.node_of[me]
-    sources = [p for p in range(R) if p != me] + [me]
-    start, pos, runs = {}, 0, [[] for _ in range(R)]
-    for p in sources:
-        if nodes.node_of[p] != my_node:
-            continue
+    """The stage-2 exchange over the node group (one run per proxy, expert and origin, in arrival
+    order), the flat dispatch's layout of this rank's expert rows (by origin: the others in rank
+    order, this rank last; then by expert) and the permutation from the arrival layout to it."""
+    peers = nodes.peers_on(nodes.node_of[me])
+    mine = peers.index(me)
+    start, pos, runs = {}, 0, [[] for _ in peers]
+    for i in [i for i in range(len(peers)) if i != mine] + [mine]:  # arrival order: the others, then this rank
         for e in range(local):
-            for o in served[p]:
+            for o in sorted(served[peers[i]]):
                 c = C[o][me * local + e]
-                runs[p].append((e, c))
+                runs[i].append((e, c))
                 start[(o, e)] = pos
                 pos += c
-    recv = [[sum(c for ee, c in runs[p] if ee == e) for e in range(local)] for p in range(R)]
-    exchange = Exchange(group, me, send, recv, runs)
+    recv = [[sum(c for ee, c in run if ee == e) for e in range(local)] for run in runs]
+    exchange = Exchange(group, mine, send, recv, runs)
+    sources = [o for o in range(nodes.size) if o != me] + [me]
     flat_blocks = [(o, e, C[o][me * local + e]) for o in sources for e in range(local)]
     shift, sizes, flat_pos = [], [], 0
     for o, e, c in flat_blocks:
@@ -225,5 +228,5 @@ def combine_hierarchical(y: torch.Tensor, plan: HierarchicalPlan) -> torch.Tenso
     partial rows back to their origins, a token's partial rows summed in node order."""
     partial = scatter_rows(y, plan.pair_gates.to(y.dtype), plan.pair_row, plan.held, plan.pair_sum)
     received = sum(plan.from_origin)
-    back = all_to_all_rows(partial[:received], plan.to_proxy, plan.from_origin, plan.group)
+    back = all_to_all_rows(partial[:received], plan.to_proxy, plan.from_origin, plan.rail)
     return scatter_rows(torch.cat([back, partial[received:]]), None, plan.row_token, plan.num_tokens, plan.row_sum)

@@ -186,7 +186,7 @@ class MoELayer(nn.Module):
         read_along = torch.stack([stats.total.nonfinite, stats.total.tokens])
         if self.hierarchical:
             routed, plan = dispatch_hierarchical(rows, routing.expert_ids, routing.gates, capacity.keep, self.num_experts,
-                                                 self.groups.ep, self.groups.ep_nodes, read_along)
+                                                 self.groups, read_along)
             self._check_nonfinite(*plan.read_along)
             out = combine_hierarchical(hierarchical_experts(self.experts, routed, plan), plan)
         else:
