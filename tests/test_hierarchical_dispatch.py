@@ -39,8 +39,8 @@ def _run(layer, groups, rank, world):
         loss.backward()
     sync_gradients(layer, groups)
     res = collect(layer, {"out": out.detach(), "x_grad": x.grad, "syncs": (fwd.describe(), len(fwd), len(bwd))})
-    plan = layer.last_plan
-    res.update(pairs=plan.inter_node_pairs, rows=plan.inter_node_rows, hierarchical=layer.hierarchical)
+    pairs, rows = layer.inter_node_rows
+    res.update(pairs=pairs, rows=rows, hierarchical=layer.hierarchical)
     # the duplication counted from the routing: per token and remote node, its pairs there minus one
     routing = layer.last_routing
     if layer.args.capacity_factor is None:

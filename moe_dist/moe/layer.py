@@ -81,7 +81,9 @@ class MoELayer(nn.Module):
         self.aux_loss: Optional[torch.Tensor] = None
         self.stats: Optional[MoEStats] = None
         self.last_routing: Optional[Routing] = None
-        self.last_plan = None  # the last forward's dispatch plan (row counts: inter_node_pairs, inter_node_rows)
+        # the last forward's rows to other nodes, over several nodes: (one per pair, as the flat dispatch
+        # sends them; as this layer's dispatch sent them), else None
+        self.inter_node_rows: Optional[tuple[int, int]] = None
         # NaN/Inf router logits: raise (the default), or, for a trainer that skips such a step,
         # count them (global over the stats group) in nonfinite_logits and carry the NaN forward
         self.raise_on_nonfinite_logits = True
@@ -194,7 +196,8 @@ class MoELayer(nn.Module):
                                     self.groups.ep, peer_counts, read_along, self.groups.ep_nodes)
             self._check_nonfinite(*plan.read_along)
             out = combine(self.experts(routed, plan.local_counts, plan.exchange), plan, rows.shape[0])
-        self.last_plan = plan
+        self.inter_node_rows = (None if plan.inter_node_pairs is None
+                                else (plan.inter_node_pairs, plan.inter_node_rows))
         out = add_shared_expert(out, rows, self.shared_expert, self.shared_expert_gate)
         self.stats = MoEStats.of(stats.total, losses, capacity, routing)
         return out.to(x.dtype).reshape(x.shape)
