@@ -56,9 +56,6 @@ from .dispatch import (SumOrder, gather_rows, inter_node_pairs, nodes_of_tokens,
 from .exchange import Exchange, exchange_rows, return_rows
 from .experts import GroupedExperts, PermuteRows, host_ints, inverse_permutation
 
-DISPATCH_MODES = ("flat", "hierarchical")
-
-
 def hierarchical_fallback(groups: ParallelGroups) -> Optional[str]:
     """Why ``parallel.dispatch: hierarchical`` runs the flat dispatch on these groups (None: it does
     not; the hierarchical dispatch runs)."""
@@ -135,15 +132,11 @@ def dispatch_hierarchical(x: torch.Tensor, expert_ids: torch.Tensor, gates: torc
     C = [table[r * (num_experts + N):r * (num_experts + N) + num_experts] for r in range(R)]
     D = [table[r * (num_experts + N) + num_experts:(r + 1) * (num_experts + N)] for r in range(R)]
     rows = sum(D[me])
-    picked = candidates[:rows]
+    picked = candidates[:rows]  # (node in send order, token) of each stage-1 row, tokens ascending
     row_token = picked % T
     row_node = host_ints(send_nodes, x.device)[torch.div(picked, T, rounding_mode="floor")]
     row_sum = SumOrder(torch.argsort(row_node, stable=True))
-    mask = node.index_select(0, row_token) == row_node.unsqueeze(1)  # [rows, k]: the token's pairs on the row's node
-    ids = torch.where(mask, kept.view(T, k).index_select(0, row_token), -1)
-    row_gates = torch.where(mask, gates.index_select(0, row_token), torch.zeros((), dtype=gates.dtype, device=gates.device))
-    meta_dtype = torch.promote_types(gates.dtype, torch.float32)  # expert ids are exact in it
-    meta = torch.cat([row_gates.to(meta_dtype), ids.to(meta_dtype)], 1)
+    meta = _row_pairs(node, kept.view(T, k), gates, row_token, row_node)
     # stage 1 over the rail: its rank n is this rank's proxy on node n (origin, coming the other way)
     rail_peer = [_proxy(nodes, me, n) for n in range(N)]
     to_proxy = [D[me][n] if n != my_node else 0 for n in range(N)]
@@ -156,20 +149,11 @@ def dispatch_hierarchical(x: torch.Tensor, expert_ids: torch.Tensor, gates: torc
     origins = [rail_peer[n] for n in range(N) if from_origin[n]] + [me]
     origin_rows = [c for c in from_origin if c] + [rows - away]
     origin = torch.repeat_interleave(host_ints(origins, x.device), host_ints(origin_rows, x.device), output_size=held)
-    # stage 2: the pairs of the held rows in send order (this node's other ranks, then this rank),
-    # by expert, then by origin, each origin's rows in token order
-    held_ids = held_meta[:, k:].detach().long().reshape(-1)
-    valid = held_ids >= 0
-    key = torch.where(valid, send_order_key(held_ids.clamp(min=0), num_experts, R, me) * R
-                      + origin.repeat_interleave(k), num_experts * R)
     peers = nodes.peers_on(my_node)  # this node's ranks: the node group's ranks, in order
     served = {p: [_proxy(nodes, p, n) for n in range(N)] for p in peers}  # the origins p is proxy for
     send = [sum(C[o][e] for o in served[me] for e in range(t * local, (t + 1) * local)) for t in peers]
-    pairs = torch.argsort(key, stable=True)[:sum(send)]
-    pair_row = torch.div(pairs, k, rounding_mode="floor")
-    pair_expert = held_ids.index_select(0, pairs)
-    pair_gates = held_meta[:, :k].reshape(-1).index_select(0, pairs).to(gates.dtype)
-    pair_sum = SumOrder(torch.argsort(pair_expert, stable=True))
+    pair_row, pair_expert, pair_gates = _held_pairs(held_meta, origin, num_experts, R, me, sum(send))
+    pair_gates, pair_sum = pair_gates.to(gates.dtype), SumOrder(torch.argsort(pair_expert, stable=True))
     exchange, flat_segments, to_flat = _stage2(nodes, me, local, C, served, send, groups.ep_node, x.device)
     plan = HierarchicalPlan(
         groups.ep_rail, T, row_token, row_sum, to_proxy, from_origin, held, pair_row, pair_gates, pair_sum, exchange,
@@ -178,6 +162,31 @@ def dispatch_hierarchical(x: torch.Tensor, expert_ids: torch.Tensor, gates: torc
         inter_node_pairs=inter_node_pairs([sum(C[me][r * local:(r + 1) * local]) for r in range(R)], nodes, me),
         inter_node_rows=away)
     return gather_rows(held_x, pair_row, pair_sum), plan
+
+
+def _row_pairs(node: torch.Tensor, kept: torch.Tensor, gates: torch.Tensor, row_token: torch.Tensor,
+               row_node: torch.Tensor) -> torch.Tensor:
+    """What travels with each stage-1 row: ``[rows, 2k]``, the gates (differentiable; 0 where the
+    pair is not on the row's node or dropped) then the expert ids (-1 there), in the gates' dtype or
+    fp32 (expert ids are exact in either)."""
+    mask = node.index_select(0, row_token) == row_node.unsqueeze(1)
+    ids = torch.where(mask, kept.index_select(0, row_token), -1)
+    row_gates = torch.where(mask, gates.index_select(0, row_token), torch.zeros((), dtype=gates.dtype, device=gates.device))
+    dtype = torch.promote_types(gates.dtype, torch.float32)
+    return torch.cat([row_gates.to(dtype), ids.to(dtype)], 1)
+
+
+def _held_pairs(held_meta: torch.Tensor, origin: torch.Tensor, num_experts: int, ep: int, me: int,
+                pairs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pairs of the held rows in stage-2 send order (this node's other ranks, then this rank; by
+    expert, then by origin, each origin's rows in token order): their held row, expert and gate."""
+    k = held_meta.shape[1] // 2
+    ids = held_meta[:, k:].detach().long().reshape(-1)
+    key = torch.where(ids >= 0, send_order_key(ids.clamp(min=0), num_experts, ep, me) * ep + origin.repeat_interleave(k),
+                      num_experts * ep)
+    order = torch.argsort(key, stable=True)[:pairs]
+    return (torch.div(order, k, rounding_mode="floor"), ids.index_select(0, order),
+            held_meta[:, :k].reshape(-1).index_select(0, order))
 
 
 def _stage2(nodes: NodeLayout, me: int, local: int, C: list, served: dict, send: list[int], group, device):
