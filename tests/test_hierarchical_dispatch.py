@@ -16,10 +16,13 @@ from moe_dist.parallel import apply_expert_parallel, sync_gradients
 TOKENS = 96
 NODES = [0, 0, 1, 1]
 
-# (name, layer config): k = 2 and 4, capacity with both drop policies and dropless, a shared expert,
-# the loop kernel (overlapped exchange) and bmm
+EMPTY_RANK = [40, 30, 26, 0]  # rank 3 has no tokens (it still computes other ranks' rows, and returns them)
+
+# (name, layer config[, tokens per rank]): k = 2 and 4, capacity with both drop policies and dropless,
+# a shared expert, the loop kernel (overlapped exchange) and bmm, a rank without tokens
 CASES = [
     ("k2 dropless loop", dict(top_k=2)),
+    ("k4 dropless loop, empty rank", dict(top_k=4), EMPTY_RANK),
     ("k4 dropless loop", dict(top_k=4)),
     ("k4 dropless bmm", dict(top_k=4, expert_kernel="bmm")),
     ("k4 capacity position", dict(top_k=4, capacity_factor=1.0, drop_policy="position")),
@@ -28,9 +31,9 @@ CASES = [
 ]
 
 
-def _run(layer, groups, rank, world):
+def _run(layer, groups, rank, world, sizes=None):
     x, w = make_batch(TOKENS)
-    sizes = split_sizes(TOKENS, world, uneven=True)
+    sizes = sizes or split_sizes(TOKENS, world, uneven=True)
     x, w = x[sum(sizes[:rank]):sum(sizes[:rank + 1])].clone().requires_grad_(True), w[sum(sizes[:rank]):sum(sizes[:rank + 1])]
     with count_host_syncs() as fwd:
         out = layer(x)
@@ -48,6 +51,8 @@ def _run(layer, groups, rank, world):
         remote = node != NODES[rank]
         per = torch.stack([(remote & (node == n)).sum(1) for n in range(2)], 1)
         res["duplication"] = int((per - 1).clamp(min=0).sum())
+    with torch.no_grad():
+        res["eval_out"] = layer.eval()(x)
     return res
 
 
@@ -56,9 +61,9 @@ def _compare(rank, world, cases):
     flat_groups = build_parallel_groups(world, 8, node_of=NODES)
     hier_groups = build_parallel_groups(world, 8, node_of=NODES, dispatch="hierarchical")
     out = {}
-    for name, cfg in cases:
-        flat = _run(apply_expert_parallel(make_layer(cfg), flat_groups), flat_groups, rank, world)
-        hier = _run(apply_expert_parallel(make_layer(cfg), hier_groups), hier_groups, rank, world)
+    for name, cfg, *sizes in cases:
+        flat = _run(apply_expert_parallel(make_layer(cfg), flat_groups), flat_groups, rank, world, *sizes)
+        hier = _run(apply_expert_parallel(make_layer(cfg), hier_groups), hier_groups, rank, world, *sizes)
         out[name] = {"flat": flat, "hier": hier}
     return out
 
@@ -69,7 +74,7 @@ def _equal(a, b):
 
 def test_hierarchical_equals_flat_bit_for_bit_and_sends_each_token_once_per_node():
     results = run_ranks(_compare, 4, (CASES,), timeout=180)
-    for name, _ in CASES:
+    for name, *_ in CASES:
         saved = 0
         for rank, per_rank in enumerate(results):
             flat, hier = per_rank[name]["flat"], per_rank[name]["hier"]
@@ -79,6 +84,7 @@ def test_hierarchical_equals_flat_bit_for_bit_and_sends_each_token_once_per_node
             described, n_forward, n_backward = hier["syncs"]
             assert n_forward == flat["syncs"][1] and n_backward == 0, described
             assert _equal(hier["out"], flat["out"]), f"{where}: outputs differ"
+            assert _equal(hier["eval_out"], flat["eval_out"]), f"{where}: outputs without gradients differ"
             assert _equal(hier["x_grad"], flat["x_grad"]), f"{where}: input gradients differ"
             for n, g in flat["router_grads"].items():
                 assert _equal(hier["router_grads"][n], g), f"{where}: router gradient {n} differs"
