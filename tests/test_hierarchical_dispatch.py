@@ -137,4 +137,4 @@ def test_fallbacks_and_the_start_up_note():
     assert "without its node and rail groups" in hierarchical_fallback(two)
     two = dataclasses.replace(two, ep_node=object(), ep_rail=object())  # stand-ins: only their presence is read
     assert hierarchical_fallback(two) is None and dispatch_note(two) == "dispatch=hierarchical over 2 nodes"
-    assert dispatch_note(dataclasses.replace(two, dispatch="flat")) == "dispatch=flat"
+    assert dispatch_note(dataclasses.replace(two, dispatch="flat")) == ""

@@ -73,9 +73,10 @@ def hierarchical_fallback(groups: ParallelGroups) -> Optional[str]:
 
 
 def dispatch_note(groups: ParallelGroups) -> str:
-    """The start-up log's word on the dispatch: ``flat``, ``hierarchical`` or the fallback."""
+    """The start-up log's word on ``parallel.dispatch: hierarchical``: that it runs, or why not
+    (empty for the default flat dispatch)."""
     if groups.dispatch != "hierarchical":
-        return "dispatch=flat"
+        return ""
     why = hierarchical_fallback(groups)
     return f"dispatch=flat ({why})" if why else f"dispatch=hierarchical over {groups.ep_nodes.num_nodes} nodes"
 

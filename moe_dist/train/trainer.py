@@ -505,10 +505,12 @@ class Trainer:
                  f"token), {len(self.moe)} MoE layers x {cfg.model.moe.num_experts} experts, top-{cfg.model.moe.top_k}, "
                  f"router {cfg.model.moe.router}")
         over = f" over {self.rt.socket_interface}" if self.rt.socket_interface else ""  # this host's interface
+        dispatch = dispatch_note(self.rt.groups)  # parallel.dispatch: hierarchical (or why it fell back)
         self.log(f"parallel: {self.rt.world_size} process(es) [{self.rt.launch.launcher}, {self.rt.backend or 'no backend'}{over}, "
                  f"{self.rt.device}, {torch.get_num_threads()} thread(s) each from "
                  f"{thread_choice(cfg.run.threads, self.rt.launch.local_world_size)[1]}], ep={self.rt.groups.ep_size}"
-                 f"{' (parallel.ep=auto)' if cfg.parallel.ep == 'auto' else ''}, {dispatch_note(self.rt.groups)}, "
+                 f"{' (parallel.ep=auto)' if cfg.parallel.ep == 'auto' else ''}, "
+                 f"{dispatch + ', ' if dispatch else ''}"
                  f"dense={self.engine.dense_layout()}; data: "
                  f"{self.data.train.count:,} train tokens, {cfg.train.global_batch}x{cfg.train.seq_len} tokens per step")
         small = small_corpus_note(self.data.train.count, cfg.train.global_batch, cfg.train.seq_len, steps)
