@@ -38,7 +38,7 @@ import pytest
 
 from moe_dist.testing.slurm import SlurmCluster, install_slurm
 from helpers.run_dir import complete_checkpoints, metrics_rows, read_text
-from helpers.multinode_harness import ROOT, cluster  # noqa: F401 (fixture)
+from helpers.multinode_harness import ROOT, _env, cluster  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 
@@ -84,14 +84,6 @@ def _plugged_in(request):
         for nd in s.cluster.nodes:
             s.cluster.set_link(nd, True)
         s.cancel_all()  # a job that a failed test left behind
-
-
-def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK",
-                        "NPROC_PER_NODE") and not k.startswith("SLURM_")}
-    env.update(PYTHON=sys.executable, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **extra)
-    return env
 
 
 @pytest.fixture(scope="module")
