@@ -180,6 +180,24 @@ def test_step_metrics_report_groups_per_token():
         assert summary[str(idx)]["groups_per_token_mean"] == pytest.approx(float(every.double().mean()))
 
 
+def test_the_limit_adds_no_host_reads():
+    """The layer's one read in forward, none in backward, with the group limit and its spans."""
+    from helpers.host_sync import count_host_syncs
+
+    torch.manual_seed(0)
+    layer = MoELayer(16, MoEArgs(d_ff=8, num_experts=E, top_k=3, router_groups=G, max_groups_per_token=M,
+                                 expert_bias=True, expert_kernel="loop"))
+    x = torch.randn(24, 16, requires_grad=True)
+    layer(x).sum().backward()  # warm-up
+    with count_host_syncs() as fwd:
+        out = layer(x)
+    with count_host_syncs() as rest:
+        (out.sum() + layer.aux_loss).backward()
+        layer.after_optimizer_step()
+    assert len(fwd) == 1, fwd.describe()
+    assert len(rest) == 0, rest.describe()
+
+
 # ---- 1 process vs 2 and 4 ranks ----------------------------------------------------------------
 GROUPED = dict(router_groups=G, max_groups_per_token=M, top_k=3)
 INVARIANCE_CASES = {
