@@ -20,7 +20,7 @@ from helpers.dist_harness import run_ranks
 from helpers.router_cases import SPAWN, build_jobs, check_calls, per_job, reference_calls, run_layouts
 from moe_dist.config import ConfigError, load_config
 from moe_dist.distributed.topology import NodeLayout
-from moe_dist.moe import MoEArgs, MoELayer, RouterInputs
+from moe_dist.moe import MoEArgs, MoELayer
 from moe_dist.moe.routers import ROUTERS
 from moe_dist.moe.routers.base import select_topk
 
