@@ -233,7 +233,8 @@ def select_topk(scores: torch.Tensor, probs: torch.Tensor, k: int, normalize: bo
         scores = probs.detach() + bias.to(probs.dtype)
     if groups is not None and groups[1] < groups[0]:
         ranking = scores if bias is not None else probs.detach()
-        scores = scores.masked_fill(~group_limit_mask(ranking, k, *groups), float("-inf"))
+        keep = group_limit_mask(ranking, k, *groups)  # [T, G]
+        scores = scores.reshape(*keep.shape, -1).masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
     expert_ids = torch.topk(scores, k, dim=-1, sorted=True).indices
     gates = probs.gather(-1, expert_ids)
     if normalize:
@@ -242,7 +243,7 @@ def select_topk(scores: torch.Tensor, probs: torch.Tensor, k: int, normalize: bo
 
 
 def group_limit_mask(select: torch.Tensor, k: int, groups: int, max_groups: int) -> torch.Tensor:
-    """``[T, E]`` bool: the experts of each token's ``max_groups`` best expert groups.
+    """``[T, G]`` bool: each token's ``max_groups`` best expert groups.
 
     Group ``g`` holds experts ``[g E/G, (g+1) E/G)``; its score for a token is the sum of the token's
     ``max(1, k // max_groups)`` highest ``select`` values in the group (Megatron-Core's
@@ -254,8 +255,7 @@ def group_limit_mask(select: torch.Tensor, k: int, groups: int, max_groups: int)
                          f"{per_group} experts")
     best = select.detach().reshape(tokens, groups, per_group).topk(max(1, k // max_groups), dim=-1).values.sum(-1)
     chosen = best.topk(max_groups, dim=-1).indices
-    keep = torch.zeros(tokens, groups, dtype=torch.bool, device=select.device).scatter_(1, chosen, True)
-    return keep.repeat_interleave(per_group, dim=1)
+    return torch.zeros(tokens, groups, dtype=torch.bool, device=select.device).scatter_(1, chosen, True)
 
 
 def default_normalize(top_k: int, normalize: bool | None) -> bool:
