@@ -95,6 +95,8 @@ class MoELayer(nn.Module):
         router = build_router(args.router, self.d_model, args.num_experts, args.top_k, **args.router_options)
         if args.expert_bias:
             router.enable_expert_bias()
+        if args.max_groups_per_token is not None:
+            router.set_group_limit(args.router_groups, args.max_groups_per_token)
         router.set_compute_dtype(ROUTER_DTYPES[args.router_dtype])
         return router
 
@@ -166,7 +168,9 @@ class MoELayer(nn.Module):
         args = self.args
         seq_loss = (sequence_balance_sum(routing.probs, routing.expert_ids, n_seq)
                     if args.balance_loss == "sequence" else None)
-        stats = gather_routing_stats(RoutingStats.measure(routing, self.num_experts, seq_loss, n_seq),
+        grouped = args.max_groups_per_token is not None
+        stats = gather_routing_stats(RoutingStats.measure(routing, self.num_experts, seq_loss, n_seq,
+                                                          args.router_groups if grouped else None),
                                      self.context.stats_group)
         losses = balance_losses(routing, stats, args.loss_scope, args.balance_loss, seq_loss, n_seq)
         self.aux_loss = losses.weighted(args.aux_loss_coef, args.z_loss_coef)
@@ -182,7 +186,7 @@ class MoELayer(nn.Module):
         self._check_nonfinite(*plan.read_along)
         out = combine(self.experts(routed, plan.local_counts, plan.exchange), plan, rows.shape[0])
         out = add_shared_expert(out, rows, self.shared_expert, self.shared_expert_gate)
-        self.stats = MoEStats.of(stats.total, losses, capacity, routing)
+        self.stats = MoEStats.of(stats.total, losses, capacity, routing, grouped)
         return out.to(x.dtype).reshape(x.shape)
 
     def _rows(self, x: torch.Tensor, inputs: RouterInputs) -> tuple[torch.Tensor, int]:

@@ -510,6 +510,9 @@ class Trainer:
                  f"{' (parallel.ep=auto)' if cfg.parallel.ep == 'auto' else ''}, "
                  f"dense={self.engine.dense_layout()}; data: "
                  f"{self.data.train.count:,} train tokens, {cfg.train.global_batch}x{cfg.train.seq_len} tokens per step")
+        node_limit = cfg.model.moe.node_limit_warning(self.rt.groups.ep_nodes)
+        if node_limit:
+            self.log(node_limit)
         small = small_corpus_note(self.data.train.count, cfg.train.global_batch, cfg.train.seq_len, steps)
         if small:
             self.log(small)

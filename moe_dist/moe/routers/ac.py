@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ...distributed.collectives import all_reduce_sum
 from ..routing import SCOPES, Routing, RouterInputs, RoutingContext, is_recomputing
-from .base import Router, default_normalize, fp32_linear, select_topk
+from .base import Router, default_normalize, fp32_linear
 from .registry import register_router
 from .token_stats import real_token_weights
 from ...checks import check_choice
@@ -98,7 +98,7 @@ class AdaptiveClusteringRouter(Router):
     normalize: renormalise the gates over the chosen k (default: k > 1).
     """
 
-    supports_expert_bias = True
+    supports_expert_bias = supports_group_limit = True
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, *, start_layer: int = 2, dispersion: str = "mad",
                  eps: float = 1e-4, clamp: Optional[float] = 10.0, weight_norm: str = "feature", min_count: int = 2,
@@ -177,5 +177,5 @@ class AdaptiveClusteringRouter(Router):
             router_input = x
         logits = fp32_linear(router_input, self.router_weight())
         probs = torch.softmax(logits, dim=-1)
-        expert_ids, gates = select_topk(logits, probs, self.top_k, self.normalize, self.selection_bias())
+        expert_ids, gates = self.choose_topk(logits, probs, self.top_k, self.normalize)
         return Routing(expert_ids=expert_ids, gates=gates, probs=probs, logits=logits, extras=extras)

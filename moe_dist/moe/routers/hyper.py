@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from ...distributed.collectives import all_gather_tensor, group_size
 from ..routing import Routing, RouterInputs, RoutingContext
-from .base import Router, default_normalize, fp32_linear, select_topk
+from .base import Router, default_normalize, fp32_linear
 from .registry import register_router
 from ...errors import ConfigError
 
@@ -59,14 +59,13 @@ class FrozenRouter(Router):
     :meth:`router_weights`.
     """
 
-    supports_expert_bias = supports_fp64 = True
+    supports_expert_bias = supports_fp64 = supports_group_limit = True
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, *, k_min: Optional[int] = None,
                  k_max: Optional[int] = None, k_schedule_steps: Optional[int] = None, eval_k: Optional[int] = None,
                  normalize: Optional[bool] = None):
         super().__init__(d_model, num_experts, top_k)
-        k_min = top_k if k_min is None else int(k_min)
-        k_max = k_min if k_max is None else int(k_max)
+        k_min, k_max = self.k_bounds(top_k, k_min, k_max)
         if not 1 <= k_min <= k_max <= num_experts:
             raise ConfigError(f"model.moe.router_options: need 1 <= k_min <= k_max <= num_experts={num_experts}, "
                              f"got k_min={k_min}, k_max={k_max}")
@@ -81,6 +80,18 @@ class FrozenRouter(Router):
         self._frozen: list[str] = []
 
     # ---- k --------------------------------------------------------------------------------
+    @staticmethod
+    def k_bounds(top_k: int, k_min: Optional[int], k_max: Optional[int]) -> tuple[int, int]:
+        """``(k_min, k_max)`` with their defaults: k_min the layer's top_k, k_max k_min."""
+        k_min = top_k if k_min is None else int(k_min)
+        return k_min, k_min if k_max is None else int(k_max)
+
+    @classmethod
+    def largest_k(cls, top_k: int, options: dict) -> int:
+        k_max = cls.k_bounds(top_k, options.get("k_min"), options.get("k_max"))[1]
+        eval_k = options.get("eval_k")
+        return k_max if eval_k is None else max(k_max, int(eval_k))
+
     @property
     def final_k(self) -> int:
         return self.k_max
@@ -156,7 +167,7 @@ class FrozenRouter(Router):
         logits = fp32_linear(x, weight, bias, dtype=self.compute_dtype)
         probs = torch.softmax(logits, dim=-1)
         k = self.current_k(ctx)
-        expert_ids, gates = select_topk(logits, probs, k, default_normalize(k, self.normalize), self.selection_bias())
+        expert_ids, gates = self.choose_topk(logits, probs, k, default_normalize(k, self.normalize))
         return Routing(expert_ids=expert_ids, gates=gates, probs=probs, logits=logits,
                        extras={"k": logits.new_full((), float(k))})
 

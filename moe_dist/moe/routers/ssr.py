@@ -53,6 +53,9 @@ class SelectiveSinkhornRouter(Router):
     normalize: renormalise the softmax-branch gates over the chosen k (default: k > 1).
     """
 
+    group_limit_refusal = ("its Sinkhorn calls choose from a transport plan balanced over the whole batch, not by a "
+                           "per-token top-k: confining each token to its best groups would undo that balance")
+
     def __init__(self, d_model: int, num_experts: int, top_k: int, *, p: float = 1e-3, xi: float = 0.5,
                  cost: str = "logits", gates: str = "plan", noise_alpha: float = 0.0, noise_sigma: float = 1.0,
                  max_iters: int = 100, tol: float = 1e-4, check_every: int = 8, scope: str = "global",

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from ...checks import check_bounds, check_choice
 from ..counting import count_values
 from ..routing import AttentionInputs, Routing, RouterInputs, RoutingContext
-from .base import default_normalize, select_topk
+from .base import default_normalize
 from .registry import register_router
 from .wrapping import WrappingRouter, topk_set_changed
 
@@ -278,7 +278,7 @@ class TokenGraphRouter(WrappingRouter):
     """Shared tail of both token-graph routers: mixed probabilities -> top-k -> Routing."""
 
     local_extras = {"topk_changed": "mean"}  # share of tokens whose top-k set the mixing changed
-    supports_expert_bias = True
+    supports_expert_bias = supports_group_limit = True
     needs_whole_sequences = True
     eager_under_compile = ("its time is the [S, S] token graph's products inside its own autograd functions, "
                            "which dynamo cannot fuse; compiled it measured slower (bench/results.md, "
@@ -299,7 +299,7 @@ class TokenGraphRouter(WrappingRouter):
         self.graph_dtype = GRAPH_DTYPES[graph_dtype]
 
     def finish(self, base: Routing, mixed: torch.Tensor, extras: dict) -> Routing:
-        expert_ids, gates = select_topk(mixed, mixed, self.top_k, self.normalize, self.selection_bias())
+        expert_ids, gates = self.choose_topk(mixed, mixed, self.top_k, self.normalize)
         with torch.no_grad():
             extras = {**base.extras, **extras, "topk_changed": topk_set_changed(expert_ids, base.expert_ids).float().mean()}
         return Routing(expert_ids=expert_ids, gates=gates, probs=mixed if self.aux_probs == "mixed" else base.probs,

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ...errors import ConfigError
 from ..routing import Routing, RouterInputs, RoutingContext
-from .base import Router, default_normalize, fp32_linear, layout_invariant_normal, select_topk
+from .base import Router, default_normalize, fp32_linear, layout_invariant_normal
 from .registry import register_router
 
 
@@ -27,7 +27,7 @@ class TopKRouter(Router):
         top_k degrades at another k (HyperRouter's SMoE baseline; ``moe-dist eval --k``).
     """
 
-    supports_expert_bias = supports_fp64 = True
+    supports_expert_bias = supports_fp64 = supports_group_limit = True
     per_expert_tensors = ("weight", "noise_weight")
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, *, normalize: bool | None = None,
@@ -58,5 +58,5 @@ class TopKRouter(Router):
             logits = logits + eps * noise_std
         probs = torch.softmax(logits, dim=-1)
         k = self.eval_k if self.eval_k is not None and not self.training else self.top_k
-        expert_ids, gates = select_topk(logits, probs, k, self.normalize, self.selection_bias())
+        expert_ids, gates = self.choose_topk(logits, probs, k, self.normalize)
         return Routing(expert_ids=expert_ids, gates=gates, probs=probs, logits=logits)
