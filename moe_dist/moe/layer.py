@@ -35,6 +35,7 @@ from .routing import NO_INPUTS, Routing, RouterInputs, RoutingContext, is_recomp
 from .routing_stats import GatheredStats, RoutingStats, gather_routing_stats
 from .shared import SharedExpert, add_shared_expert, init_linear
 from .stats import MoEStats
+from .traffic import TrafficMeter
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -75,6 +76,7 @@ class MoELayer(nn.Module):
         self.shared_expert_gate = init_linear(d_model, 1, init_std) if args.shared_gate else None
         self._pending_counts: Optional[torch.Tensor] = None  # expert-bias counts of the current optimizer step
         self.groups = ParallelGroups.single()
+        self.traffic = TrafficMeter()  # bytes this rank's exchanges send, intra- and inter-node
         self.context = RoutingContext(layer_idx=layer_idx)
         self.aux_loss: Optional[torch.Tensor] = None
         self.stats: Optional[MoEStats] = None
@@ -150,6 +152,7 @@ class MoELayer(nn.Module):
         if self.num_experts % groups.ep_size:
             raise ConfigError(f"parallel.ep={groups.ep_size} must divide model.moe.num_experts={self.num_experts}")
         self.groups = groups
+        self.traffic = TrafficMeter(groups.ep_nodes, groups.ep_rank)
         self.context.stats_group, self.context.ep_group = groups.dp, groups.ep
 
     # ---- forward ------------------------------------------------------------------------
@@ -182,7 +185,8 @@ class MoELayer(nn.Module):
         peer_counts = (subgroup_rows(stats.per_rank.counts, self.context.stats_group, self.groups.ep)
                        if capacity.keep is None else None)
         routed, plan = dispatch(rows, routing.expert_ids, routing.gates, capacity.keep, self.num_experts, self.groups.ep,
-                                peer_counts, read_along=torch.stack([stats.total.nonfinite, stats.total.tokens]))
+                                peer_counts, read_along=torch.stack([stats.total.nonfinite, stats.total.tokens]),
+                                meter=self.traffic)
         self._check_nonfinite(*plan.read_along)
         out = combine(self.experts(routed, plan.local_counts, plan.exchange), plan, rows.shape[0])
         out = add_shared_expert(out, rows, self.shared_expert, self.shared_expert_gate)
