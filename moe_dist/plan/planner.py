@@ -182,6 +182,31 @@ class Network:
     fsdp_overlap: bool = True  # FSDP2's collectives overlap compute (GPU streams); False for CPU processes
 
 
+DEFAULT_INTRA_GBPS = 3600.0  # NVLink 4 (H100): 900 GB/s both directions = 450 GB/s = 3600 Gbit/s each way
+DEFAULT_INTER_GBPS = 3200.0  # a node of 8 GPUs with one 400 Gbit/s InfiniBand NIC each
+DEFAULT_ALPHA_US = 10.0  # one message's latency across the fabric
+DEFAULT_COMPUTE_TFLOPS = 400.0  # H100 SXM bf16: ~40% of its 989 dense TFLOP/s, what large matmul-bound steps reach
+
+
+def make_network(dispatch: str = "all", max_groups: Iterable[int] = (1, 2), intra_gbps: float = DEFAULT_INTRA_GBPS,
+                 inter_gbps: float = DEFAULT_INTER_GBPS, alpha_us: float = DEFAULT_ALPHA_US,
+                 compute_tflops: float = DEFAULT_COMPUTE_TFLOPS, fsdp_overlap: bool = True) -> Network:
+    """A :class:`Network` from the command line's values, each checked (a :class:`ConfigError` names the option)."""
+    if dispatch not in (*DISPATCHES, "all"):
+        raise ConfigError(f"--dispatch: {dispatch!r}; allowed: {', '.join(DISPATCHES)}, all")
+    groups = tuple(max_groups)
+    if any(not isinstance(m, int) or m < 1 for m in groups):
+        raise ConfigError(f"--max-groups: {','.join(map(str, groups))!r}; allowed: integers >= 1, comma-separated")
+    for key, value in (("--intra-gbps", intra_gbps), ("--inter-gbps", inter_gbps), ("--compute-tflops", compute_tflops)):
+        if not value > 0:
+            raise ConfigError(f"{key}: {value!r}; allowed: a number > 0")
+    if not alpha_us >= 0:
+        raise ConfigError(f"--alpha-us: {alpha_us!r}; allowed: a number >= 0")
+    return Network(links=Links(intra_gbps=intra_gbps, inter_gbps=inter_gbps, alpha_s=alpha_us * 1e-6),
+                   compute_flops=compute_tflops * 1e12, dispatches=DISPATCHES if dispatch == "all" else (dispatch,),
+                   max_groups=groups, fsdp_overlap=fsdp_overlap)
+
+
 def step_work(inp: PlanInput, counts: dict, world: int, gpus_per_node: int, layout: dict, links: Links,
               checkpointing: bool) -> StepWork:
     """One GPU's compute and weight synchronisation per step for ``layout`` (an :func:`evaluate_layout` result)."""
