@@ -34,7 +34,7 @@ against ``d_model``), the per-step count exchange, capacity drops (a balanced ro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from math import comb
+from math import comb, lcm
 from typing import Optional
 
 from ..config import ConfigError
@@ -62,6 +62,20 @@ def group_shape(ep: int, gpus_per_node: int, num_experts: int, top_k: int) -> Op
     return GroupShape(ep=ep, ranks_per_node=r, nodes=ep // r, num_experts=num_experts, top_k=top_k)
 
 
+def flat_rows_per_token(ep: int, gpus_per_node: int, top_k: int) -> dict[str, float]:
+    """The flat dispatch's rows per token in one all-to-all, averaged over the ranks: ``k (p - 1) / ep``
+    to ranks of its own node and ``k (ep - p) / ep`` to other nodes, ``p`` being the ranks of its
+    group on its node (itself included): ``min(ep, g)`` when groups fill whole nodes or sit inside
+    one, else averaged over the ranks of one period of groups and nodes (``lcm(ep, g)`` ranks)."""
+    period = lcm(ep, gpus_per_node)
+    peers = 0
+    for rank in range(period):
+        group, node = rank // ep * ep, rank // gpus_per_node * gpus_per_node
+        peers += min(group + ep, node + gpus_per_node) - max(group, node)
+    p = peers / period
+    return {"intra": top_k * (p - 1) / ep, "inter": top_k * (ep - p) / ep}
+
+
 def node_hit_probability(num_experts: int, nodes: int, k: int) -> float:
     """The chance that one node (of ``nodes``, ``num_experts / nodes`` experts each) holds at least
     one of a token's ``k`` experts drawn without replacement."""
@@ -83,9 +97,9 @@ def rows_per_token(s: GroupShape, dispatch: str, max_groups: Optional[int] = Non
         raise ConfigError(f"--dispatch: {dispatch!r}; allowed: {', '.join(DISPATCHES)}, all")
     if max_groups is not None and not 1 <= max_groups <= s.nodes:
         raise ValueError(f"max_groups={max_groups} for a group over {s.nodes} node(s)")
-    k, r, ep, n = s.top_k, s.ranks_per_node, s.ep, s.nodes
+    k, r, n = s.top_k, s.ranks_per_node, s.nodes
     if dispatch == "flat" or n == 1:
-        return {"intra": k * (r - 1) / ep, "inter": k * (ep - r) / ep}
+        return flat_rows_per_token(s.ep, r, k)
     return {"intra": k * (r - 1) / r, "inter": distinct_nodes(s, max_groups) * (n - 1) / n}
 
 
