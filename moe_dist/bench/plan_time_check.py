@@ -178,19 +178,22 @@ def compare(args, result: dict, rates: list[str]) -> None:
     print(f"\ncompute rate from the 1-node runs ({one} s/step, mean {t1:.3f}; {flops / 1e9:.2f} GFLOP per rank per step): "
           f"{rate_flops / 1e9:.2f} GFLOP/s per rank")
     print(f"{'rate':>8} {'inter Gbit/s':>12} {'measured s/step (rounds)':>26} {'predicted':>9} {'ratio':>6} "
-          f"{'exposed a2a':>11} {'sync':>6} {'a2a inter MB/node/step':>22} {'node0 tx MB/step':>16}")
+          f"{'exposed a2a':>11} {'sync':>6} {'link MB/step: a2a + sync = predicted':>37} {'node0 tx MB/step':>16}")
     for rate in rates:
         gbps = result["unlimited_gbps"] if rate == "none" else rate_gbps(rate) * PAYLOAD
         pred = predict(args, 2, 2, gbps, rate_flops)
         measured = [rnd[rate]["step_s"] for rnd in result["rounds"]]
         mean = statistics.mean(measured)
         tx = statistics.mean(rnd[rate]["node0_tx_bytes"] for rnd in result["rounds"]) / args.steps / 1e6
+        a2a_mb = 2 * pred["inter_bytes_per_gpu_per_step"] / 1e6  # the node's 2 ranks
+        sync_mb = pred["sync_bytes_per_gpu_per_step"] / 1e6  # one ring edge leaves each node
         row = {"rate": rate, "inter_gbps": gbps, "measured_s": measured, "predicted_s": pred["step_s"],
-               "ratio": pred["step_s"] / mean, "prediction": pred, "node0_tx_mb_per_step": tx}
+               "ratio": pred["step_s"] / mean, "prediction": pred, "node0_tx_mb_per_step": tx,
+               "predicted_link_mb_per_step": a2a_mb + sync_mb}
         result["table"].append(row)
         print(f"{rate:>8} {gbps:>12.3f} {' / '.join(f'{m:.3f}' for m in measured):>26} {pred['step_s']:>9.3f} "
               f"{row['ratio']:>6.3f} {pred['exposed_all_to_all_s']:>11.3f} {pred['exposed_sync_s']:>6.3f} "
-              f"{2 * pred['inter_bytes_per_gpu_per_step'] / 1e6:>22.1f} {tx:>16.1f}")
+              f"{a2a_mb:>13.1f} + {sync_mb:>4.1f} = {a2a_mb + sync_mb:>5.1f}{'':>10} {tx:>16.1f}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -225,7 +225,7 @@ def step_work(inp: PlanInput, counts: dict, world: int, gpus_per_node: int, layo
                     tokens=tokens, moe_layers=n_moe, grad_accum=inp.grad_accum, d_model=s.d_model,
                     act_bytes=2 if inp.dtype == "bf16" else 4, checkpointing=checkpointing,
                     overlapped_exchange=m.moe.expert_kernel == "loop", sync_s=sync["total"],
-                    sync_first_last_s=sync["first_last"])
+                    sync_first_last_s=sync["first_last"], sync_bytes=sync["bytes_per_gpu"])
 
 
 def dispatch_variants(inp: PlanInput, counts: dict, world: int, gpus_per_node: int, layout: dict,
@@ -256,6 +256,7 @@ def dispatch_variants(inp: PlanInput, counts: dict, world: int, gpus_per_node: i
                         "intra_bytes_per_gpu_per_step": int(b["intra"]), "inter_bytes_per_gpu_per_step": int(b["inter"]),
                         "intra_bytes_per_step_all_gpus": int(b["intra"] * world),
                         "inter_bytes_per_step_all_gpus": int(b["inter"] * world),
+                        "sync_bytes_per_gpu_per_step": int(work.sync_bytes),
                         **{k: round(v, 6) for k, v in t.items()}})
     return out
 

@@ -124,6 +124,7 @@ class StepWork:
     overlapped_exchange: bool  # the loop kernel's PipelinedLoop
     sync_s: float  # FSDP2 / gradient synchronisation of the whole step, seconds
     sync_first_last_s: float  # the part that no overlap can hide (the first gather, the last reduction)
+    sync_bytes: float = 0.0  # bytes one GPU sends for it
 
 
 def step_time(work: StepWork, s: Optional[GroupShape], dispatch: str, max_groups: Optional[int], links: Links,
@@ -175,7 +176,8 @@ def sync_time(links: Links, cluster: Cluster, ep: int, dense_params: int, expert
     """Seconds of one step's weight gathers and gradient reductions (ring collectives): FSDP2
     gathers the dense weights over all ranks and sharded experts over their ``edp`` replicas
     ``gathers_per_step`` times and reduce-scatters fp32 gradients once; replicated weights
-    all-reduce their gradients. ``first_last``: the root unit's gather and reduction."""
+    all-reduce their gradients. ``first_last``: the root unit's gather and reduction;
+    ``bytes_per_gpu``: what one rank sends (a ring crosses a node's uplink with one rank's share)."""
     world, g = cluster.world, cluster.gpus_per_node
     edp = world // ep
     spans = cluster.nodes > 1
@@ -186,12 +188,15 @@ def sync_time(links: Links, cluster: Cluster, ep: int, dense_params: int, expert
 
     expert_rings = min(ep, g)
     if fsdp:
-        dense = gathers_per_step * ring(dense_params * gather_bytes, world, 1) + reduce_factor * ring(dense_params * 4, world, 1)
-        experts = (gathers_per_step * ring(expert_params_local * gather_bytes, edp, expert_rings)
-                   + reduce_factor * ring(expert_params_local * 4, edp, expert_rings)) if edp > 1 else 0.0
-        root = ring(root_params * gather_bytes, world, 1) + reduce_factor * ring(root_params * 4, world, 1)
-    else:
-        dense = 2 * ring(dense_params * 4, world, 1)
-        experts = 2 * ring(expert_params_local * 4, edp, expert_rings)
-        root = 2 * ring(root_params * 4, world, 1)
-    return {"total": dense + experts, "first_last": min(root, dense + experts)}
+        dense_units = [(dense_params * gather_bytes, gathers_per_step), (dense_params * 4, reduce_factor)]
+        expert_units = [(expert_params_local * gather_bytes, gathers_per_step), (expert_params_local * 4, reduce_factor)]
+        root_units = [(root_params * gather_bytes, 1), (root_params * 4, reduce_factor)]
+    else:  # all-reduce of the fp32 gradients: a reduce-scatter and an all-gather
+        dense_units, expert_units, root_units = ([(params * 4, 2)] for params in (dense_params, expert_params_local,
+                                                                                  root_params))
+    dense = sum(times * ring(nbytes, world, 1) for nbytes, times in dense_units)
+    experts = sum(times * ring(nbytes, edp, expert_rings) for nbytes, times in expert_units)
+    root = sum(times * ring(nbytes, world, 1) for nbytes, times in root_units)
+    sent = (sum(times * nbytes for nbytes, times in dense_units) * (world - 1) / world
+            + sum(times * nbytes for nbytes, times in expert_units) * (edp - 1) / edp)
+    return {"total": dense + experts, "first_last": min(root, dense + experts), "bytes_per_gpu": sent}
