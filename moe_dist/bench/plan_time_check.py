@@ -178,21 +178,25 @@ def compare(args, result: dict, rates: list[str]) -> None:
     print(f"\ncompute rate from the 1-node runs ({one} s/step, mean {t1:.3f}; {flops / 1e9:.2f} GFLOP per rank per step): "
           f"{rate_flops / 1e9:.2f} GFLOP/s per rank")
     print(f"{'rate':>8} {'inter Gbit/s':>12} {'measured s/step (rounds)':>26} {'predicted':>9} {'ratio':>6} "
-          f"{'exposed a2a':>11} {'sync':>6} {'link MB/step: a2a + sync = predicted':>37} {'node0 tx MB/step':>16}")
+          f"{'per-round ratios':>16} {'exposed a2a':>11} {'sync':>6} {'link MB/step: a2a + sync = predicted':>37} "
+          f"{'node0 tx MB/step':>16}")
     for rate in rates:
         gbps = result["unlimited_gbps"] if rate == "none" else rate_gbps(rate) * PAYLOAD
         pred = predict(args, 2, 2, gbps, rate_flops)
         measured = [rnd[rate]["step_s"] for rnd in result["rounds"]]
         mean = statistics.mean(measured)
         tx = statistics.mean(rnd[rate]["node0_tx_bytes"] for rnd in result["rounds"]) / args.steps / 1e6
+        # each round against its own 1-node run (the machine's load drifts between rounds)
+        per_round = [predict(args, 2, 2, gbps, flops / rnd["one_node_s"])["step_s"] / rnd[rate]["step_s"]
+                     for rnd in result["rounds"]]
         a2a_mb = 2 * pred["inter_bytes_per_gpu_per_step"] / 1e6  # the node's 2 ranks
         sync_mb = pred["sync_bytes_per_gpu_per_step"] / 1e6  # one ring edge leaves each node
         row = {"rate": rate, "inter_gbps": gbps, "measured_s": measured, "predicted_s": pred["step_s"],
-               "ratio": pred["step_s"] / mean, "prediction": pred, "node0_tx_mb_per_step": tx,
+               "ratio": pred["step_s"] / mean, "per_round_ratios": per_round, "prediction": pred, "node0_tx_mb_per_step": tx,
                "predicted_link_mb_per_step": a2a_mb + sync_mb}
         result["table"].append(row)
         print(f"{rate:>8} {gbps:>12.3f} {' / '.join(f'{m:.3f}' for m in measured):>26} {pred['step_s']:>9.3f} "
-              f"{row['ratio']:>6.3f} {pred['exposed_all_to_all_s']:>11.3f} {pred['exposed_sync_s']:>6.3f} "
+              f"{row['ratio']:>6.3f} {' / '.join(f'{x:.3f}' for x in per_round):>16} {pred['exposed_all_to_all_s']:>11.3f} {pred['exposed_sync_s']:>6.3f} "
               f"{a2a_mb:>13.1f} + {sync_mb:>4.1f} = {a2a_mb + sync_mb:>5.1f}{'':>10} {tx:>16.1f}")
 
 
@@ -206,7 +210,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--out", default="runs/plan-time-check")
     ap.add_argument("--from", dest="source", default=None, metavar="JSON",
-                    help="no runs: predict again for the measurements of an earlier plan_time_check.json")
+                    help="no runs: predict again for the measurements of an earlier plan_time_check.json "
+                         "(written again to --out)")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     args = ap.parse_args(argv)
     args.out = os.path.abspath(args.out)
@@ -217,6 +222,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         rates = [row["rate"] for row in result["table"]]
         result["table"] = []
         compare(args, result, rates)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "plan_time_check.json"), "w") as f:
+            json.dump(result, f, indent=2)
         return 0
     os.makedirs(args.out, exist_ok=True)
     rates = [r.strip() for r in args.rates.split(",") if r.strip()]
