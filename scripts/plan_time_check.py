@@ -1,6 +1,6 @@
 """The planner's step-time prediction against training on a namespace cluster with rate-limited links.
 
-    python -m moe_dist.bench.plan_time_check [--rates 100mbit,300mbit,none] [--rounds 2] [--steps 25]
+    PYTHONPATH=. .venv/bin/python scripts/plan_time_check.py [--rates 100mbit,300mbit,none] [--rounds 2] [--steps 25]
         [--warmup 5] [--out runs/plan-time-check] [--config configs/tiny.yaml] [KEY=VALUE ...]
 
 Needs root and ``ip netns`` (:mod:`moe_dist.testing.cluster`). The main job's model at ``parallel.ep=4``,
@@ -33,10 +33,10 @@ import sys
 import time
 from typing import Optional
 
-from ..plan.planner import Network, plan
-from ..plan.timing import Links
+from moe_dist.plan.planner import Network, plan
+from moe_dist.plan.timing import Links
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUIET = ["run.progress=false", "run.plots=false", "run.tensorboard=false", "ckpt.save_final=false",
          "eval.every=0", "eval.max_sequences=8", "run.print_every=1000"]
 PAYLOAD = 1448 / 1514  # TCP payload of one full Ethernet frame (TCP timestamps on)
@@ -82,7 +82,7 @@ def run_one_node(args, name: str) -> float:
 
 
 def run_two_nodes(args, name: str, rate: Optional[str]) -> dict:
-    from ..testing.cluster import Cluster
+    from moe_dist.testing.cluster import Cluster
 
     run_dir = os.path.join(args.out, name)
     with Cluster(2, rate=rate) as c:
@@ -137,7 +137,7 @@ s.shutdown(socket.SHUT_WR); s.recv(1); print(sent / (time.perf_counter() - t))
 
 def unlimited_gbps(nbytes: int = 512 << 20) -> float:
     """TCP payload throughput from node0 to node1 on an unlimited link (one stream, Gbit/s)."""
-    from ..testing.cluster import Cluster
+    from moe_dist.testing.cluster import Cluster
 
     with Cluster(2) as c:
         sink = c.popen(c.nodes[1], [sys.executable, "-c", _SINK], stdout=subprocess.PIPE, text=True)
@@ -201,7 +201,7 @@ def compare(args, result: dict, rates: list[str]) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m moe_dist.bench.plan_time_check", description=__doc__,
+    ap = argparse.ArgumentParser(prog="scripts/plan_time_check.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/tiny.yaml")
     ap.add_argument("--rates", default="100mbit,300mbit,none", help="comma-separated tc rates; none = no limit")
