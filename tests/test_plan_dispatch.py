@@ -183,3 +183,20 @@ def test_plan_command_prints_the_dispatch_section(capsys):
         assert len(err) == 1 and err[0].startswith(f"moe-dist plan: error: {key}: ") and "allowed:" in err[0]
     with pytest.raises(ConfigError, match="--compute-tflops"):
         make_network(compute_tflops=0)
+
+
+def test_plan_table_prints_the_presets_and_regimes(capsys):
+    from moe_dist.bench.plan_table import main
+
+    assert main(["--gpus", "8,16"]) == 0
+    text = capsys.readouterr().out
+    rows = {tuple(c.strip() for c in line.strip("|").split("|")[:3]): line for line in text.splitlines()
+            if line.startswith("| olmoe") or line.startswith("| tinyllama")}
+    # OLMoE at 16 GPUs, ep=16: the group spans 2 nodes, so hierarchical and M=1 have figures (M=2 = no limit)
+    cells = [c.strip() for c in rows[("olmoe-1b-7b", "16", "16")].strip("|").split("|")]
+    assert cells[3] == "2" and all(c != "-" for c in cells[4:7]) and cells[7] == "-"
+    flat, hier = (float(c.split()[0].rstrip("*")) for c in cells[4:6])
+    assert hier < flat
+    # TinyLlama's 8 experts never leave a node: no hierarchical figure
+    assert rows[("tinyllama-upcycle-8x2", "16", "8")].count(" - ") == 3
+    assert "| top-2 instead of top-8 |" in text and "| 8x slower uplink" in text
