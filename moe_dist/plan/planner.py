@@ -19,10 +19,9 @@ from ..config.granularity import expand_granularity
 from ..config.layout import ep_sizes
 from ..hf.config import HFModelSpec, config_path, hf_model_spec, is_hf_config
 from ..model.params import block_shape, count_params
-from .memory import (GIB, gathered_bytes_per_param, STAGES, Units, Workload, activation_bytes, all_to_all_bytes, autocast_copy_bytes,
+from .memory import (GIB, STAGES, Units, Workload, activation_bytes, all_to_all_bytes, autocast_copy_bytes,
                      engine_state_bytes, fsdp_gathered_bytes, fsdp_head_grad_bytes, fsdp_reduce_peak_bytes,
-                     grad_sync_bytes, optimizer_step_bytes, state_bytes, uses_fsdp)
-
+                     gathered_bytes_per_param, grad_sync_bytes, optimizer_step_bytes, state_bytes, uses_fsdp)
 from .timing import Cluster, Links, StepWork, flops_per_token, passes, step_time, sync_time
 from .traffic import DISPATCHES, dispatch_bytes, group_shape
 
