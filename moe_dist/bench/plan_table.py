@@ -26,7 +26,7 @@ COLUMNS = (("flat", None), ("hierarchical", None), ("hierarchical", 1), ("hierar
 REGIMES = (  # around OLMoE at 64 GPUs, ep=64 (8 nodes): one change each
     ("OLMoE as configured (d_model 2048, top-8 of 64)", [], {}),
     ("top-2 instead of top-8", ["model.moe.top_k=2"], {}),
-    ("d_model 512 (small rows: latency counts)", ["model.d_model=512", "model.n_heads=8", "model.n_kv_heads=8"], {}),
+    ("d_model 512 (compute falls faster than bytes)", ["model.d_model=512", "model.n_heads=8", "model.n_kv_heads=8"], {}),
     ("8x slower uplink (400 Gbit/s per node)", [], {"inter_gbps": DEFAULT_INTER_GBPS / 8}),
     ("uplink as fast as NVLink (3600 Gbit/s per GPU)", [], {"inter_gbps": DEFAULT_INTRA_GBPS * 8}),
 )
