@@ -34,6 +34,12 @@ def _router_option_names(router: str) -> list[str]:
     return router_options(router)
 
 
+def _routers_with_inference_k() -> list[str]:
+    from ..moe.routers import ROUTERS
+
+    return sorted(name for name, cls in ROUTERS.items() if cls.has_inference_k)
+
+
 def _config_path(args) -> str:
     """The config of what is evaluated: the run directory's, else the model directory's."""
     if args.run_dir:
@@ -152,7 +158,8 @@ def run(args) -> int:
         cfg = _config(args)
         ks = _k_values(args.k) if args.k else None
         if ks and "eval_k" not in _router_option_names(cfg.model.moe.router):
-            raise UsageError(f"--k: router {cfg.model.moe.router!r} has no inference k (routers with one: topk, noisy_topk, hyper, smoe_dropout)")
+            raise UsageError(f"--k: router {cfg.model.moe.router!r} has no inference k (routers with one: "
+                             f"{', '.join(_routers_with_inference_k())})")
         rt = setup_runtime(cfg)
         try:
             with _reading(args.run_dir, rt):

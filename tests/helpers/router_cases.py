@@ -14,7 +14,7 @@ from .moe_cases import D_MODEL, collect, make_batch, make_layer, split_sizes, st
 from moe_dist.distributed import build_parallel_groups
 from moe_dist.distributed.groups import ParallelGroups
 from moe_dist.moe import RouterInputs
-from moe_dist.moe.routers.hyper import set_inference_k
+from moe_dist.moe.routers import set_inference_k
 from moe_dist.parallel import apply_expert_parallel, sync_gradients
 
 RTOL, ATOL = 1e-5, 1e-6

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ...distributed.collectives import all_reduce_sum
 from ..routing import SCOPES, Routing, RouterInputs, RoutingContext, is_recomputing
-from .base import Router, default_normalize, fp32_linear
+from .base import Router, gate_normalization, fp32_linear
 from .registry import register_router
 from .token_stats import real_token_weights
 from ...checks import check_choice
@@ -123,7 +123,7 @@ class AdaptiveClusteringRouter(Router):
         self.start_layer, self.dispersion, self.eps, self.clamp = int(start_layer), dispersion, float(eps), clamp
         self.weight_norm, self.min_count, self.scope = weight_norm, int(min_count), scope
         self.eval_mode, self.momentum, self.base = eval_mode, float(momentum), base
-        self.normalize = default_normalize(top_k, normalize)
+        self.normalize = gate_normalization(top_k, normalize)
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))
         if base == "embedding":
             nn.init.orthogonal_(self.weight, gain=0.32)

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from ..routing import SCOPES, Routing, RouterInputs, RoutingContext, is_recomputing
-from .base import Router, default_normalize, fp32_linear, layout_invariant_normal, select_topk
+from .base import Router, gate_normalization, fp32_linear, layout_invariant_normal, select_topk
 from .registry import register_router
 from .sinkhorn import sinkhorn_dual, transport_plan
 from .token_stats import real_token_weights, shared_uniform
@@ -78,7 +78,7 @@ class SelectiveSinkhornRouter(Router):
         self.p, self.xi, self.cost, self.gate_source = float(p), float(xi), cost, gates
         self.noise_alpha, self.noise_sigma = float(noise_alpha), float(noise_sigma)
         self.max_iters, self.tol, self.check_every, self.scope = int(max_iters), float(tol), check_every, scope
-        self.normalize = default_normalize(top_k, normalize)
+        self.normalize = gate_normalization(top_k, normalize)
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))
         nn.init.normal_(self.weight, std=init_std)
         # cumulative counters (identical on every rank: the coin is shared), saved with the model

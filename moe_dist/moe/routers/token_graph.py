@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from ...checks import check_bounds, check_choice
 from ..counting import count_values
 from ..routing import AttentionInputs, Routing, RouterInputs, RoutingContext
-from .base import default_normalize
+from .base import gate_normalization
 from .registry import register_router
 from .wrapping import WrappingRouter, topk_set_changed
 
@@ -293,7 +293,7 @@ class TokenGraphRouter(WrappingRouter):
         super().__init__(d_model, num_experts, top_k, base, base_options)
         check_choice("model.moe.router_options.aux_probs", aux_probs, AUX_PROBS)
         check_choice("model.moe.router_options.graph_dtype", graph_dtype, GRAPH_DTYPES)
-        self.normalize = default_normalize(top_k, normalize)
+        self.normalize = gate_normalization(top_k, normalize)
         self.aux_probs = aux_probs
         self.detach_graph = bool(detach_graph)
         self.graph_dtype = GRAPH_DTYPES[graph_dtype]
