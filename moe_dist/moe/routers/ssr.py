@@ -3,7 +3,9 @@
 SSR: in training, each layer call flips one coin (the same on every rank); with
 probability ``p`` the whole call routes by the entropic optimal-transport plan with
 uniform expert marginals (gates from the plan, which carries no gradient), otherwise by
-plain softmax top-k (which trains the router). Inference is always softmax top-k.
+plain softmax top-k (which trains the router). Inference is softmax top-k (``inference:
+topk``), or the plan of the evaluated batch (``inference: sinkhorn``, what the Sinkhorn
+baseline's reference prototype does).
 
 ``sinkhorn`` (prior work: Clark et al. 2022, Megatron-Core): the plan is solved on every
 training call but only *selects* the experts; the gates come from the router's softmax, so
@@ -28,6 +30,7 @@ from ...errors import ConfigError
 
 COSTS = ("logits", "softmax")  # SSR-L, SSR-S
 GATES = ("plan", "scores")  # SSR (Prop. 4.1) / prior work
+INFERENCE = ("topk", "sinkhorn")  # eval mode: softmax top-k (papers) / the plan (the reference prototype)
 _COIN_SALT = 0x55F  # separates SSR's coin from other uses of the same (seed, step, layer) keys
 _NOISE_SALT = 0x55E
 
@@ -51,6 +54,9 @@ class SelectiveSinkhornRouter(Router):
     scope: ranks whose tokens share one plan: ``global`` (all data-parallel ranks), ``ep``,
         or ``local`` (each rank alone, as Megatron does).
     normalize: renormalise the softmax-branch gates over the chosen k (default: k > 1).
+    inference: eval-mode routing: ``topk`` (softmax top-k, the papers') or ``sinkhorn`` (the plan
+        of the evaluated tokens, solved over ``scope`` as in training, without noise; the
+        Sinkhorn baseline's reference prototype solves it on every call).
     """
 
     group_limit_refusal = ("its Sinkhorn calls choose from a transport plan balanced over the whole batch, not by a "
@@ -59,7 +65,7 @@ class SelectiveSinkhornRouter(Router):
     def __init__(self, d_model: int, num_experts: int, top_k: int, *, p: float = 1e-3, xi: float = 0.5,
                  cost: str = "logits", gates: str = "plan", noise_alpha: float = 0.0, noise_sigma: float = 1.0,
                  max_iters: int = 100, tol: float = 1e-4, check_every: int = 8, scope: str = "global",
-                 normalize: bool | None = None, init_std: float = 0.02):
+                 normalize: bool | None = None, init_std: float = 0.02, inference: str = "topk"):
         super().__init__(d_model, num_experts, top_k)
         if not 0.0 <= p <= 1.0:
             raise ConfigError(f"model.moe.router_options.p must be in [0, 1], got {p}")
@@ -75,6 +81,8 @@ class SelectiveSinkhornRouter(Router):
         check_choice("model.moe.router_options.cost", cost, COSTS)
         check_choice("model.moe.router_options.gates", gates, GATES)
         check_choice("model.moe.router_options.scope", scope, SCOPES)
+        check_choice("model.moe.router_options.inference", inference, INFERENCE)
+        self.inference = inference
         self.p, self.xi, self.cost, self.gate_source = float(p), float(xi), cost, gates
         self.noise_alpha, self.noise_sigma = float(noise_alpha), float(noise_sigma)
         self.max_iters, self.tol, self.check_every, self.scope = int(max_iters), float(tol), check_every, scope
@@ -102,15 +110,15 @@ class SelectiveSinkhornRouter(Router):
         logits = fp32_linear(x, self.weight)
         probs = torch.softmax(logits, dim=-1)
         extras = {"sinkhorn_calls": logits.new_zeros(()), "sinkhorn_calls_total": self.sinkhorn_calls_total.detach().clone()}
-        if not self.training:  # inference: deterministic softmax top-k
+        if not self.training and self.inference == "topk":  # deterministic softmax top-k
             expert_ids, gates = select_topk(logits, probs, self.top_k, self.normalize)
             return Routing(expert_ids=expert_ids, gates=gates, probs=probs, logits=logits, extras=extras)
 
         cost = logits if self.cost == "logits" else probs
-        if self.noise_alpha > 0:
+        if self.training and self.noise_alpha > 0:
             eps = layout_invariant_normal((self.num_experts,), ctx, x.shape[0], salt=_NOISE_SALT, device=x.device)
             cost = cost + (self.noise_alpha * self.noise_sigma) * eps
-        if not self.uses_sinkhorn(ctx):
+        if self.training and not self.uses_sinkhorn(ctx):
             expert_ids, gates = select_topk(cost, probs, self.top_k, self.normalize)
             return Routing(expert_ids=expert_ids, gates=gates, probs=probs, logits=logits, extras=extras)
 
@@ -123,7 +131,7 @@ class SelectiveSinkhornRouter(Router):
             expert_ids, gates = select_topk(z, transport_plan(scores, result.dual), self.top_k, self.normalize)
         else:
             expert_ids, gates = select_topk(z, probs, self.top_k, self.normalize)
-        if not is_recomputing():
+        if self.training and not is_recomputing():  # the counters count training calls
             self.sinkhorn_calls_total += 1
             self.sinkhorn_iters_total += result.iterations.to(self.sinkhorn_iters_total.device)
         extras.update(sinkhorn_calls=logits.new_ones(()), sinkhorn_calls_total=self.sinkhorn_calls_total.detach().clone(),
