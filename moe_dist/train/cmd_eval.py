@@ -24,7 +24,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", metavar="FILE", help="also write the result (perplexities, tokens, layout, peak "
                         "memory of every rank) to FILE")
     parser.add_argument("--k", metavar="K[,K...]", help="evaluate once per number of experts per token (routers with "
-                        "an inference k option, eval_k: topk, noisy_topk, hyper, smoe_dropout), e.g. --k 1,2,4; results also in DIR/eval_k.json")
+                        "an inference k option, eval_k), e.g. --k 1,2,4; results also in DIR/eval_k.json")
     add_overrides_argument(parser)
 
 
