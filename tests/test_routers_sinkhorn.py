@@ -30,8 +30,9 @@ CASES = {
                  [dict(step=0), dict(step=1, micro_step=1), dict(train=False)]),
     "ssr-S-noise-coin": (dict(router="ssr", router_options=dict(p=0.5, cost="softmax", noise_alpha=1.0, init_std=0.3)),
                          [dict(step=s) for s in _coin_steps(0.5)] + [dict(train=False)]),
-    # the eval call routes by the plan of the evaluated batch (inference: sinkhorn)
-    "sinkhorn-small-xi-cap": (dict(router="sinkhorn", router_options=dict(xi=0.05, init_std=0.3, inference="sinkhorn"),
+    # the eval call routes by the plan of the evaluated batch (inference: sinkhorn); a trained gate bias
+    "sinkhorn-small-xi-cap": (dict(router="sinkhorn", router_options=dict(xi=0.05, init_std=0.3, inference="sinkhorn",
+                                                                            gate_bias=True),
                                    capacity_factor=1.0),
                               [dict(step=0), dict(train=False)]),
 }
@@ -159,6 +160,19 @@ def test_inference_by_the_plan_is_balanced():
     assert int(plan_eval.sinkhorn_calls_total) == 0
     with pytest.raises(ValueError, match="router_options.inference"):
         build_router("sinkhorn", 16, E, 2, inference="plan")
+
+
+def test_gate_bias_trains_and_shifts_the_scores():
+    torch.manual_seed(0)
+    router = build_router("sinkhorn", 16, E, 2, gate_bias=True)
+    x = torch.randn(64, 16)
+    with torch.no_grad():
+        router.gate_bias.copy_(torch.linspace(-1, 1, E))
+    routing = router(x, RoutingContext())
+    torch.testing.assert_close(routing.logits, x @ router.weight.detach().t() + router.gate_bias.detach())
+    routing.gates.sum().backward()  # the gates are the softmax at the chosen experts: the bias trains
+    assert router.gate_bias.grad is not None and router.gate_bias.grad.abs().sum() > 0
+    assert "gate_bias" not in build_router("sinkhorn", 16, E, 2).state_dict()
 
 
 def test_plan_prefers_high_scores():

@@ -54,6 +54,8 @@ class SelectiveSinkhornRouter(Router):
     scope: ranks whose tokens share one plan: ``global`` (all data-parallel ranks), ``ep``,
         or ``local`` (each rank alone, as Megatron does).
     normalize: renormalise the softmax-branch gates over the chosen k (default: k > 1).
+    gate_bias: a trained per-expert bias on the router's scores, initialised 0 (the Sinkhorn
+        prototype's linear gate has one; default: none).
     inference: eval-mode routing: ``topk`` (softmax top-k, the papers') or ``sinkhorn`` (the plan
         of the evaluated tokens, solved over ``scope`` as in training, without noise; the
         Sinkhorn baseline's reference prototype solves it on every call).
@@ -65,7 +67,8 @@ class SelectiveSinkhornRouter(Router):
     def __init__(self, d_model: int, num_experts: int, top_k: int, *, p: float = 1e-3, xi: float = 0.5,
                  cost: str = "logits", gates: str = "plan", noise_alpha: float = 0.0, noise_sigma: float = 1.0,
                  max_iters: int = 100, tol: float = 1e-4, check_every: int = 8, scope: str = "global",
-                 normalize: bool | None = None, init_std: float = 0.02, inference: str = "topk"):
+                 normalize: bool | None = None, init_std: float = 0.02, inference: str = "topk",
+                 gate_bias: bool = False):
         super().__init__(d_model, num_experts, top_k)
         if not 0.0 <= p <= 1.0:
             raise ConfigError(f"model.moe.router_options.p must be in [0, 1], got {p}")
@@ -89,6 +92,7 @@ class SelectiveSinkhornRouter(Router):
         self.normalize = gate_normalization(top_k, normalize)
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))
         nn.init.normal_(self.weight, std=init_std)
+        self.gate_bias = nn.Parameter(torch.zeros(num_experts)) if gate_bias else None
         # cumulative counters (identical on every rank: the coin is shared), saved with the model
         self.register_buffer("sinkhorn_calls_total", torch.zeros((), dtype=torch.int64))
         self.register_buffer("sinkhorn_iters_total", torch.zeros((), dtype=torch.int64))
@@ -107,7 +111,7 @@ class SelectiveSinkhornRouter(Router):
         return shared_uniform(ctx.seed, ctx.step, ctx.micro_step, ctx.layer_idx, _COIN_SALT) < self.p
 
     def route(self, x: torch.Tensor, ctx: RoutingContext, inputs: RouterInputs) -> Routing:
-        logits = fp32_linear(x, self.weight)
+        logits = fp32_linear(x, self.weight, self.gate_bias)
         probs = torch.softmax(logits, dim=-1)
         extras = {"sinkhorn_calls": logits.new_zeros(()), "sinkhorn_calls_total": self.sinkhorn_calls_total.detach().clone()}
         if not self.training and self.inference == "topk":  # deterministic softmax top-k
