@@ -106,6 +106,25 @@ class Router(nn.Module):
         router has a k schedule."""
         return self.top_k, self.top_k
 
+    # ---- inference k (routers with an ``eval_k`` option set ``has_inference_k``) -------------
+    has_inference_k = False
+    eval_k: Optional[int] = None
+
+    def set_eval_k(self, k: Optional[int]) -> None:
+        """Route with ``k`` experts per token in eval mode (None: the k training ends with). Only
+        which experts are chosen changes: the gate rule stays the one fixed at build time
+        (:func:`gate_normalization`)."""
+        if not self.has_inference_k:
+            raise ConfigError(f"router {type(self).__name__} has no inference k (model.moe.router_options.eval_k)")
+        self.eval_k = check_eval_k(k, self.num_experts)
+
+    def routing_k(self, training_k: int) -> int:
+        """Experts per token of this call: ``training_k`` in training; in eval mode ``eval_k``, or
+        ``final_k`` when it is unset."""
+        if self.training:
+            return training_k
+        return self.final_k if self.eval_k is None else self.eval_k
+
     def forward(self, x: torch.Tensor, ctx: RoutingContext, inputs: Optional[RouterInputs] = None) -> Routing:
         return self.route(x, ctx, NO_INPUTS if inputs is None else inputs)
 
@@ -258,9 +277,37 @@ def group_limit_mask(select: torch.Tensor, k: int, groups: int, max_groups: int)
     return torch.zeros(tokens, groups, dtype=torch.bool, device=select.device).scatter_(1, chosen, True)
 
 
-def default_normalize(top_k: int, normalize: bool | None) -> bool:
-    """Renormalise over the chosen k by default, except top-1 (Switch: a gate of 1 has no gradient)."""
-    return (top_k > 1) if normalize is None else bool(normalize)
+def gate_normalization(train_k: int, normalize: Optional[bool]) -> bool:
+    """The gate rule of every router, fixed when the router is built: renormalise the gates over
+    the chosen experts or not.
+
+    ``normalize`` (the ``normalize`` option) decides when it is set; unset, the gates are
+    renormalised when the router trains with more than one expert per token (``train_k``: its
+    ``top_k``, or the k a k schedule ends with) and left as the raw top probability at top-1
+    (Switch: a renormalised top-1 gate is 1, with no gradient for the router). Routing at another
+    k (an inference k, a k schedule's earlier steps) changes only which experts are chosen, never
+    this rule. ``normalize: true`` renormalises at every k, as the HyperRouter / SMoE-Dropout
+    reference code does (a softmax over the chosen logits: a gate of 1 at k = 1)."""
+    return (train_k > 1) if normalize is None else bool(normalize)
+
+
+def check_eval_k(k: Optional[int], num_experts: int) -> Optional[int]:
+    """``model.moe.router_options.eval_k`` is null or an integer in ``[1, num_experts]``."""
+    if k is None:
+        return None
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= num_experts:
+        raise ConfigError(f"model.moe.router_options.eval_k must be an integer in [1, num_experts={num_experts}] "
+                          f"or null, got {k!r}")
+    return int(k)
+
+
+def set_inference_k(model: nn.Module, k: Optional[int]) -> int:
+    """Route with ``k`` experts per token in eval mode in every router of ``model`` that has an
+    inference k (None: back to the k training ends with). Returns the number of routers changed."""
+    routers = [m for m in model.modules() if isinstance(m, Router) and m.has_inference_k]
+    for r in routers:
+        r.set_eval_k(k)
+    return len(routers)
 
 
 def layout_invariant_normal(shape_tail: tuple[int, ...], ctx: RoutingContext, local_tokens: int, salt: int, device) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..routing import Routing, RouterInputs, RoutingContext
-from .base import Router, default_normalize, fp32_linear
+from .base import Router, gate_normalization, fp32_linear
 from .registry import register_router
 from ...errors import ConfigError
 
@@ -31,7 +31,7 @@ class XMoERouter(Router):
             raise ConfigError(f"model.moe.router_options.dim must be >= 1, got {dim}")
         if not 0 < init_temperature:
             raise ConfigError(f"model.moe.router_options.init_temperature must be > 0, got {init_temperature}")
-        self.normalize = default_normalize(top_k, normalize)
+        self.normalize = gate_normalization(top_k, normalize)
         self.min_temperature = min_temperature
         self.proj = nn.Parameter(torch.empty(dim, d_model))
         nn.init.normal_(self.proj, std=init_std)
