@@ -67,11 +67,21 @@ def write_report(directory: str, rank: int, report: dict) -> None:
         pass
 
 
+def note_stop_request(directory: str, signal_name: str) -> None:
+    """A launcher was asked to stop the job: say so in its status directory (best effort)."""
+    try:
+        with open(os.path.join(directory, STOP_REQUEST), "w", encoding="utf-8") as f:
+            f.write(signal_name + "\n")
+    except OSError:
+        pass
+
+
 def stop_requested() -> Optional[str]:
-    """The signal name the local launcher wrote into ``$MOE_DIST_STATUS_DIR`` when it was asked to
-    stop the job, or None. A rank still starting up ignores the signal the launcher passes on, so it
-    asks here once it can handle one (:class:`moe_dist.train.preemption.PreemptionHandler`)."""
-    directory = os.environ.get(STATUS_DIR_ENV)
+    """The signal name a launcher wrote into its status directory (``$MOE_DIST_STATUS_DIR``, or
+    ``$MOE_DIST_REPORT_DIR`` under ``--nproc``) when it was asked to stop the job, or None. A rank
+    still starting up ignores the signal the launcher passes on, so it asks here once it can handle
+    one (:class:`moe_dist.train.preemption.PreemptionHandler`)."""
+    directory = os.environ.get(REPORT_DIR_ENV) or os.environ.get(STATUS_DIR_ENV)
     if not directory:
         return None
     try:

@@ -7,7 +7,10 @@ with SIGKILL takes its ranks with it). Then:
 
 * signals: SIGTERM, SIGUSR1 and SIGHUP are passed on, unchanged, to every rank (the trainer
   checkpoints at the next step, exits with 75 and names the signal); SIGINT (Ctrl-C) is passed
-  on as SIGINT (ranks stop at once, quietly), a second SIGINT kills them;
+  on as SIGINT (ranks stop at once, quietly), a second SIGINT kills them. ``train`` ranks start
+  with those three ignored (a rank still importing torch would die of them) and the launcher
+  notes the stop in the job's status directory, where the trainer reads it once its handlers are
+  in place (:func:`moe_dist.exits.stop_requested`): a stop asked for at any moment checkpoints;
 * when a rank fails, the others get a few seconds to end on their own and are then killed:
   no rank is left waiting in a collective;
 * the exit code is the job's (see :mod:`moe_dist.exits`), and what is printed is the one
@@ -29,10 +32,11 @@ import time
 from typing import Optional, Sequence
 
 from .exits import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, REPORT_DIR_ENV, killed_line,
-                    read_report)
+                    note_stop_request, read_report)
 
 GRACE_S = 5.0  # after a rank fails, how long the others may take to end on their own
 FORWARDED = ("SIGTERM", "SIGUSR1", "SIGHUP")
+HANDLES_STOPS = ("train",)  # commands whose ranks checkpoint and exit 75 on a stop signal
 _PR_SET_PDEATHSIG = 1
 
 
@@ -49,6 +53,13 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):  # not Linux: the launcher's own handlers still stop the ranks
         pass
+
+
+def _die_with_parent_ignoring_stops() -> None:
+    """:func:`_die_with_parent`, and the forwarded stop signals ignored until the trainer handles them."""
+    _die_with_parent()
+    for name in FORWARDED:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
 def default_threads(nproc: int) -> int:
@@ -79,9 +90,10 @@ class LocalJob:
                    LOCAL_WORLD_SIZE=str(self.nproc), MOE_DIST_LAUNCHER="local",
                    **{REPORT_DIR_ENV: self.report_dir})
         cmd = [sys.executable, "-m", "moe_dist.cli", *self.argv]
+        before_exec = _die_with_parent_ignoring_stops if self.command in HANDLES_STOPS else _die_with_parent
         for rank in range(self.nproc):
             self.procs.append(subprocess.Popen(cmd, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                                               preexec_fn=_die_with_parent))
+                                               preexec_fn=before_exec))
 
     # ---- signals ------------------------------------------------------------------------------------
     def _send(self, sig: int) -> None:
@@ -94,6 +106,7 @@ class LocalJob:
 
     def _on_stop_signal(self, signum, _frame) -> None:
         self.signalled = self.signalled or signal.Signals(signum).name
+        note_stop_request(self.report_dir, self.signalled)
         self._send(signum)
 
     def _on_interrupt(self, _signum, _frame) -> None:

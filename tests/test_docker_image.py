@@ -24,7 +24,6 @@ from Docker's layer cache), then:
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 import shutil
@@ -34,6 +33,8 @@ import time
 import uuid
 
 import pytest
+
+from helpers.run_dir import metrics_rows
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(2400)]  # the first test builds
 
@@ -87,20 +88,6 @@ def test_runs_as_the_image_user(image):
     assert f"uid={UID}(moe) gid={UID}(moe)" in ids, ids
 
 
-def _metrics(run_dir: str) -> list[dict]:
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    rows = []
-    with open(path) as f:
-        for line in f:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:  # a row being written
-                pass
-    return rows
-
-
 def test_train_stop_and_resume_from_a_mounted_volume(image):
     host = tempfile.mkdtemp(prefix="moe-dist-docker-")
     runs = os.path.join(host, "runs")
@@ -115,7 +102,7 @@ def test_train_stop_and_resume_from_a_mounted_volume(image):
         started = _docker("run", "-d", "--name", name, *train, check=True)
         assert started.stdout.strip()
         deadline = time.time() + 300
-        while not any(r.get("step", 0) >= 3 for r in _metrics(run_dir)):
+        while not any(r.get("step", 0) >= 3 for r in metrics_rows(run_dir)):
             state = _docker("inspect", "--format", "{{.State.Running}}", name).stdout.strip()
             assert state == "true" and time.time() < deadline, _docker("logs", name).stderr[-3000:]
             time.sleep(0.5)
@@ -140,7 +127,7 @@ def test_train_stop_and_resume_from_a_mounted_volume(image):
         assert steps_run and steps_run[0] > stopped and steps_run[-1] == STEPS, steps_run
 
         # the host sees the run: one metrics row per step (none twice), plots, both checkpoints
-        assert [r["step"] for r in _metrics(run_dir)] == list(range(1, STEPS + 1))
+        assert [r["step"] for r in metrics_rows(run_dir)] == list(range(1, STEPS + 1))
         assert glob.glob(os.path.join(run_dir, "plots", "*.png"))
         for step in (stopped, STEPS):
             assert os.path.exists(os.path.join(run_dir, "checkpoints", "step_%06d" % step, "COMPLETE"))
@@ -202,7 +189,7 @@ def test_two_containers_as_nodes_stop_and_resume(image):
         one = _docker("run", "--rm", *mounts, image, "train", "--config", "configs/test.yaml", "run.dir=runs/one",
                       "parallel.ep=1", *common, timeout=900)
         assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-3000:]
-        reference = [r["loss"] for r in _metrics(os.path.join(where, "one"))]
+        reference = [r["loss"] for r in metrics_rows(os.path.join(where, "one"))]
         assert len(reference) == NODE_STEPS
 
         job = ["run.dir=runs/two", "parallel.ep=2", *common]
@@ -210,7 +197,7 @@ def test_two_containers_as_nodes_stop_and_resume(image):
         for rank, name in enumerate(nodes):
             _node(image, name, network, volumes, rank, nodes[0], f"{tag}-1", *job)
         run_dir, deadline = os.path.join(where, "two"), time.time() + 600
-        while not any(r.get("step", 0) >= 2 for r in _metrics(run_dir)):
+        while not any(r.get("step", 0) >= 2 for r in metrics_rows(run_dir)):
             for name in nodes:
                 state = _docker("inspect", "--format", "{{.State.Running}}", name).stdout.strip()
                 assert state == "true" and time.time() < deadline, _docker("logs", name).stderr[-3000:]
@@ -246,7 +233,7 @@ def test_two_containers_as_nodes_stop_and_resume(image):
         out = resumed[0][1]
         assert "parallel: 2 process(es) [torchrun, gloo" in out, out[-3000:]
         assert re.search(r"resumed from \S+step_%06d at step %d" % (stopped, stopped), out), out[:3000]
-        rows = _metrics(run_dir)
+        rows = metrics_rows(run_dir)
         assert [r["step"] for r in rows] == list(range(1, NODE_STEPS + 1))  # none missing, none twice
         assert [r["loss"] for r in rows] == pytest.approx(reference, rel=1e-5, abs=0)
         assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["step_%06d" % s for s in (stopped, NODE_STEPS)]

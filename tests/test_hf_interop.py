@@ -185,6 +185,10 @@ def test_export_refuses_what_mixtral_cannot_express(tmp_path):
     upcycle(ll, up2, MOE + ["model.moe.router=xmoe"], log=lambda _: None)
     with pytest.raises(HFFormatError, match=r"model.moe.router='xmoe' cannot be exported to Mixtral.*allowed routers: \['topk', 'noisy_topk'\]"):
         export(up2, "mixtral", str(tmp_path / "m"), log=lambda _: None)
+    up3 = str(tmp_path / "up3")
+    upcycle(ll, up3, MOE + ["model.moe.router_groups=2", "model.moe.max_groups_per_token=1"], log=lambda _: None)
+    with pytest.raises(HFFormatError, match=r"model.moe.max_groups_per_token=1 cannot be exported to Mixtral.*allowed: null"):
+        export(up3, "mixtral", str(tmp_path / "m"), log=lambda _: None)
     assert cli(["export", "--checkpoint", str(tmp_path / "nowhere"), "--out", str(tmp_path / "m")]) == 2
 
 

@@ -7,10 +7,11 @@ import torch
 
 from helpers.dist_harness import run_ranks
 from helpers.host_sync import count_host_syncs
-from helpers.moe_cases import check_against_reference, collect, make_batch, make_layer, reference, split_sizes, step
+from helpers.moe_cases import D_MODEL, check_against_reference, collect, make_batch, make_layer, reference, split_sizes, step
 from moe_dist.distributed import build_parallel_groups
 from moe_dist.distributed.topology import NodeLayout
 from moe_dist.moe.hierarchical import dispatch_note, hierarchical_fallback
+from moe_dist.moe.traffic import COMBINE, DISPATCH
 from moe_dist.parallel import apply_expert_parallel, sync_gradients
 
 TOKENS = 96
@@ -41,7 +42,8 @@ def _run(layer, groups, rank, world, sizes=None):
     with count_host_syncs() as bwd:
         loss.backward()
     sync_gradients(layer, groups)
-    res = collect(layer, {"out": out.detach(), "x_grad": x.grad, "syncs": (fwd.describe(), len(fwd), len(bwd))})
+    res = collect(layer, {"out": out.detach(), "x_grad": x.grad, "syncs": (fwd.describe(), len(fwd), len(bwd)),
+                          "traffic": layer.traffic.take().by_kind})
     pairs, rows = layer.inter_node_rows
     res.update(pairs=pairs, rows=rows, hierarchical=layer.hierarchical)
     # the duplication counted from the routing: per token and remote node, its pairs there minus one
@@ -54,6 +56,9 @@ def _run(layer, groups, rank, world, sizes=None):
     with torch.no_grad():
         res["eval_out"] = layer.eval()(x)
     return res
+
+
+CASES_BY_NAME = {name: cfg for name, cfg, *_ in CASES}
 
 
 def _compare(rank, world, cases):
@@ -97,6 +102,14 @@ def test_hierarchical_equals_flat_bit_for_bit_and_sends_each_token_once_per_node
             if "duplication" in hier:
                 assert flat["rows"] - hier["rows"] == hier["duplication"], where
             saved += flat["rows"] - hier["rows"]
+        # the byte meter (metrics' a2a_inter_bytes) sees the rows: D_MODEL fp32 values each, the
+        # hierarchical rows with their k gates and k expert ids; the outputs come back as as many rows
+        per_rank = [(r[name]["flat"], r[name]["hier"]) for r in results]
+        k = dict(CASES_BY_NAME[name])["top_k"]
+        for flat, hier in per_rank:
+            assert flat["traffic"][DISPATCH][1] == flat["rows"] * D_MODEL * 4, name
+            assert hier["traffic"][DISPATCH][1] == hier["rows"] * (D_MODEL + 2 * k) * 4, name
+        assert sum(h["traffic"][COMBINE][1] for _, h in per_rank) == sum(h["rows"] for _, h in per_rank) * D_MODEL * 4
         if "k4" in name:
             assert saved > 0, f"{name}: no token had two experts on one remote node"
 

@@ -23,6 +23,7 @@ import time
 import pytest
 
 from moe_dist.testing.slurm import SlurmCluster, install_slurm
+from helpers.run_dir import complete_checkpoints, metrics_rows, read_text
 
 pytestmark = pytest.mark.slow
 
@@ -55,33 +56,12 @@ def _job_env(**extra: str) -> dict:
     return {"PYTHON": sys.executable, **extra}
 
 
-def _read(path: str) -> str:
-    with open(path, errors="replace") as f:
-        return f.read()
-
-
-def _metrics(run_dir: str) -> list[dict]:
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def _complete_checkpoints(run_dir: str) -> list[int]:
-    root = os.path.join(run_dir, "checkpoints")
-    if not os.path.isdir(root):
-        return []
-    return sorted(int(n.split("_")[1]) for n in os.listdir(root)
-                  if n.startswith("step_") and os.path.exists(os.path.join(root, n, "COMPLETE")))
-
-
 def _check_finished_run(run_dir: str, steps: int, out: str, launcher: str) -> None:
     assert f"done: {steps} steps" in out or f"step {steps}/{steps}" in out, out[-3000:]
-    rows = _metrics(run_dir)
+    rows = metrics_rows(run_dir)
     assert rows and rows[-1]["step"] == steps, rows[-1:]
     assert all(r["loss"] == r["loss"] and 0 < r["loss"] < 20 for r in rows)
-    assert steps in _complete_checkpoints(run_dir)
+    assert steps in complete_checkpoints(run_dir)
     with open(os.path.join(run_dir, "run.json")) as f:
         info = json.load(f)
     assert info["world_size"] == 2 and info["launcher"] == launcher, info
@@ -94,7 +74,7 @@ def test_sbatch_two_tasks_trains_and_checkpoints(cluster):
     job = _submit(cluster, ["-n", "2", "-o", out_file], ["configs/test.yaml", f"run.dir={run_dir}", "train.steps=4", *QUIET],
                          _job_env())
     info = cluster.wait(job, lambda i: i["JobState"] == "COMPLETED", 300, "COMPLETED", out_file)
-    out = _read(out_file.replace("%j", job))
+    out = read_text(out_file.replace("%j", job))
     assert info["ExitCode"] == "0:0", out[-3000:]
     _check_finished_run(run_dir, 4, out, launcher="slurm")
     assert "[launch] training exited with 0" in out
@@ -109,9 +89,9 @@ def test_sbatch_preempt_requeue_resume(cluster):
     job = _submit(cluster, ["-n", "2", "-o", out_file], ["configs/test.yaml", f"run.dir={run_dir}", f"train.steps={steps}",
                                                        *QUIET], _job_env())
     deadline = time.time() + 240
-    while len(_metrics(run_dir)) < 2:  # training is under way
+    while len(metrics_rows(run_dir)) < 2:  # training is under way
         assert time.time() < deadline and cluster.job(job)["JobState"] in ("PENDING", "RUNNING"), \
-            _read(out_file.replace("%j", job))[-3000:] if os.path.exists(out_file.replace("%j", job)) else cluster.logs()
+            read_text(out_file.replace("%j", job))[-3000:] if os.path.exists(out_file.replace("%j", job)) else cluster.logs()
         time.sleep(0.3)
     # what `#SBATCH --signal=B:USR1@300` does before the time limit: signal the batch shell only
     cluster.run("scancel", "--batch", "--signal=USR1", job)
@@ -119,10 +99,10 @@ def test_sbatch_preempt_requeue_resume(cluster):
     # the script requeues the job; Slurm holds a requeued job back for cred_expire + 1 s (5 + 1 here)
     # so that its new batch credential is not taken for the revoked one of the first run
     info = cluster.wait(job, lambda i: i["Restarts"] == "1" or i["JobState"] == "COMPLETED", 240, "the requeue", out_file)
-    assert info["Restarts"] == "1", f"not requeued: {info.get('JobState')}\n{_read(out_file.replace('%j', job))[-3000:]}"
+    assert info["Restarts"] == "1", f"not requeued: {info.get('JobState')}\n{read_text(out_file.replace('%j', job))[-3000:]}"
     t_requeue = time.time()
     info = cluster.wait(job, lambda i: i["JobState"] == "COMPLETED", 300, "COMPLETED after the requeue", out_file)
-    out = _read(out_file.replace("%j", job))
+    out = read_text(out_file.replace("%j", job))
     assert info["ExitCode"] == "0:0", out[-3000:]
 
     m = re.search(r"SIGUSR1 received: stopped after step (\d+)/%d, checkpoint (\S+);" % steps, out)
@@ -138,8 +118,8 @@ def test_sbatch_preempt_requeue_resume(cluster):
     assert steps_run and steps_run[0] == stopped + 1, (stopped, steps_run[:3], second_run[:2000])
     assert steps_run[-1] == steps
     assert re.search(r"resumed from \S+step_%06d at step %d" % (stopped, stopped), second_run), second_run[:2000]
-    assert {stopped, steps} <= set(_complete_checkpoints(run_dir))
-    assert [r["step"] for r in _metrics(run_dir)] == list(range(1, steps + 1))  # one row per step, none twice
+    assert {stopped, steps} <= set(complete_checkpoints(run_dir))
+    assert [r["step"] for r in metrics_rows(run_dir)] == list(range(1, steps + 1))  # one row per step, none twice
     print(f"\nslurm preemption: signal after {t_signal - t0:.1f}s, stopped at step {stopped}/{steps}, requeued "
           f"{t_requeue - t_signal:.1f}s later, finished {time.time() - t0:.1f}s after submission")
 
@@ -151,6 +131,6 @@ def test_sbatch_one_torchrun_per_node(cluster):
                          ["configs/test.yaml", f"run.dir={run_dir}", "train.steps=3", *QUIET],
                          _job_env(MOE_DIST_LAUNCH="torchrun", NPROC_PER_NODE="2"))
     info = cluster.wait(job, lambda i: i["JobState"] == "COMPLETED", 300, "COMPLETED", out_file)
-    out = _read(out_file.replace("%j", job))
+    out = read_text(out_file.replace("%j", job))
     assert info["ExitCode"] == "0:0", out[-3000:]
     _check_finished_run(run_dir, 3, out, launcher="torchrun")

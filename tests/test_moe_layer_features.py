@@ -163,6 +163,9 @@ CASES = {
     # xmoe with fp64 scores, batch loss, expert bias, capacity
     "xmoe-fp64": dict(router="xmoe", router_dtype="fp64", expert_bias=True, expert_bias_rate=0.05,
                       capacity_factor=1.5),
+    # node-limited routing (2 of 4 expert groups per token) with the sequence loss and the expert bias
+    "grouped": dict(top_k=3, router_groups=4, max_groups_per_token=2, expert_bias=True, expert_bias_rate=0.05,
+                    balance_loss="sequence", aux_loss_coef=0.1),
     # the control: per-rank statistics (what per-GPU code does)
     "local": dict(top_k=2, shared_d_ff=12, shared_gate=True, expert_bias=True, expert_bias_rate=0.05,
                   balance_loss="sequence", aux_loss_coef=0.1, loss_scope="local"),
@@ -198,7 +201,9 @@ def train_layer(rank: int, world: int, cfg: dict, ep: int) -> dict:
         layer.after_optimizer_step()
         aux.append(float(layer.stats.aux_loss))
         outs.append(out.detach())
+    spans = layer.stats.group_spans
     return {"aux": aux, "bias": layer.expert_bias.clone(), "out": outs, "offset": layer.experts.offset,
+            "spans": None if spans is None else spans.clone(),
             "params": {n: p.detach().clone() for n, p in layer.named_parameters()}}
 
 
@@ -214,13 +219,15 @@ def one_process():
 @pytest.mark.parametrize("world,ep", [(2, 2), (4, 4), (4, 2)])
 def test_expert_bias_and_losses_do_not_depend_on_the_layout(one_process, world, ep):
     results = run_ranks(_all, world, args=(ep,))
-    for name in ("global", "xmoe-fp64"):
+    for name in ("global", "xmoe-fp64", "grouped"):
         ref = one_process[name]
         assert ref["bias"].abs().max() > 0  # the bias moved
         for rank, res in enumerate(results):
             got = res[name]
             assert torch.equal(got["bias"], ref["bias"]), (name, rank, got["bias"], ref["bias"])
             torch.testing.assert_close(torch.tensor(got["aux"]), torch.tensor(ref["aux"]), rtol=1e-5, atol=1e-7)
+            if ref["spans"] is not None:  # tokens per number of groups reached: global, and within the limit
+                assert torch.equal(got["spans"], ref["spans"]) and not ref["spans"][2:].any(), (got["spans"], ref["spans"])
             for n, p in got["params"].items():
                 want = ref["params"][n]
                 if n.startswith("experts."):

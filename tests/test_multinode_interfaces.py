@@ -17,7 +17,6 @@ Needs root and ``ip netns``; skipped with the reason elsewhere.
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -25,11 +24,11 @@ import time
 
 import pytest
 
-from moe_dist.testing.cluster import Cluster, ClusterUnavailable, remove_stale, unavailable_reason
+from helpers.multinode_harness import ROOT, _env, up_or_skip
+from moe_dist.testing.cluster import Cluster
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_TIMEOUT = 300  # one launch on a busy 2-core machine
 QUIET = ["train.steps=2", "parallel.ep=2", "run.progress=false", "run.plots=false", "run.tensorboard=false",
          "ckpt.save_final=false", "eval.max_sequences=8"]
@@ -37,20 +36,7 @@ QUIET = ["train.steps=2", "parallel.ep=2", "run.progress=false", "run.plots=fals
 
 @pytest.fixture(scope="module")
 def cluster():
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    remove_stale()
-    c = Cluster(2)
-    try:
-        c.up()
-    except ClusterUnavailable as e:
-        pytest.skip(str(e))
-    try:
-        c.add_second_interface(c.nodes[0])
-        yield c
-    finally:
-        c.down()
+    yield from up_or_skip(lambda c: c.add_second_interface(c.nodes[0]))
 
 
 @pytest.fixture(autouse=True)
@@ -59,14 +45,6 @@ def _clean_nodes(cluster):
     yield
     for nd in cluster.nodes:
         cluster.kill_node(nd)
-
-
-def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK",
-                        "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
-    env.update(PYTHON=sys.executable, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **extra)
-    return env
 
 
 def _tx(c: Cluster, node, dev: str) -> int:

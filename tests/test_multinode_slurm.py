@@ -37,7 +37,8 @@ import time
 import pytest
 
 from moe_dist.testing.slurm import SlurmCluster, install_slurm
-from helpers.multinode_harness import ROOT, cluster  # noqa: F401 (fixture)
+from helpers.run_dir import complete_checkpoints, metrics_rows, read_text
+from helpers.multinode_harness import ROOT, _env, cluster  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 
@@ -85,34 +86,6 @@ def _plugged_in(request):
         s.cancel_all()  # a job that a failed test left behind
 
 
-def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK",
-                        "NPROC_PER_NODE") and not k.startswith("SLURM_")}
-    env.update(PYTHON=sys.executable, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **extra)
-    return env
-
-
-def _read(path: str) -> str:
-    with open(path, errors="replace") as f:
-        return f.read()
-
-
-def _rows(run_dir: str) -> list[dict]:
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def _complete_checkpoints(run_dir: str) -> list[int]:
-    where = os.path.join(run_dir, "checkpoints")
-    names = os.listdir(where) if os.path.isdir(where) else []
-    return sorted(int(n.split("_")[1]) for n in names
-                  if re.fullmatch(r"step_\d{6}", n) and os.path.exists(os.path.join(where, n, "COMPLETE")))
-
-
 @pytest.fixture(scope="module")
 def reference(slurm):
     """The loss curve of 1 process on the whole batch (``parallel.ep=1``), in the root namespace."""
@@ -121,7 +94,7 @@ def reference(slurm):
                           f"run.dir={run_dir}", f"data.cache_dir={slurm.root}/cache", "parallel.ep=1", *TRAIN],
                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT)
     assert res.returncode == 0, res.stdout + res.stderr
-    losses = [r["loss"] for r in _rows(run_dir)]
+    losses = [r["loss"] for r in metrics_rows(run_dir)]
     assert len(losses) == STEPS and losses[-1] < losses[0]
     return losses
 
@@ -140,7 +113,7 @@ class Job:
         self.out_file = self.out_file.replace("%j", self.id)
 
     def output(self) -> str:
-        return _read(self.out_file) if os.path.exists(self.out_file) else ""
+        return read_text(self.out_file) if os.path.exists(self.out_file) else ""
 
     def info(self) -> dict:
         return self.s.job(self.id)
@@ -151,7 +124,7 @@ class Job:
     def wait_for_step(self, step: int, checkpoint: bool = False) -> None:
         """Until metrics.jsonl has ``step`` rows (and, with ``checkpoint``, a complete checkpoint exists)."""
         deadline = time.monotonic() + JOB_TIMEOUT
-        while len(_rows(self.run_dir)) < step or (checkpoint and not _complete_checkpoints(self.run_dir)):
+        while len(metrics_rows(self.run_dir)) < step or (checkpoint and not complete_checkpoints(self.run_dir)):
             info = self.info()
             assert time.monotonic() < deadline and info["JobState"] in ("PENDING", "CONFIGURING", "RUNNING"), \
                 f"job {self.id} {info['JobState']} before step {step}\n{self.output()[-3000:]}\n{self.s.logs()}"
@@ -162,13 +135,13 @@ class Job:
         info = self.wait(lambda i: i["JobState"] == "COMPLETED", "COMPLETED")
         out = self.output()
         assert info["ExitCode"] == "0:0" and info["NodeList"] == "node[0-1]", (info, out[-3000:])
-        rows = _rows(self.run_dir)
+        rows = metrics_rows(self.run_dir)
         assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), [r["step"] for r in rows]  # none missing or twice
         assert [r["loss"] for r in rows] == pytest.approx(reference, rel=1e-5, abs=0)
         with open(os.path.join(self.run_dir, "run.json")) as f:
             run = json.load(f)
         assert (run["world_size"], run["ep"], run["launcher"]) == (4, 4, launcher), run
-        assert STEPS in _complete_checkpoints(self.run_dir)
+        assert STEPS in complete_checkpoints(self.run_dir)
         return out
 
 
@@ -195,7 +168,7 @@ def _preempt_requeue_resume(s: SlurmCluster, reference, launcher: str, **env) ->
     assert re.search(r"resumed from \S+step_%06d at step %d" % (stopped, stopped), second), second[:3000]
     steps_run = [int(k) for k in re.findall(r"^step (\d+)/%d  loss" % STEPS, second, flags=re.M)]
     assert steps_run[0] == stopped + 1 and steps_run[-1] == STEPS, steps_run
-    assert stopped in _complete_checkpoints(job.run_dir)
+    assert stopped in complete_checkpoints(job.run_dir)
     # both runs trained across the nodes: each node received megabytes (FSDP's gathers, the all-to-alls)
     assert min(moved) > 2_000_000, moved
     print(f"\nslurm 2 nodes x 2 ({launcher}): preempted {t_signal - job.t0:.1f} s after submission at step "
@@ -237,7 +210,7 @@ def test_a_lost_node_is_set_down_and_slurm_requeues_the_job(slurm, reference, ho
         lines = [line for line in out.splitlines() if line.startswith("moe-dist train:")]
         assert len(lines) == 2 and all(line.endswith("; lost node node1 (ranks 2, 3): none of its ranks answered a "
                                                      "roll call within 10 s") for line in lines), out[-3000:]
-    saved = _complete_checkpoints(job.run_dir)
+    saved = complete_checkpoints(job.run_dir)
     # node1 reboots: its processes are gone, its link is up, its slurmd registers and the job starts
     s.cluster.kill_node("node1")
     s.cluster.set_link("node1", True)
@@ -257,7 +230,7 @@ def _ranks_on(s: SlurmCluster, node: str, run_dir: str) -> list[int]:
     pids = []
     for pid in s.cluster.pids(node):
         try:
-            cmd = _read(f"/proc/{pid}/cmdline").split("\0")
+            cmd = read_text(f"/proc/{pid}/cmdline").split("\0")
         except OSError:
             continue
         if "moe_dist.cli" in cmd and f"run.dir={run_dir}" in cmd:

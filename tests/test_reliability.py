@@ -109,6 +109,22 @@ def test_a_stop_signal_to_the_launcher_checkpoints_and_exits_75(tmp_path, sig):
     no_orphans(str(run))
 
 
+def test_a_stop_signal_while_the_ranks_start_is_not_lost(tmp_path):
+    run = tmp_path / "run"
+    job = Job(tmp_path, f"run.dir={run}", *LONG)
+    deadline = time.monotonic() + 30
+    while len(job.ranks()) < 2 and time.monotonic() < deadline:  # the ranks exist, still importing torch
+        time.sleep(0.01)
+    assert "step 1/" not in job.out.read_text()
+    os.kill(job.proc.pid, signal.SIGTERM)
+    assert job.wait() == 75, job.output()
+    out = job.output()
+    assert "SIGTERM received: stopped after step 1/400" in out, out
+    assert os.path.exists(run / "checkpoints" / "step_000001" / "COMPLETE")
+    assert "Traceback" not in out
+    no_orphans(str(run))
+
+
 def test_ctrl_c_to_the_process_group_prints_one_line(tmp_path):
     run = tmp_path / "run"
     job = Job(tmp_path, f"run.dir={run}", *LONG)

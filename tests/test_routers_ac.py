@@ -20,6 +20,12 @@ CASES = {
                                                               weight_norm="global", clamp=1.5, momentum=0.5, init_std=0.3)),
                        [dict(AC, step=0), dict(AC, step=1), dict(AC, train=False)]),
     "ac-plain-before-start-or-without-labels": (dict(router="ac"), [dict(labels=True, layer_idx=1), dict(layer_idx=3)]),
+    # the authors' variants: embeddings rescaled in place, a linear gate with bias before start_layer,
+    # singleton clusters, empty clusters in the normalisation (the last call's labels use 4 of the
+    # 8 experts, so 4 clusters are empty)
+    "ac-authors": (dict(router="ac", router_options=dict(embedding_norm=1.5, plain_gate="linear", min_count=1,
+                                                         empty_clusters="included")),
+                   [dict(labels=True, layer_idx=1), dict(AC, step=0), dict(AC, step=1, labels=4)]),
 }
 LOCAL_CASE = ("ac-local", (dict(router="ac", router_options=dict(scope="local")), [dict(AC)]))
 
@@ -142,9 +148,88 @@ def test_running_statistics_and_eval_modes():
     torch.testing.assert_close(batch(one, plain.context).logits, one @ emb.t())
 
 
+def _twins(**opts):
+    """The default router and one with ``opts``, holding the same tensors."""
+    torch.manual_seed(0)
+    default = build_router("ac", 16, E, 2, start_layer=1)
+    variant = build_router("ac", 16, E, 2, start_layer=1, **opts)
+    variant.load_state_dict(default.state_dict(), strict=False)
+    return default, variant
+
+
+def test_embedding_rescale_same_scores_scaled_gradient():
+    """embedding_norm: the scores equal the default's; the embeddings' gradient is the default's
+    times |e| / 1.5 (0.32 / 1.5 at the orthogonal init, gain 0.32), and they keep norm 1.5."""
+    default, rescaled = _twins(embedding_norm=1.5)
+    x = torch.randn(96, 16)
+    inputs = RouterInputs(prev_top1=call_labels(0, 96, E))
+    norms = default.weight.detach().norm(dim=-1)
+    torch.testing.assert_close(norms, torch.full((E,), 0.32))
+    upstream = torch.randn(96, E)
+    grads = []
+    for router in (default, rescaled):
+        routing = router(x, RoutingContext(layer_idx=1), inputs)
+        (routing.logits * upstream).sum().backward()
+        grads.append((routing.logits.detach(), routing.expert_ids, router.weight.grad))
+    torch.testing.assert_close(grads[1][0], grads[0][0])
+    assert torch.equal(grads[1][1], grads[0][1])
+    torch.testing.assert_close(rescaled.weight.detach().norm(dim=-1), torch.full((E,), 1.5))
+    torch.testing.assert_close(grads[1][2], grads[0][2] * (norms / 1.5)[:, None])
+    assert grads[1][2].norm() < 0.25 * grads[0][2].norm()
+    with pytest.raises(ValueError, match="embedding_norm"):
+        build_router("ac", 16, E, 2, base="linear", embedding_norm=1.5)
+
+
+def test_plain_gate_linear_with_bias():
+    """plain_gate: linear scores the calls that do not cluster by x W^T + b (W unnormalised, b
+    trained); the clustered calls equal the default's and leave b without gradient."""
+    default, linear = _twins(plain_gate="linear")
+    x = torch.randn(96, 16)
+    with torch.no_grad():
+        linear.plain_bias.copy_(torch.linspace(-0.5, 0.5, E))
+    plain = linear(x, RoutingContext(layer_idx=0))
+    torch.testing.assert_close(plain.logits, x @ linear.weight.detach().t() + linear.plain_bias.detach())
+    plain.gates.sum().backward()
+    assert linear.plain_bias.grad is not None and linear.plain_bias.grad.abs().sum() > 0
+    assert not torch.allclose(plain.logits, default(x, RoutingContext(layer_idx=0)).logits)
+    linear.zero_grad(set_to_none=True)
+    inputs = RouterInputs(prev_top1=call_labels(0, 96, E))
+    clustered = linear(x, RoutingContext(layer_idx=1), inputs)
+    torch.testing.assert_close(clustered.logits, default(x, RoutingContext(layer_idx=1), inputs).logits)
+    clustered.gates.sum().backward()
+    assert linear.plain_bias.grad is None
+    assert "plain_bias" not in default.state_dict() and "plain_bias" in linear.state_dict()
+
+
+def test_empty_and_singleton_clusters_as_the_authors_code():
+    """empty_clusters: included puts clusters without tokens (dispersion 0, weight 1/eps) into the
+    clamp and the per-feature means; without empty clusters it changes nothing. min_count: 1
+    keeps a one-token cluster (dispersion 0: its weights hit the clamp)."""
+    x = torch.randn(96, 16)
+    default, included = _twins(empty_clusters="included", min_count=1)
+    _, singletons = _twins(min_count=1)
+    full = RouterInputs(prev_top1=call_labels(0, 96, E))  # every expert a cluster, the last of one token
+    singletons(x, RoutingContext(layer_idx=1), full)
+    included(x, RoutingContext(layer_idx=1), full)
+    torch.testing.assert_close(included.last_weights, singletons.last_weights)  # no cluster empty
+    default(x, RoutingContext(layer_idx=1), full)
+    assert torch.equal(default.last_weights[E - 1], torch.ones(16))  # default: a singleton gets weight 1
+    counts, disp = cluster_dispersion(x, full.prev_top1, E, "mad")
+    assert disp[E - 1].abs().max() == 0
+    expect = dispersion_weights(disp, counts >= 1)
+    torch.testing.assert_close(singletons.last_weights, expect)
+    half = RouterInputs(prev_top1=call_labels(0, 96, 4))  # experts 4..7 have no token
+    counts, disp = cluster_dispersion(x, half.prev_top1, E, "mad")
+    included(x, RoutingContext(layer_idx=1), half)
+    torch.testing.assert_close(included.last_weights, dispersion_weights(disp, (counts >= 1) | (counts == 0)))
+    singletons(x, RoutingContext(layer_idx=1), half)
+    used = slice(0, 4)
+    assert not torch.allclose(included.last_weights[used], singletons.last_weights[used])
+
+
 def test_validation_messages():
     for key, value in (("dispersion", "std"), ("weight_norm", "expert"), ("scope", "world"), ("eval_mode", "ema"),
-                       ("base", "cosine")):
+                       ("base", "cosine"), ("plain_gate", "bias"), ("empty_clusters", "drop")):
         with pytest.raises(ValueError, match=f"router_options.{key}"):
             build_router("ac", 16, E, 2, **{key: value})
     with pytest.raises(ValueError, match="min_count"):

@@ -8,7 +8,8 @@ from helpers.dist_harness import run_ranks
 from helpers.router_cases import SPAWN, build_jobs, check_calls, differs, distributed_calls, per_job, reference_calls, run_layouts
 from moe_dist.moe import MoEArgs, MoELayer
 from moe_dist.moe.routers import build_router, synchronize_frozen_routers
-from moe_dist.moe.routers.hyper import FrozenRouter, HyperRouter, scheduled_k, set_inference_k
+from moe_dist.moe.routers import set_inference_k
+from moe_dist.moe.routers.hyper import FrozenRouter, HyperRouter, scheduled_k
 from moe_dist.moe.routing import RoutingContext
 
 E = 8

@@ -30,7 +30,10 @@ CASES = {
                  [dict(step=0), dict(step=1, micro_step=1), dict(train=False)]),
     "ssr-S-noise-coin": (dict(router="ssr", router_options=dict(p=0.5, cost="softmax", noise_alpha=1.0, init_std=0.3)),
                          [dict(step=s) for s in _coin_steps(0.5)] + [dict(train=False)]),
-    "sinkhorn-small-xi-cap": (dict(router="sinkhorn", router_options=dict(xi=0.05, init_std=0.3), capacity_factor=1.0),
+    # the eval call routes by the plan of the evaluated batch (inference: sinkhorn); a trained gate bias
+    "sinkhorn-small-xi-cap": (dict(router="sinkhorn", router_options=dict(xi=0.05, init_std=0.3, inference="sinkhorn",
+                                                                            gate_bias=True),
+                                   capacity_factor=1.0),
                               [dict(step=0), dict(train=False)]),
 }
 LOCAL_CASES = {  # must differ from one process (the test can fail)
@@ -110,6 +113,9 @@ def test_ssr_distributed():
         ref = reference_calls(cfg, calls)
         for _, label, per_rank in per_job(results, lambda r, e, u: (name, r, e, u)):
             check_calls(ref, per_rank, f"{name} {label}")
+    ref = reference_calls(*CASES["sinkhorn-small-xi-cap"])
+    assert float(ref[1]["extras"]["sinkhorn_calls"]) == 1.0  # eval mode solved the plan
+    assert int(ref[1]["state"]["sinkhorn_calls_total"]) == 1  # the counters count training calls only
     ref = reference_calls(*CASES["ssr-S-noise-coin"])
     assert [float(c["extras"]["sinkhorn_calls"]) for c in ref[:4]] == [1.0, 1.0, 0.0, 0.0]
     for name, (cfg, calls) in LOCAL_CASES.items():
@@ -129,6 +135,45 @@ def test_ssr_distributed():
 
 
 # ---- single process ---------------------------------------------------------------------------
+
+def _load_cv(expert_ids: torch.Tensor) -> float:
+    counts = torch.bincount(expert_ids.reshape(-1), minlength=E).float()
+    return float(counts.std() / counts.mean())
+
+
+def test_inference_by_the_plan_is_balanced():
+    """inference: sinkhorn routes eval batches by the plan (balanced where softmax top-k is
+    skewed), with the softmax gates at the experts it chose; inference: topk is the default."""
+    torch.manual_seed(0)
+    topk_eval = build_router("sinkhorn", 16, E, 2, init_std=0.5)
+    plan_eval = build_router("sinkhorn", 16, E, 2, init_std=0.5, inference="sinkhorn")
+    plan_eval.load_state_dict(topk_eval.state_dict())
+    x = torch.randn(512, 16) + 2.0 * torch.randn(16)  # a shared offset: the raw scores favour a few experts
+    for r in (topk_eval, plan_eval):
+        r.eval()
+    plain = topk_eval(x, RoutingContext())
+    balanced = plan_eval(x, RoutingContext())
+    assert torch.equal(plain.expert_ids, plain.probs.topk(2, -1).indices)
+    assert _load_cv(plain.expert_ids) > 0.5 and _load_cv(balanced.expert_ids) < 0.5 * _load_cv(plain.expert_ids)
+    expect = balanced.probs.gather(-1, balanced.expert_ids)
+    torch.testing.assert_close(balanced.gates, expect / expect.sum(-1, keepdim=True))
+    assert int(plan_eval.sinkhorn_calls_total) == 0
+    with pytest.raises(ValueError, match="router_options.inference"):
+        build_router("sinkhorn", 16, E, 2, inference="plan")
+
+
+def test_gate_bias_trains_and_shifts_the_scores():
+    torch.manual_seed(0)
+    router = build_router("sinkhorn", 16, E, 2, gate_bias=True)
+    x = torch.randn(64, 16)
+    with torch.no_grad():
+        router.gate_bias.copy_(torch.linspace(-1, 1, E))
+    routing = router(x, RoutingContext())
+    torch.testing.assert_close(routing.logits, x @ router.weight.detach().t() + router.gate_bias.detach())
+    routing.gates.sum().backward()  # the gates are the softmax at the chosen experts: the bias trains
+    assert router.gate_bias.grad is not None and router.gate_bias.grad.abs().sum() > 0
+    assert "gate_bias" not in build_router("sinkhorn", 16, E, 2).state_dict()
+
 
 def test_plan_prefers_high_scores():
     # each expert is the clear favourite of N/E tokens: the balanced plan keeps every favourite

@@ -13,7 +13,7 @@ from moe_dist.distributed import build_parallel_groups
 from moe_dist.errors import ConfigError
 from moe_dist.moe import MoEArgs, MoELayer
 from moe_dist.moe.routers import build_router
-from moe_dist.moe.routers.token_graph import mix_over_sequence
+from moe_dist.moe.routers.token_graph import dense_graph_weights, mix_over_sequence, routing_entropy
 from moe_dist.moe.routing import AttentionInputs, RouterInputs, RoutingContext
 from moe_dist.parallel import apply_expert_parallel, sync_gradients
 
@@ -354,6 +354,43 @@ def test_blockwise_mixing_matches_dense(causal, pad, with_q, with_prior, self_ke
         torch.testing.assert_close(gr.double(), gd, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("causal,pad", [(True, True), (False, False)])
+def test_mixing_set_restricted_to_lower_entropy(causal, pad):
+    """mixing_set=lower_entropy (Prop. 1): token i mixes only keys j with H(r_j) <= H(r_i), values
+    and gradients against a dense float64 reference; the least uncertain token keeps its own routing."""
+    g = torch.Generator().manual_seed(5)
+    B, S, Dq, Ex = 2, 10, 5, 4
+    probs = torch.softmax(2 * torch.randn(B, S, Ex, generator=g), -1).requires_grad_()
+    q = torch.randn(B, S, Dq, generator=g).requires_grad_()
+    pm = None
+    if pad:
+        pm = torch.ones(B, S, dtype=torch.bool)
+        pm[0, 7:] = False
+    h = routing_entropy(probs)
+    out = mix_over_sequence(probs, q, scale=0.7, padding_mask=pm, causal=causal, block=3, entropy=h)
+    c = torch.randn(B, S, Ex, generator=g)
+    grads = torch.autograd.grad((out * c).sum(), [probs, q])
+    r_probs, r_q = (t.detach().double().requires_grad_() for t in (probs, q))
+    allowed = h[:, None, :] <= h[:, :, None]
+    if causal:
+        allowed = allowed & torch.ones(S, S, dtype=torch.bool).tril()
+    if pad:
+        allowed = allowed & (pm[:, None, :] | torch.eye(S, dtype=torch.bool))
+    L = (0.7 * r_q @ r_q.transpose(1, 2)).masked_fill(~allowed, float("-inf"))
+    ref = torch.softmax(L, -1) @ r_probs
+    ref_grads = torch.autograd.grad((ref * c.double()).sum(), [r_probs, r_q])
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+    for gr, gd in zip(grads, ref_grads):
+        torch.testing.assert_close(gr.double(), gd, rtol=1e-4, atol=1e-6)
+    lowest = h.argmin(-1)
+    for b in range(B):
+        torch.testing.assert_close(out[b, lowest[b]], probs[b, lowest[b]])
+    full = mix_over_sequence(probs, q, scale=0.7, padding_mask=pm, causal=causal, block=3)
+    assert not torch.allclose(full, out)
+    W = dense_graph_weights(q, q, 0.7, key_mask=pm, causal=causal, entropy=h)
+    assert bool((W[~allowed] == 0).all())
+
+
 @pytest.mark.parametrize("name", ["similarity", "attention"])
 def test_causality(name):
     """Changing token t+1 (and anything later) leaves the routing of tokens <= t unchanged;
@@ -495,7 +532,7 @@ CASES = {
     "attention-scores-bf16-graph": dict(cfg=dict(router="attention", router_options={"graph_dtype": "bf16"}),
                                         causal=True, pad=True, form="scores", baseline="baseline-topk"),
     "attention-top1-cap": dict(cfg=dict(router="attention", top_k=1, capacity_factor=1.25,
-                                        router_options={"sigma": 2.0}), causal=True, pad=False,
+                                        router_options={"sigma": 2.0, "mixing_set": "lower_entropy"}), causal=True, pad=False,
                                baseline="baseline-top1-cap"),
     # the same layers with the plain base router: the collectives the layer issues anyway
     "baseline-topk": dict(cfg=dict(router="topk"), causal=True, pad=True),

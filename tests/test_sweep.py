@@ -59,6 +59,23 @@ def test_follow_up_study_is_the_study_setting():
     assert (follow.processes_per_run, follow.threads_per_run) == (study.processes_per_run, study.threads_per_run)
 
 
+def test_study_two_is_the_study_setting():
+    """configs/study2.yaml trains the study's model on its data for as long; configs/study2-symphony.yaml
+    the same, longer (only the run length and the validation interval differ); every option the
+    two files set is one the routers take (the config check of each run)."""
+    study = load_study(os.path.join(ROOT, "configs", "study.yaml"))
+    two = load_study(os.path.join(ROOT, "configs", "study2.yaml"))
+    longer = load_study(os.path.join(ROOT, "configs", "study2-symphony.yaml"))
+    assert (two.base, two.overrides) == (study.base, study.overrides)
+    length = ("train.steps=", "eval.every=")
+    assert [o for o in longer.overrides if not o.startswith(length)] == [o for o in study.overrides if not o.startswith(length)]
+    assert "train.steps=3000" in longer.overrides and longer.base == study.base
+    for s in (two, longer):
+        assert s.reference == "topk" and s.routers["topk"] == study.routers["topk"] and s.seeds == [0, 1, 2]
+        assert (s.processes_per_run, s.threads_per_run) == (study.processes_per_run, study.threads_per_run)
+        check_runs(s)
+
+
 def test_grid_and_run_overrides(tmp_path):
     path = _study(tmp_path, """
 out: OUT

@@ -58,6 +58,9 @@ def check_exportable(model, cfg, arch: MoEArchitecture) -> list[str]:
     if m.moe.expert_bias:
         raise HFFormatError(f"model.moe.expert_bias=true cannot be exported to {name} (its router has no selection "
                             "bias); allowed: false")
+    if m.moe.max_groups_per_token is not None:
+        raise HFFormatError(f"model.moe.max_groups_per_token={m.moe.max_groups_per_token} cannot be exported to {name} "
+                            "(its router chooses from all experts, without expert groups); allowed: null")
     if m.qk_norm != arch.qk_norm:
         has = "always normalises" if arch.qk_norm != "none" else "never normalises"
         raise HFFormatError(f"model.qk_norm={m.qk_norm!r} cannot be exported to {name}, whose attention {has} the "

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from ..checks import check_field, knob
-from .routers import check_router_features, check_router_options, check_top_k
+from ..distributed.topology import NodeLayout
+from .routers import check_group_limit, check_router_features, check_router_options, check_top_k, router_largest_k
 from .shared import check_shared_expert
 
 KEY = "model.moe"  # the config key of these arguments; errors name ``model.moe.<field>``
@@ -50,21 +51,46 @@ class MoEArgs:
                              "probabilities for choosing only, updated after each optimizer step from the global counts")
     expert_bias_rate: float = knob(1e-3, "expert-bias update per step: bias += rate * sign(mean count - count)", min=0)
     router_dtype: Literal["fp32", "fp64"] = knob("fp32", "dtype of the router's scores and softmax")
+    router_groups: Optional[int] = knob(None, "node-limited routing: the experts in G contiguous groups (group g = "
+                                        "experts [g E/G, (g+1) E/G)); G = the expert-parallel nodes makes a group one "
+                                        "node's experts; null = no groups", min=1)
+    max_groups_per_token: Optional[int] = knob(None, "node-limited routing: each token's experts come from its M best "
+                                               "groups (a group's score: the sum of its top max(1, k // M) selection "
+                                               "scores), so a token reaches at most M nodes; null = no limit", min=1)
 
     def validated(self) -> "MoEArgs":
         """A copy with every value in canonical form (an integer given for a number is that number),
         after every rule: each field's type and bounds, the router and its options, ``top_k``
-        against ``num_experts``, the features the router supports and the shared-expert options.
+        against ``num_experts``, the expert groups, the features the router supports and the
+        shared-expert options.
         Raises :class:`~moe_dist.errors.ConfigError` naming the ``model.moe`` key."""
         hints = typing.get_type_hints(MoEArgs)
         values = {f.name: check_field(getattr(self, f.name), hints[f.name], f"{KEY}.{f.name}", f.metadata)
                   for f in dataclasses.fields(MoEArgs)}
         out = dataclasses.replace(self, **values)
-        check_router_options(out.router, out.router_options)
+        options = check_router_options(out.router, out.router_options)
         check_top_k(out.num_experts, out.top_k)
-        check_router_features(out.router, out.expert_bias, out.router_dtype)
+        check_group_limit(out.num_experts, router_largest_k(out.router, out.top_k, options), out.router_groups,
+                          out.max_groups_per_token)
+        check_router_features(out.router, out.expert_bias, out.router_dtype, out.max_groups_per_token is not None)
         check_shared_expert(out.shared_d_ff, out.shared_gate)
         return out
+
+    def node_limit_warning(self, ep_nodes: NodeLayout) -> str:
+        """A warning when ``max_groups_per_token`` does not bound the nodes a token reaches: the
+        expert-parallel group (``ep_nodes``, the node of each peer) spans several nodes, but an expert
+        group does not sit on one node ('' otherwise). Experts are placed in ep rank order, so a group
+        sits on one node when ``router_groups`` is a multiple of the nodes and every node holds an
+        equal, consecutive block of ep ranks."""
+        if self.max_groups_per_token is None or not ep_nodes.multi_node:
+            return ""
+        nodes = ep_nodes.num_nodes
+        if self.router_groups % nodes == 0 and ep_nodes.contiguous() and ep_nodes.uniform():
+            return ""
+        return (f"warning: model.moe.max_groups_per_token={self.max_groups_per_token} limits a token to that many "
+                f"expert groups, not nodes: the expert-parallel group spans {nodes} nodes "
+                f"(ep ranks' nodes {list(ep_nodes.node_of)}) and model.moe.router_groups={self.router_groups} groups "
+                f"do not each sit on one node; use a multiple of {nodes} with an equal block of ep ranks per node")
 
     def capacity_factor_for(self, training: bool) -> Optional[float]:
         """The capacity factor of a training or an evaluation forward (None: dropless)."""

@@ -27,6 +27,7 @@ from ..distributed.topology import NodeLayout
 from .counting import count_values
 from .exchange import Exchange
 from .experts import host_ints
+from .traffic import COUNTS, TrafficMeter
 
 
 @dataclass(frozen=True, eq=False)
@@ -194,6 +195,7 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor, kee
              num_experts: int, ep_group: Optional[dist.ProcessGroup],
              peer_counts: Optional[torch.Tensor] = None,
              read_along: Optional[torch.Tensor] = None,
+             meter: Optional[TrafficMeter] = None,
              nodes: Optional[NodeLayout] = None) -> tuple[torch.Tensor, DispatchPlan]:
     """Gather the kept rows of ``x`` ``[T, d]`` for their experts: grouped by expert, or with
     expert parallelism in send order (``plan.exchange`` says where they travel).
@@ -202,6 +204,8 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor, kee
     ``ep_group`` rank order) when the caller knows them already; else they are exchanged.
     ``read_along``: small integer tensor the caller wants on the host too; it rides on the
     dispatch's single host read and comes back as ``plan.read_along`` (a list of ints).
+    ``meter``: records the bytes of the count exchange and, through ``plan.exchange``, of the rows'
+    transfers (:mod:`moe_dist.moe.traffic`).
     ``nodes``: the node of every ``ep_group`` rank (None: one node); over several nodes a token's
     three or more pairs sum per node first (module docstring), and the plan counts the rows that
     leave the node.
@@ -231,6 +235,8 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor, kee
     send_counts = counts.view(ep, local)
     if peer_counts is None:
         recv_counts = torch.empty_like(send_counts)
+        if meter is not None:
+            meter.record(COUNTS, [1] * ep, send_counts)  # one row of E/ep counts to every peer
         dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=ep_group)  # count exchange first
     else:  # [source peer, my local expert]
         recv_counts = peer_counts.to(device=counts.device, dtype=counts.dtype).view(ep, ep, local)[:, me].contiguous()
@@ -240,7 +246,7 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor, kee
     order = order[:sum(send)]
     token_idx = torch.div(order, top_k, rounding_mode="floor")
     plan = DispatchPlan(token_idx, flat_g.index_select(0, order), [sum(row[e] for row in recv) for e in range(local)],
-                        Exchange(ep_group, me, send, recv), read_along=along[0] if along else None)
+                        Exchange(ep_group, me, send, recv, meter), read_along=along[0] if along else None)
     if nodes is not None and nodes.multi_node:
         plan.inter_node_pairs = plan.inter_node_rows = inter_node_pairs(send, nodes, me)
         if top_k >= 3:

@@ -30,6 +30,7 @@ from torch.autograd.function import once_differentiable
 from ..distributed.collective_errors import wait_collective
 from ..distributed.collectives import all_to_all_rows
 from .loop_kernel import CHUNK_ROWS, begin_backward, span_backward, span_forward, spans_of
+from .traffic import COMBINE, COMBINE_GRAD, DISPATCH, DISPATCH_GRAD, TrafficMeter
 
 
 @dataclass
@@ -38,6 +39,7 @@ class Exchange:
 
     send: rows this rank sends to each rank (its own experts' rows: ``send[rank]``, kept here).
     recv: ``recv[src][e]`` rows that rank ``src`` sends for this rank's local expert ``e``.
+    meter: records the bytes each transfer sends (:mod:`moe_dist.moe.traffic`); None: not counted.
     runs: the rows from each ``src`` as ``(local expert, rows)`` runs in arrival order, when the rows
         of one expert from one source are several spans (the hierarchical dispatch forwards the rows
         of several origins, each its own span); None: one run per expert, ``recv[src]``.
@@ -47,10 +49,20 @@ class Exchange:
     rank: int
     send: list[int]
     recv: list[list[int]]
+    meter: Optional[TrafficMeter] = None
     runs: Optional[list[list[tuple[int, int]]]] = None
 
     def _runs(self, src: int) -> list[tuple[int, int]]:
         return list(enumerate(self.recv[src])) if self.runs is None else list(self.runs[src])
+
+    def record(self, kind: str, splits: list[int], rows: torch.Tensor) -> None:
+        """A transfer of ``kind`` sends ``splits[r]`` rows of ``rows`` to rank ``r`` (to the meter)."""
+        if self.meter is not None:
+            self.meter.record(kind, splits, rows)
+
+    def on_backward(self, t: torch.Tensor, kind: str, splits: list[int]) -> torch.Tensor:
+        """``t``, whose gradient the backward sends with ``splits`` (recorded as ``kind`` when it runs)."""
+        return t if self.meter is None else self.meter.on_backward(t, kind, splits)
 
     @property
     def sent_away(self) -> int:
@@ -113,6 +125,7 @@ class PipelinedLoop(torch.autograd.Function):
         away = ex.sent_away
         send, recv_splits = ex.send_splits(), ex.recv_splits()
         received = x.new_empty((sum(recv_splits), x.shape[1]))
+        ex.record(DISPATCH, send, x)
         work = _start(received, x[:away], recv_splits, send, ex.group)
         own_first, own_second = _halves(spans_of(ex.own_segments()), away)
         remote = spans_of(ex.remote_segments())
@@ -124,6 +137,7 @@ class PipelinedLoop(torch.autograd.Function):
         work.wait()
         for e, s, t in remote:
             acts[("remote", s)] = span_forward(received[s:t], e, w1, w3, w2, y_remote[s:t])
+        ex.record(COMBINE, recv_splits, y_remote)
         work = _start(y[:away], y_remote, send, recv_splits, ex.group)
         for e, s, t in own_second:
             acts[("own", s)] = span_forward(x[s:t], e, w1, w3, w2, y[s:t])
@@ -149,11 +163,13 @@ class PipelinedLoop(torch.autograd.Function):
             for e, s, t in spans:
                 span_backward(gy[s:t], x[s:t], acts[("own", s)], e, *w, gx[s:t] if need_x else None, grads, reuse)
 
+        ex.record(COMBINE_GRAD, send, gy)
         work = _start(g_remote, gy[:away], recv_splits, send, ex.group)
         own(own_first)
         work.wait()
         for e, s, t in remote:
             span_backward(g_remote[s:t], received[s:t], acts[("remote", s)], e, *w, gx_remote[s:t], grads, reuse)
+        ex.record(DISPATCH_GRAD, recv_splits, gx_remote)
         work = _start(gx[:away], gx_remote, send, recv_splits, ex.group)
         own(own_second)
         work.wait()
@@ -164,12 +180,16 @@ class PipelinedLoop(torch.autograd.Function):
 def exchange_rows(x: torch.Tensor, ex: Exchange) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """Rows in send order -> the rows this rank's experts compute: the received rows (arrival
     order), then this rank's own, with their ``(local expert, rows)`` segments (differentiable)."""
+    ex.record(DISPATCH, ex.send_splits(), x)
     received = all_to_all_rows(x[:ex.sent_away], ex.recv_splits(), ex.send_splits(), ex.group)
+    received = ex.on_backward(received, DISPATCH_GRAD, ex.recv_splits())
     return torch.cat([received, x[ex.sent_away:]]), ex.remote_segments() + ex.own_segments()
 
 
 def return_rows(y: torch.Tensor, ex: Exchange) -> torch.Tensor:
     """The inverse of :func:`exchange_rows`: outputs in its layout -> outputs in send order."""
     arrived = sum(ex.recv_splits())
+    ex.record(COMBINE, ex.recv_splits(), y)
     back = all_to_all_rows(y[:arrived], ex.send_splits(), ex.recv_splits(), ex.group)
+    back = ex.on_backward(back, COMBINE_GRAD, ex.send_splits())
     return torch.cat([back, y[arrived:]])

@@ -55,6 +55,7 @@ from .dispatch import (SumOrder, gather_rows, inter_node_pairs, nodes_of_tokens,
                        scatter_rows, send_order_key)
 from .exchange import Exchange, exchange_rows, return_rows
 from .experts import GroupedExperts, PermuteRows, host_ints, inverse_permutation
+from .traffic import COMBINE, COMBINE_GRAD, COUNTS, DISPATCH, DISPATCH_GRAD, TrafficMeter
 
 def hierarchical_fallback(groups: ParallelGroups) -> Optional[str]:
     """Why ``parallel.dispatch: hierarchical`` runs the flat dispatch on these groups (None: it does
@@ -101,8 +102,29 @@ class HierarchicalPlan:
     to_flat: torch.Tensor  # received stage-2 rows -> the flat layout (for the kernels other than loop)
     from_flat: torch.Tensor
     read_along: Optional[list] = None
+    rail_meter: Optional["SubgroupMeter"] = None  # records the stage-1 and stage-3 bytes
     inter_node_pairs: int = 0  # rows a flat dispatch would send to other nodes (one per pair)
     inter_node_rows: int = 0  # rows this dispatch sends to other nodes (one per token and node)
+
+
+class SubgroupMeter:
+    """A :class:`~moe_dist.moe.traffic.TrafficMeter` of the expert-parallel group, for transfers over
+    a subgroup of it (the node or the rail): splits by subgroup rank, recorded by ep rank."""
+
+    def __init__(self, meter: TrafficMeter, ranks: list[int], ep: int):
+        self.meter, self.ranks, self.ep = meter, list(ranks), ep
+
+    def _ep(self, splits: list[int]) -> list[int]:
+        out = [0] * self.ep
+        for r, n in zip(self.ranks, splits):
+            out[r] = n
+        return out
+
+    def record(self, kind: str, splits: list[int], rows: torch.Tensor) -> None:
+        self.meter.record(kind, self._ep(splits), rows)
+
+    def on_backward(self, t: torch.Tensor, kind: str, splits: list[int]) -> torch.Tensor:
+        return self.meter.on_backward(t, kind, self._ep(splits))
 
 
 def _proxy(nodes: NodeLayout, rank: int, node: int) -> int:
@@ -111,12 +133,13 @@ def _proxy(nodes: NodeLayout, rank: int, node: int) -> int:
 
 
 def dispatch_hierarchical(x: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor, keep: Optional[torch.Tensor],
-                          num_experts: int, groups: ParallelGroups,
-                          read_along: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, HierarchicalPlan]:
+                          num_experts: int, groups: ParallelGroups, read_along: Optional[torch.Tensor] = None,
+                          meter: Optional[TrafficMeter] = None) -> tuple[torch.Tensor, HierarchicalPlan]:
     """Stage 1: the rows of ``x`` ``[T, d]`` to the proxies, and the pairs of the rows this rank holds
     laid out in stage-2 send order (returned with the plan). Arguments as
     :func:`~moe_dist.moe.dispatch.dispatch`; ``groups``: the expert-parallel group, its node layout
-    and this rank's node and rail groups (:func:`hierarchical_fallback` says None)."""
+    and this rank's node and rail groups (:func:`hierarchical_fallback` says None). ``meter``:
+    records the bytes of every transfer, by expert-parallel rank (:mod:`moe_dist.moe.traffic`)."""
     T, k = expert_ids.shape
     ep_group, nodes = groups.ep, groups.ep_nodes
     R, me, N = group_size(ep_group), group_rank(ep_group), nodes.num_nodes
@@ -128,6 +151,8 @@ def dispatch_hierarchical(x: torch.Tensor, expert_ids: torch.Tensor, gates: torc
     send_nodes = [n for n in range(N) if n != my_node] + [my_node]
     per_node = torch.cat([count_values(kept, num_experts + 1)[:num_experts], has.sum(0)])
     counts = all_gather_tensor(per_node, ep_group)  # [R, E + N]: every rank's kept pairs per expert, rows per node
+    if meter is not None:
+        meter.record(COUNTS, [1] * R, per_node.view(1, -1))  # its row of counts to every peer
     candidates = torch.argsort((~has[:, send_nodes]).t().reshape(-1).to(torch.int8), stable=True)
     table, *along = read_counts([counts] + ([] if read_along is None else [read_along]))
     C = [table[r * (num_experts + N):r * (num_experts + N) + num_experts] for r in range(R)]
@@ -144,8 +169,9 @@ def dispatch_hierarchical(x: torch.Tensor, expert_ids: torch.Tensor, gates: torc
     from_origin = [D[rail_peer[n]][my_node] if n != my_node else 0 for n in range(N)]
     away = sum(to_proxy)
     sent = gather_rows(x, row_token, row_sum)
-    held_x = torch.cat([all_to_all_rows(sent[:away], from_origin, to_proxy, groups.ep_rail), sent[away:]])
-    held_meta = torch.cat([all_to_all_rows(meta[:away], from_origin, to_proxy, groups.ep_rail), meta[away:]])
+    rail = None if meter is None else SubgroupMeter(meter, rail_peer, R)
+    held_x = torch.cat([_to_proxies(sent[:away], from_origin, to_proxy, groups.ep_rail, rail), sent[away:]])
+    held_meta = torch.cat([_to_proxies(meta[:away], from_origin, to_proxy, groups.ep_rail, rail), meta[away:]])
     held = held_x.shape[0]
     origins = [rail_peer[n] for n in range(N) if from_origin[n]] + [me]
     origin_rows = [c for c in from_origin if c] + [rows - away]
@@ -155,14 +181,24 @@ def dispatch_hierarchical(x: torch.Tensor, expert_ids: torch.Tensor, gates: torc
     send = [sum(C[o][e] for o in served[me] for e in range(t * local, (t + 1) * local)) for t in peers]
     pair_row, pair_expert, pair_gates = _held_pairs(held_meta, origin, num_experts, R, me, sum(send))
     pair_gates, pair_sum = pair_gates.to(gates.dtype), SumOrder(torch.argsort(pair_expert, stable=True))
-    exchange, flat_segments, to_flat = _stage2(nodes, me, local, C, served, send, groups.ep_node, x.device)
+    node_meter = None if meter is None else SubgroupMeter(meter, peers, R)
+    exchange, flat_segments, to_flat = _stage2(nodes, me, local, C, served, send, groups.ep_node, node_meter, x.device)
     plan = HierarchicalPlan(
         groups.ep_rail, T, row_token, row_sum, to_proxy, from_origin, held, pair_row, pair_gates, pair_sum, exchange,
         [sum(C[o][me * local + e] for o in range(R)) for e in range(local)], flat_segments, to_flat,
-        inverse_permutation(to_flat), read_along=along[0] if along else None,
+        inverse_permutation(to_flat), read_along=along[0] if along else None, rail_meter=rail,
         inter_node_pairs=inter_node_pairs([sum(C[me][r * local:(r + 1) * local]) for r in range(R)], nodes, me),
         inter_node_rows=away)
     return gather_rows(held_x, pair_row, pair_sum), plan
+
+
+def _to_proxies(rows: torch.Tensor, from_origin: list[int], to_proxy: list[int], rail,
+                meter: Optional[SubgroupMeter]) -> torch.Tensor:
+    """Stage 1's all-to-all over the rail (differentiable), its bytes recorded both ways."""
+    if meter is not None:
+        meter.record(DISPATCH, to_proxy, rows)
+    received = all_to_all_rows(rows, from_origin, to_proxy, rail)
+    return received if meter is None else meter.on_backward(received, DISPATCH_GRAD, from_origin)
 
 
 def _row_pairs(node: torch.Tensor, kept: torch.Tensor, gates: torch.Tensor, row_token: torch.Tensor,
@@ -190,7 +226,8 @@ def _held_pairs(held_meta: torch.Tensor, origin: torch.Tensor, num_experts: int,
             held_meta[:, :k].reshape(-1).index_select(0, order))
 
 
-def _stage2(nodes: NodeLayout, me: int, local: int, C: list, served: dict, send: list[int], group, device):
+def _stage2(nodes: NodeLayout, me: int, local: int, C: list, served: dict, send: list[int], group,
+            meter: Optional[SubgroupMeter], device):
     """The stage-2 exchange over the node group (one run per proxy, expert and origin, in arrival
     order), the flat dispatch's layout of this rank's expert rows (by origin: the others in rank
     order, this rank last; then by expert) and the permutation from the arrival layout to it."""
@@ -205,7 +242,7 @@ def _stage2(nodes: NodeLayout, me: int, local: int, C: list, served: dict, send:
                 start[(o, e)] = pos
                 pos += c
     recv = [[sum(c for ee, c in run if ee == e) for e in range(local)] for run in runs]
-    exchange = Exchange(group, mine, send, recv, runs)
+    exchange = Exchange(group, mine, send, recv, meter, runs)
     sources = [o for o in range(nodes.size) if o != me] + [me]
     flat_blocks = [(o, e, C[o][me * local + e]) for o in sources for e in range(local)]
     shift, sizes, flat_pos = [], [], 0
@@ -238,5 +275,9 @@ def combine_hierarchical(y: torch.Tensor, plan: HierarchicalPlan) -> torch.Tenso
     partial rows back to their origins, a token's partial rows summed in node order."""
     partial = scatter_rows(y, plan.pair_gates.to(y.dtype), plan.pair_row, plan.held, plan.pair_sum)
     received = sum(plan.from_origin)
+    if plan.rail_meter is not None:
+        plan.rail_meter.record(COMBINE, plan.from_origin, partial)
     back = all_to_all_rows(partial[:received], plan.to_proxy, plan.from_origin, plan.rail)
+    if plan.rail_meter is not None:
+        back = plan.rail_meter.on_backward(back, COMBINE_GRAD, plan.to_proxy)
     return scatter_rows(torch.cat([back, partial[received:]]), None, plan.row_token, plan.num_tokens, plan.row_sum)

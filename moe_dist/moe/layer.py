@@ -36,6 +36,7 @@ from .routing import NO_INPUTS, Routing, RouterInputs, RoutingContext, is_recomp
 from .routing_stats import GatheredStats, RoutingStats, gather_routing_stats
 from .shared import SharedExpert, add_shared_expert, init_linear
 from .stats import MoEStats
+from .traffic import TrafficMeter
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -77,6 +78,7 @@ class MoELayer(nn.Module):
         self._pending_counts: Optional[torch.Tensor] = None  # expert-bias counts of the current optimizer step
         self.groups = ParallelGroups.single()
         self.hierarchical = False  # node-aware dispatch (parallel.dispatch=hierarchical over several nodes)
+        self.traffic = TrafficMeter()  # bytes this rank's exchanges send, intra- and inter-node
         self.context = RoutingContext(layer_idx=layer_idx)
         self.aux_loss: Optional[torch.Tensor] = None
         self.stats: Optional[MoEStats] = None
@@ -100,6 +102,8 @@ class MoELayer(nn.Module):
         router = build_router(args.router, self.d_model, args.num_experts, args.top_k, **args.router_options)
         if args.expert_bias:
             router.enable_expert_bias()
+        if args.max_groups_per_token is not None:
+            router.set_group_limit(args.router_groups, args.max_groups_per_token)
         router.set_compute_dtype(ROUTER_DTYPES[args.router_dtype])
         return router
 
@@ -156,6 +160,7 @@ class MoELayer(nn.Module):
             raise ConfigError(f"parallel.ep={groups.ep_size} must divide model.moe.num_experts={self.num_experts}")
         self.groups = groups
         self.hierarchical = groups.dispatch == "hierarchical" and hierarchical_fallback(groups) is None
+        self.traffic = TrafficMeter(groups.ep_nodes, groups.ep_rank)
         self.context.stats_group, self.context.ep_group = groups.dp, groups.ep
 
     # ---- forward ------------------------------------------------------------------------
@@ -174,7 +179,9 @@ class MoELayer(nn.Module):
         args = self.args
         seq_loss = (sequence_balance_sum(routing.probs, routing.expert_ids, n_seq)
                     if args.balance_loss == "sequence" else None)
-        stats = gather_routing_stats(RoutingStats.measure(routing, self.num_experts, seq_loss, n_seq),
+        grouped = args.max_groups_per_token is not None
+        stats = gather_routing_stats(RoutingStats.measure(routing, self.num_experts, seq_loss, n_seq,
+                                                          args.router_groups if grouped else None),
                                      self.context.stats_group)
         losses = balance_losses(routing, stats, args.loss_scope, args.balance_loss, seq_loss, n_seq)
         self.aux_loss = losses.weighted(args.aux_loss_coef, args.z_loss_coef)
@@ -188,18 +195,18 @@ class MoELayer(nn.Module):
         read_along = torch.stack([stats.total.nonfinite, stats.total.tokens])
         if self.hierarchical:
             routed, plan = dispatch_hierarchical(rows, routing.expert_ids, routing.gates, capacity.keep, self.num_experts,
-                                                 self.groups, read_along)
+                                                 self.groups, read_along, meter=self.traffic)
             self._check_nonfinite(*plan.read_along)
             out = combine_hierarchical(hierarchical_experts(self.experts, routed, plan), plan)
         else:
             routed, plan = dispatch(rows, routing.expert_ids, routing.gates, capacity.keep, self.num_experts,
-                                    self.groups.ep, peer_counts, read_along, self.groups.ep_nodes)
+                                    self.groups.ep, peer_counts, read_along, meter=self.traffic, nodes=self.groups.ep_nodes)
             self._check_nonfinite(*plan.read_along)
             out = combine(self.experts(routed, plan.local_counts, plan.exchange), plan, rows.shape[0])
         self.inter_node_rows = (None if plan.inter_node_pairs is None
                                 else (plan.inter_node_pairs, plan.inter_node_rows))
         out = add_shared_expert(out, rows, self.shared_expert, self.shared_expert_gate)
-        self.stats = MoEStats.of(stats.total, losses, capacity, routing)
+        self.stats = MoEStats.of(stats.total, losses, capacity, routing, grouped)
         return out.to(x.dtype).reshape(x.shape)
 
     def _rows(self, x: torch.Tensor, inputs: RouterInputs) -> tuple[torch.Tensor, int]:

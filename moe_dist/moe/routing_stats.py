@@ -22,7 +22,7 @@ from .routing import Routing
 
 # (name, width) in row order; width None = num_experts
 FIELDS = (("counts", None), ("prob_sums", None), ("z_sum", 1), ("entropy_sum", 1), ("nonfinite", 1),
-          ("seq_loss_sum", 1), ("sequences", 1), ("tokens", 1))
+          ("seq_loss_sum", 1), ("sequences", 1), ("tokens", 1), ("group_spans", None))
 
 
 @dataclass
@@ -38,6 +38,8 @@ class RoutingStats:
     nonfinite: NaN/Inf router logits (or probabilities, without logits).
     seq_loss_sum: the sequence-level balance loss summed over the sequences (detached; zero
         without sequences). sequences: their number. tokens: tokens routed.
+    group_spans: ``[E]`` with expert groups (node-limited routing): entry ``j`` counts the tokens
+        whose experts lie in ``j + 1`` distinct groups (zeros without groups).
     """
 
     counts: torch.Tensor
@@ -48,13 +50,15 @@ class RoutingStats:
     seq_loss_sum: torch.Tensor
     sequences: torch.Tensor
     tokens: torch.Tensor
+    group_spans: torch.Tensor
 
     @classmethod
     @torch.no_grad()
     def measure(cls, routing: Routing, num_experts: int, seq_loss_sum: Optional[torch.Tensor] = None,
-                num_sequences: int = 0) -> "RoutingStats":
+                num_sequences: int = 0, groups: Optional[int] = None) -> "RoutingStats":
         """This rank's statistics of ``routing`` (``seq_loss_sum``: the differentiable sequence-level
-        loss sum over ``num_sequences`` sequences, when that loss is used)."""
+        loss sum over ``num_sequences`` sequences, when that loss is used; ``groups``: the number of
+        contiguous expert groups whose spans per token are counted, None for none)."""
         probs, logits = routing.probs, routing.logits
         counts = count_values(routing.expert_ids, num_experts).double()
         lse = torch.logsumexp(logits, -1) if logits is not None else None
@@ -64,15 +68,17 @@ class RoutingStats:
                    entropy_sum=entropy.sum().double(),
                    nonfinite=count_nonfinite(logits if logits is not None else probs).double(),
                    seq_loss_sum=(seq_loss_sum.detach().double() if num_sequences else counts.new_zeros(())),
-                   sequences=counts.new_full((), num_sequences), tokens=counts.new_full((), routing.expert_ids.shape[0]))
+                   sequences=counts.new_full((), num_sequences), tokens=counts.new_full((), routing.expert_ids.shape[0]),
+                   group_spans=(group_spans(routing.expert_ids, num_experts, groups).double() if groups
+                                else counts.new_zeros(num_experts)))
 
     def pack(self) -> torch.Tensor:
-        """The statistics as one row ``[2E + 6]`` (the collective's payload)."""
+        """The statistics as one row ``[3E + 6]`` (the collective's payload)."""
         return torch.cat([getattr(self, name).reshape(-1) for name, _ in FIELDS])
 
     @classmethod
     def unpack(cls, rows: torch.Tensor, num_experts: int) -> "RoutingStats":
-        """The inverse of :meth:`pack` for ``[..., 2E + 6]`` rows (fields are views of ``rows``)."""
+        """The inverse of :meth:`pack` for ``[..., 3E + 6]`` rows (fields are views of ``rows``)."""
         out, pos = {}, 0
         for name, width in FIELDS:
             n = num_experts if width is None else width
@@ -84,6 +90,15 @@ class RoutingStats:
     @property
     def num_experts(self) -> int:
         return self.counts.shape[-1]
+
+
+def group_spans(expert_ids: torch.Tensor, num_experts: int, groups: int) -> torch.Tensor:
+    """``[E]`` int64: entry ``j`` counts the tokens (rows of ``expert_ids [T, k]``) whose experts lie in
+    ``j + 1`` distinct groups of ``num_experts / groups`` contiguous experts. No host read."""
+    group_of = expert_ids // (num_experts // groups)
+    present = torch.zeros(expert_ids.shape[0], groups, dtype=torch.long, device=expert_ids.device)
+    spans = present.scatter_(1, group_of, 1).sum(-1)
+    return count_values((spans - 1).clamp_min(0), num_experts)
 
 
 @dataclass
@@ -103,7 +118,7 @@ class GatheredStats:
 
 def gather_routing_stats(local: RoutingStats, group: Optional[dist.ProcessGroup]) -> GatheredStats:
     """Every rank's statistics: one all-gather of the packed rows over ``group``."""
-    rows = all_gather_tensor(local.pack(), group)  # [R, 2E + 6]
+    rows = all_gather_tensor(local.pack(), group)  # [R, 3E + 6]
     E = local.num_experts
     return GatheredStats(total=RoutingStats.unpack(rows.sum(0), E), per_rank=RoutingStats.unpack(rows, E), local=local)
 

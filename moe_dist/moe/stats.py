@@ -17,6 +17,8 @@ class MoEStats:
     entropy: mean over tokens of the entropy of the full routing distribution.
     capacity: token slots per expert (None: dropless; a 0-d int64 tensor on the device for the
         global capacity scope, an int for the local one).
+    group_spans: with node-limited routing, ``[E]`` tokens whose experts lie in ``j + 1`` distinct
+        expert groups (:func:`~moe_dist.moe.routing_stats.group_spans`); None without it.
     extras: router-specific figures.
     """
 
@@ -28,18 +30,20 @@ class MoEStats:
     z_loss: torch.Tensor
     entropy: torch.Tensor
     capacity: Optional[Union[int, torch.Tensor]] = None
+    group_spans: Optional[torch.Tensor] = None
     extras: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, total, losses, capacity, routing) -> "MoEStats":
+    def of(cls, total, losses, capacity, routing, grouped: bool = False) -> "MoEStats":
         """The stats of one forward from its stages' results: ``total`` the routing statistics summed
         over the stats group (:class:`~moe_dist.moe.routing_stats.RoutingStats`), ``losses``
         (:class:`~moe_dist.moe.losses.BalanceLosses`), ``capacity``
-        (:class:`~moe_dist.moe.capacity.CapacityDecision`) and this rank's ``routing``."""
+        (:class:`~moe_dist.moe.capacity.CapacityDecision`) and this rank's ``routing``; ``grouped``:
+        the routing was node-limited (``total`` counted the group spans)."""
         return cls(expert_counts=total.counts, dropped=capacity.dropped, pairs=total.tokens * routing.top_k,
                    tokens=total.tokens, aux_loss=losses.aux_value, z_loss=losses.z_value,
                    entropy=total.entropy_sum / total.tokens.clamp_min(1), capacity=capacity.capacity,
-                   extras=dict(routing.extras))
+                   group_spans=total.group_spans if grouped else None, extras=dict(routing.extras))
 
     @property
     def dropped_fraction(self) -> torch.Tensor:
@@ -57,6 +61,16 @@ class MoEStats:
         }
         if self.capacity is not None:
             out["capacity"] = int(self.capacity)
+        if self.group_spans is not None:
+            out.update(spans_summary(self.group_spans.tolist()))
         for k, v in self.extras.items():
             out[k] = v.tolist() if torch.is_tensor(v) and v.numel() > 1 else (float(v) if torch.is_tensor(v) else v)
         return out
+
+
+def spans_summary(spans: list) -> dict:
+    """``groups_per_token_mean`` and ``groups_per_token_max`` from a group-span histogram (host
+    numbers; entry ``j``: tokens whose experts lie in ``j + 1`` groups)."""
+    tokens = sum(spans)
+    return {"groups_per_token_mean": sum((j + 1) * n for j, n in enumerate(spans)) / max(tokens, 1),
+            "groups_per_token_max": max((j + 1 for j, n in enumerate(spans) if n > 0), default=0)}

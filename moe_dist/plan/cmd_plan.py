@@ -19,15 +19,46 @@ def add_arguments(parser) -> None:
     parser.add_argument("--micro-batch", type=int, default=None, metavar="B",
                         help="sequences per GPU per forward (default: from train.global_batch / grad_accum / GPUs, or 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    from .planner import DEFAULT_ALPHA_US, DEFAULT_COMPUTE_TFLOPS, DEFAULT_INTER_GBPS, DEFAULT_INTRA_GBPS
+
+    net = parser.add_argument_group("step time (alpha-beta model; docs/scale.md)")
+    net.add_argument("--dispatch", default="all", metavar="D",
+                     help="expert dispatch to predict: flat, hierarchical or all (default all)")
+    net.add_argument("--max-groups", default="1,2", metavar="M[,M]",
+                     help="node-limited routing: at most M nodes per token, one or more values (default 1,2; "
+                          "none: no node-limited rows)")
+    net.add_argument("--intra-gbps", type=float, default=DEFAULT_INTRA_GBPS, metavar="G",
+                     help=f"one GPU's link inside a node, Gbit/s each way (default {DEFAULT_INTRA_GBPS:g}: NVLink 4)")
+    net.add_argument("--inter-gbps", type=float, default=DEFAULT_INTER_GBPS, metavar="G",
+                     help=f"one node's network uplink, Gbit/s each way, shared by its GPUs (default "
+                          f"{DEFAULT_INTER_GBPS:g}: 8 x 400 Gbit/s InfiniBand)")
+    net.add_argument("--alpha-us", type=float, default=DEFAULT_ALPHA_US, metavar="US",
+                     help=f"latency of one message in microseconds (default {DEFAULT_ALPHA_US:g})")
+    net.add_argument("--compute-tflops", type=float, default=DEFAULT_COMPUTE_TFLOPS, metavar="T",
+                     help=f"achieved matmul TFLOP/s per GPU (default {DEFAULT_COMPUTE_TFLOPS:g}: H100 bf16 at ~40%% "
+                          "of peak; A100 bf16 ~150, H200 ~450)")
+    net.add_argument("--no-fsdp-overlap", dest="fsdp_overlap", action="store_false",
+                     help="FSDP2's gathers and reductions do not overlap compute (CPU processes)")
     add_overrides_argument(parser)
+
+
+def _max_groups(text: str) -> list:
+    """``--max-groups``: ``1,2`` -> [1, 2]; ``none`` -> []; a value that is not an integer stays as
+    it is, for :func:`~moe_dist.plan.planner.make_network` to name."""
+    if text.strip().lower() == "none":
+        return []
+    return [int(v) if v.strip().isdigit() else v.strip() for v in text.split(",") if v.strip()]
 
 
 def run(args) -> int:
     def go() -> int:
         from . import format_plan, plan
+        from .planner import make_network
 
+        network = make_network(args.dispatch, _max_groups(args.max_groups), args.intra_gbps, args.inter_gbps,
+                               args.alpha_us, args.compute_tflops, args.fsdp_overlap)
         result = plan(args.config, args.nodes, args.gpus_per_node, args.gpu_mem_gib, args.overrides,
-                      seq_len=args.seq_len, micro_batch=args.micro_batch)
+                      seq_len=args.seq_len, micro_batch=args.micro_batch, network=network)
         print(json.dumps(result, indent=2) if args.json else format_plan(result))
         return 0
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..model.params import BlockShape
+from .traffic import flat_rows_per_token, transfers_per_layer
 
 GIB = float(1 << 30)
 STAGES = (0, 1, 2, 3)
@@ -204,18 +205,16 @@ def optimizer_step_bytes(largest_group_local: float) -> float:
 
 
 def all_to_all_bytes(s: BlockShape, w: Workload, ep: int, gpus_per_node: int, checkpointing: bool) -> dict[str, float]:
-    """Bytes one GPU sends in expert all-to-alls per optimizer step (uniform routing: a token's
-    k copies go to each of the ep ranks equally). Forward: dispatch + combine; backward: the
+    """Bytes one GPU sends in expert all-to-alls per optimizer step with the flat dispatch and a
+    balanced router (:mod:`moe_dist.plan.traffic`). Forward: dispatch + combine; backward: the
     same two in reverse; activation checkpointing repeats the forward pair."""
     if ep == 1 or not w.moe_blocks:
         return {"per_gpu": 0.0, "inter_node_per_gpu": 0.0, "collectives": 0}
-    rows = w.tokens * s.top_k
-    passes = 6 if checkpointing else 4
-    per_layer = rows * s.d_model * w.act_bytes * (ep - 1) / ep
-    per_gpu = per_layer * passes * len(w.moe_blocks) * w.grad_accum
-    off_node = max(0, ep - gpus_per_node) / (ep - 1)  # EP groups are contiguous ranks
-    return {"per_gpu": per_gpu, "inter_node_per_gpu": per_gpu * off_node,
-            "collectives": passes * len(w.moe_blocks) * w.grad_accum}
+    rows = flat_rows_per_token(ep, gpus_per_node, s.top_k)
+    transfers = transfers_per_layer(checkpointing) * len(w.moe_blocks) * w.grad_accum
+    per_row = w.tokens * s.d_model * w.act_bytes * transfers
+    return {"per_gpu": (rows["intra"] + rows["inter"]) * per_row, "inter_node_per_gpu": rows["inter"] * per_row,
+            "collectives": transfers}
 
 
 def grad_sync_bytes(dense_params: int, expert_params_local: int, world: int, ep: int, dense_mode: str,

@@ -21,7 +21,9 @@ from ..hf.config import HFModelSpec, config_path, hf_model_spec, is_hf_config
 from ..model.params import block_shape, count_params
 from .memory import (GIB, STAGES, Units, Workload, activation_bytes, all_to_all_bytes, autocast_copy_bytes,
                      engine_state_bytes, fsdp_gathered_bytes, fsdp_head_grad_bytes, fsdp_reduce_peak_bytes,
-                     grad_sync_bytes, optimizer_step_bytes, state_bytes, uses_fsdp)
+                     gathered_bytes_per_param, grad_sync_bytes, optimizer_step_bytes, state_bytes, uses_fsdp)
+from .timing import Cluster, Links, StepWork, flops_per_token, passes, step_time, sync_time
+from .traffic import DISPATCHES, dispatch_bytes, group_shape
 
 USABLE_FRACTION = 0.9  # leave 10% of each GPU for the framework, allocator fragmentation and buffers
 DEFAULT_HF_SEQ_LEN = 4096
@@ -43,6 +45,7 @@ class PlanInput:
     configured_ep: Union[int, str, None]  # parallel.ep: a size, "auto" or none
     notes: list[str]
     backend: str = "nccl"  # "gloo" (parallel.backend=gloo) adds the copy its reduce-scatter makes
+    reshard_after_forward: bool = True  # FSDP2 gathers the weights again in backward
 
 
 def _read_mapping(path: str) -> dict:
@@ -92,7 +95,8 @@ def load_plan_input(path: str, overrides: Iterable[str] = (), seq_len: Optional[
                      moe_blocks=cfg.model.moe.layer_indices(cfg.model.n_layers), seq_len=seq_len or cfg.train.seq_len,
                      global_batch=cfg.train.global_batch, grad_accum=cfg.train.grad_accum, dtype=cfg.train.dtype,
                      dense_mode=cfg.parallel.dense, configured_ep=cfg.parallel.ep,
-                     backend="gloo" if cfg.parallel.backend == "gloo" else "nccl", notes=[])
+                     backend="gloo" if cfg.parallel.backend == "gloo" else "nccl",
+                     reshard_after_forward=cfg.parallel.reshard_after_forward, notes=[])
 
 
 def _gib(x: float) -> float:
@@ -164,6 +168,96 @@ def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int
         "weight_and_grad_sync_bytes_per_gpu_per_step": int(grad_sync_bytes(dense, experts_local, world, ep,
                                                                            inp.dense_mode, inp.grad_accum, inp.dtype)),
     }
+
+
+@dataclass(frozen=True)
+class Network:
+    """What the step-time prediction assumes: links, a compute rate, the dispatches to compare."""
+
+    links: Links
+    compute_flops: float  # per GPU, achieved over the step's matmuls
+    dispatches: tuple[str, ...] = DISPATCHES
+    max_groups: tuple[int, ...] = (1, 2)  # node-limited routing's M values to show (beside no limit)
+    fsdp_overlap: bool = True  # FSDP2's collectives overlap compute (GPU streams); False for CPU processes
+
+
+DEFAULT_INTRA_GBPS = 3600.0  # NVLink 4 (H100): 900 GB/s both directions = 450 GB/s = 3600 Gbit/s each way
+DEFAULT_INTER_GBPS = 3200.0  # a node of 8 GPUs with one 400 Gbit/s InfiniBand NIC each
+DEFAULT_ALPHA_US = 10.0  # one message's latency across the fabric
+DEFAULT_COMPUTE_TFLOPS = 400.0  # H100 SXM bf16: ~40% of its 989 dense TFLOP/s, what large matmul-bound steps reach
+
+
+def make_network(dispatch: str = "all", max_groups: Iterable[int] = (1, 2), intra_gbps: float = DEFAULT_INTRA_GBPS,
+                 inter_gbps: float = DEFAULT_INTER_GBPS, alpha_us: float = DEFAULT_ALPHA_US,
+                 compute_tflops: float = DEFAULT_COMPUTE_TFLOPS, fsdp_overlap: bool = True) -> Network:
+    """A :class:`Network` from the command line's values, each checked (a :class:`ConfigError` names the option)."""
+    if dispatch not in (*DISPATCHES, "all"):
+        raise ConfigError(f"--dispatch: {dispatch!r}; allowed: {', '.join(DISPATCHES)}, all")
+    groups = tuple(max_groups)
+    if any(not isinstance(m, int) or m < 1 for m in groups):
+        raise ConfigError(f"--max-groups: {','.join(map(str, groups))!r}; allowed: integers >= 1, comma-separated")
+    for key, value in (("--intra-gbps", intra_gbps), ("--inter-gbps", inter_gbps), ("--compute-tflops", compute_tflops)):
+        if not value > 0:
+            raise ConfigError(f"{key}: {value!r}; allowed: a number > 0")
+    if not alpha_us >= 0:
+        raise ConfigError(f"--alpha-us: {alpha_us!r}; allowed: a number >= 0")
+    return Network(links=Links(intra_gbps=intra_gbps, inter_gbps=inter_gbps, alpha_s=alpha_us * 1e-6),
+                   compute_flops=compute_tflops * 1e12, dispatches=DISPATCHES if dispatch == "all" else (dispatch,),
+                   max_groups=groups, fsdp_overlap=fsdp_overlap)
+
+
+def step_work(inp: PlanInput, counts: dict, world: int, gpus_per_node: int, layout: dict, links: Links,
+              checkpointing: bool) -> StepWork:
+    """One GPU's compute and weight synchronisation per step for ``layout`` (an :func:`evaluate_layout` result)."""
+    m, s = inp.model, block_shape(inp.model)
+    n_moe = len(inp.moe_blocks)
+    tokens = layout["micro_batch"] * inp.seq_len
+    per_token = flops_per_token(counts, s.d_model, m.vocab_size, inp.seq_len, m.n_layers, s.top_k)
+    p = passes(checkpointing)
+    ep = layout["ep"]
+    fsdp = uses_fsdp(inp.dense_mode, world)
+    experts_local = n_moe * (s.num_experts // ep) * counts["per_expert"] if n_moe else 0
+    sync = sync_time(links, Cluster(world // gpus_per_node, gpus_per_node), ep, counts["dense_params"], experts_local,
+                     counts["embedding"] + counts["lm_head"] + s.d_model, fsdp, gathered_bytes_per_param(inp.dtype),
+                     inp.grad_accum * (2 if inp.reshard_after_forward else 1), inp.backend == "gloo")
+    return StepWork(expert_flops=per_token["expert"] * tokens * p, other_flops=per_token["other"] * tokens * p,
+                    tokens=tokens, moe_layers=n_moe, grad_accum=inp.grad_accum, d_model=s.d_model,
+                    act_bytes=2 if inp.dtype == "bf16" else 4, checkpointing=checkpointing,
+                    overlapped_exchange=m.moe.expert_kernel == "loop", sync_s=sync["total"],
+                    sync_first_last_s=sync["first_last"], sync_bytes=sync["bytes_per_gpu"])
+
+
+def dispatch_variants(inp: PlanInput, counts: dict, world: int, gpus_per_node: int, layout: dict,
+                      net: Network, usable_gib: float) -> list[dict]:
+    """Bytes per step (intra- and inter-node) and predicted step time of ``layout`` for each dispatch
+    of ``net`` (flat, hierarchical), without and with node-limited routing (M nodes per token).
+    Activation checkpointing is on where the layout does not fit without it."""
+    s = block_shape(inp.model)
+    n_moe = len(inp.moe_blocks)
+    shape = group_shape(layout["ep"], gpus_per_node, s.num_experts, s.top_k) if n_moe else None
+    if n_moe and layout["ep"] > 1 and shape is None:
+        return []  # ep groups that neither fill whole nodes nor sit inside one: not modelled
+    ckpt = layout["memory_gib"]["total"] > usable_gib
+    work = step_work(inp, counts, world, gpus_per_node, layout, net.links, ckpt)
+    limits = [None] + [M for M in net.max_groups if shape is not None and M < shape.nodes]
+    out = []
+    spans_nodes = shape is not None and shape.nodes > 1
+    for dispatch in net.dispatches:
+        if dispatch == "hierarchical" and not spans_nodes:
+            continue  # within one node the hierarchical dispatch is the flat one
+        for M in limits:
+            if shape is not None and n_moe and layout["ep"] > 1:
+                b = dispatch_bytes(shape, dispatch, M, work.tokens, s.d_model, work.act_bytes, n_moe, inp.grad_accum, ckpt)
+            else:
+                b = {"intra": 0.0, "inter": 0.0}
+            t = step_time(work, shape, dispatch, M, net.links, gpus_per_node, net.compute_flops, net.fsdp_overlap)
+            out.append({"dispatch": dispatch, "max_groups": M, "activation_checkpointing": ckpt,
+                        "intra_bytes_per_gpu_per_step": int(b["intra"]), "inter_bytes_per_gpu_per_step": int(b["inter"]),
+                        "intra_bytes_per_step_all_gpus": int(b["intra"] * world),
+                        "inter_bytes_per_step_all_gpus": int(b["inter"] * world),
+                        "sync_bytes_per_gpu_per_step": int(work.sync_bytes),
+                        **{k: round(v, 6) for k, v in t.items()}})
+    return out
 
 
 def _micro_batch(inp: PlanInput, world: int, override: Optional[int]) -> tuple[int, list[str]]:
@@ -277,8 +371,9 @@ def _alternatives(inp: PlanInput, counts: dict, layouts: list[dict], nodes: int,
 
 
 def plan(path: str, nodes: int, gpus_per_node: int, gpu_mem_gib: float, overrides: Iterable[str] = (),
-         seq_len: Optional[int] = None, micro_batch: Optional[int] = None) -> dict:
-    """The whole plan as a JSON-serialisable dict (``total_params``, ``active_params``, ...)."""
+         seq_len: Optional[int] = None, micro_batch: Optional[int] = None, network: Optional[Network] = None) -> dict:
+    """The whole plan as a JSON-serialisable dict (``total_params``, ``active_params``, ...); with
+    ``network``, every layout also has ``dispatch``: bytes and predicted step time per dispatch."""
     for key, value in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node)):
         if not isinstance(value, int) or value < 1:
             raise ConfigError(f"{key}: {value!r}; allowed: an integer >= 1")
@@ -295,6 +390,9 @@ def plan(path: str, nodes: int, gpus_per_node: int, gpu_mem_gib: float, override
     eps = [ep for ep in ep_sizes(world, E)]
     layouts = [evaluate_layout(inp, counts, world, gpus_per_node, ep, mb) for ep in eps]
     usable = gpu_mem_gib * USABLE_FRACTION
+    if network is not None:
+        for l in layouts:
+            l["dispatch"] = dispatch_variants(inp, counts, world, gpus_per_node, l, network, usable)
     best, reason = recommend(layouts, usable)
     if best is None:
         reason += _alternatives(inp, counts, layouts, nodes, gpus_per_node, usable, micro_batch)
@@ -314,4 +412,7 @@ def plan(path: str, nodes: int, gpus_per_node: int, gpu_mem_gib: float, override
                      "tokens_per_gpu_per_micro_batch": mb * inp.seq_len, "activation_dtype": inp.dtype,
                      "dense_weights": inp.dense_mode, "configured_ep": inp.configured_ep},
         "layouts": layouts, "recommended": best, "reason": reason, "notes": inp.notes + notes,
+        **({"network": {"intra_gbps": network.links.intra_gbps, "inter_gbps_per_node": network.links.inter_gbps,
+                        "alpha_us": network.links.alpha_s * 1e6, "compute_tflops": network.compute_flops / 1e12,
+                        "fsdp_overlap": network.fsdp_overlap}} if network is not None else {}),
     }

@@ -13,6 +13,28 @@ def _bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def format_dispatch(p: dict) -> list[str]:
+    """The dispatch table: bytes each GPU sends per step inside / across nodes and the predicted step time,
+    per layout, dispatch and node limit."""
+    n = p["network"]
+    lines = [f"expert dispatch per step (balanced router) and predicted step time: intra-node {n['intra_gbps']:g} "
+             f"Gbit/s per GPU, inter-node {n['inter_gbps_per_node']:g} Gbit/s per node, alpha {n['alpha_us']:g} us, "
+             f"{n['compute_tflops']:g} TFLOP/s per GPU, FSDP overlap {'on' if n['fsdp_overlap'] else 'off'} "
+             "(M: node-limited routing, at most M nodes per token):"]
+    lines.append(f"  {'ep':>4} {'dispatch':<13} {'M':>2} {'intra/GPU':>10} {'inter/GPU':>10} {'step s':>8} "
+                 f"{'compute':>8} {'a2a exp.':>8} {'sync exp.':>9} {'ckpt':>4}")
+    for l in p["layouts"]:
+        if not l.get("dispatch"):
+            lines.append(f"  {l['ep']:>4} (an expert-parallel group that neither fills whole nodes nor sits in one: "
+                         "not modelled)")
+        for v in l.get("dispatch", []):
+            lines.append(f"  {l['ep']:>4} {v['dispatch']:<13} {v['max_groups'] or '-':>2} "
+                         f"{_bytes(v['intra_bytes_per_gpu_per_step']):>10} {_bytes(v['inter_bytes_per_gpu_per_step']):>10} "
+                         f"{v['step_s']:>8.3f} {v['compute_s']:>8.3f} {v['exposed_all_to_all_s']:>8.3f} "
+                         f"{v['exposed_sync_s']:>9.3f} {'on' if v['activation_checkpointing'] else 'off':>4}")
+    return lines
+
+
 def format_plan(p: dict) -> str:
     m, c, w, pc = p["model"], p["cluster"], p["workload"], p["params"]
     lines = [f"model: {p['source']} ({p['kind']})",
@@ -44,6 +66,8 @@ def format_plan(p: dict) -> str:
                      f"{g['total']:>8.2f} {g['total_with_activation_checkpointing']:>11.2f} "
                      f"{_bytes(l['all_to_all']['bytes_per_gpu_per_step']):>13}")
     lines.append("")
+    if "network" in p:
+        lines += format_dispatch(p) + [""]
     lines.append("ZeRO stages (dense sharded over all ranks, experts over their edp replicas), total GiB per GPU "
                  "without / with activation checkpointing:")
     for l in p["layouts"]:

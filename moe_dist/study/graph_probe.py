@@ -83,10 +83,10 @@ def _observing(model: nn.Module):
             current.update(layer=None)
         hooks.append(layer.register_forward_hook(after))
 
-    def observe(*, probs, q, k, scale, prior, key_bias, key_mask, causal, mixed):
+    def observe(*, probs, q, k, scale, prior, key_bias, key_mask, causal, mixed, entropy):
         if current["layer"] is None:
             return
-        W = token_graph.dense_graph_weights(q, k, scale, prior, key_bias, key_mask, causal).cpu()
+        W = token_graph.dense_graph_weights(q, k, scale, prior, key_bias, key_mask, causal, entropy).cpu()
         tallies[current["layer"]].add(W, probs.detach().float().cpu(), mixed.detach().float().cpu(), key_mask)
 
     token_graph.GRAPH_OBSERVERS.append(observe)

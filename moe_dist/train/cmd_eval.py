@@ -24,7 +24,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", metavar="FILE", help="also write the result (perplexities, tokens, layout, peak "
                         "memory of every rank) to FILE")
     parser.add_argument("--k", metavar="K[,K...]", help="evaluate once per number of experts per token (routers with "
-                        "an inference k option, eval_k: topk, noisy_topk, hyper, smoe_dropout), e.g. --k 1,2,4; results also in DIR/eval_k.json")
+                        "an inference k option, eval_k), e.g. --k 1,2,4; results also in DIR/eval_k.json")
     add_overrides_argument(parser)
 
 
@@ -32,6 +32,12 @@ def _router_option_names(router: str) -> list[str]:
     from ..moe.routers import router_options
 
     return router_options(router)
+
+
+def _routers_with_inference_k() -> list[str]:
+    from ..moe.routers import ROUTERS
+
+    return sorted(name for name, cls in ROUTERS.items() if cls.has_inference_k)
 
 
 def _config_path(args) -> str:
@@ -152,7 +158,8 @@ def run(args) -> int:
         cfg = _config(args)
         ks = _k_values(args.k) if args.k else None
         if ks and "eval_k" not in _router_option_names(cfg.model.moe.router):
-            raise UsageError(f"--k: router {cfg.model.moe.router!r} has no inference k (routers with one: topk, noisy_topk, hyper, smoe_dropout)")
+            raise UsageError(f"--k: router {cfg.model.moe.router!r} has no inference k (routers with one: "
+                             f"{', '.join(_routers_with_inference_k())})")
         rt = setup_runtime(cfg)
         try:
             with _reading(args.run_dir, rt):

@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from ..distributed.collectives import all_reduce_sum
 from ..moe import MoELayer
+from ..moe.stats import spans_summary
 
 STANDARD_STATS = ("expert_counts", "dropped_fraction", "aux_loss", "z_loss", "entropy", "tokens", "capacity")
 
@@ -84,6 +85,9 @@ class MoEStepStats:
             acc["extras"] = {k: v for k, v in s.extras.items() if k not in STANDARD_STATS and k not in local}
             if s.capacity is not None:
                 acc["capacity"] = s.capacity
+            if s.group_spans is not None:  # node-limited routing: tokens per number of groups they reach
+                spans = s.group_spans.detach().double()
+                acc["spans"] = spans if acc.get("spans") is None else acc["spans"] + spans
 
     def _reduce_local(self, group, device) -> Optional[torch.Tensor]:
         """``[rows of each layer, then every layer's local_extras values]`` summed over ``group``
@@ -118,14 +122,16 @@ class MoEStepStats:
         idxs = [m.context.layer_idx for m in self.layers if m.context.layer_idx in self._acc]
         values = [reduced] + [self._acc[i]["sums"] for i in idxs]
         values += [self._acc[i].get("capacity") for i in idxs]
+        values += [self._acc[i].get("spans") for i in idxs]
         extras_keys = [(i, k) for i in idxs for k in self._acc[i].get("extras", {})]
         values += [self._acc[i]["extras"][k] for i, k in extras_keys]
         host = read_tensors(values)
         local = self._local_figures(host[0] if isinstance(host[0], list) else [host[0]]) if reduced is not None else {}
         sums = dict(zip(idxs, host[1:1 + len(idxs)]))
         capacity = dict(zip(idxs, host[1 + len(idxs):1 + 2 * len(idxs)]))
+        spans = dict(zip(idxs, host[1 + 2 * len(idxs):1 + 3 * len(idxs)]))
         extras: dict[int, dict] = {}
-        for (i, k), v in zip(extras_keys, host[1 + 2 * len(idxs):]):
+        for (i, k), v in zip(extras_keys, host[1 + 3 * len(idxs):]):
             extras.setdefault(i, {})[k] = v
         out = {}
         for layer in self.layers:
@@ -144,6 +150,8 @@ class MoEStepStats:
             }
             if capacity[idx] is not None:
                 row["capacity"] = int(capacity[idx])
+            if spans[idx] is not None:
+                row.update(spans_summary(spans[idx] if isinstance(spans[idx], list) else [spans[idx]]))
             row.update(extras.get(idx, {}))
             row.update(local.get(idx, {}))
             row.update(_plain(layer.extra_metrics()))  # router figures, expert bias
@@ -204,7 +212,7 @@ class MetricsLogger:
                     self._tb.add_scalar(scalar_tag(key), value, step)
             for layer, stats in row.get("moe", {}).items():
                 for key in ("aux_loss", "z_loss", "entropy", "dropped_fraction", "load_cv", "dead_experts",
-                            "fluct_top1", "fluct_topk"):
+                            "fluct_top1", "fluct_topk", "groups_per_token_mean", "groups_per_token_max"):
                     if key in stats:
                         self._tb.add_scalar(layer_tag(layer, key), stats[key], step)
                 ratio = max_load_ratio(stats.get("expert_counts"))

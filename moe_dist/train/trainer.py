@@ -35,6 +35,7 @@ from ..model import count_parameters
 from ..parallel.kernel_choice import agree_expert_kernels
 from ..moe import collect_aux_loss, moe_layers
 from ..moe.hierarchical import dispatch_note
+from ..moe.traffic import take_traffic
 from .checkpoint import TrainingCheckpoints, latest_checkpoint, load_checkpoint
 from .checkpoint.collective import broadcast
 from .checkpoint.divergence import last_good_step, read_record, record_divergence, take_pending
@@ -328,18 +329,21 @@ class Trainer:
 
     def train_step(self) -> dict:
         """One optimizer step. Host reads of the step itself: the gradient norm (``update``) and
-        the summed losses (one ``tolist`` of a 2-element tensor), once per step; per micro-batch
-        only the MoE layers' own (one per layer forward, see ``MoELayer.forward``). Statistics
-        stay on the device (``MoEStepStats.add``) until a logged step reads them."""
+        the summed losses (one ``tolist`` of a small tensor, with the step's all-to-all bytes, which
+        the MoE layers count on the host and ride on the losses' all-reduce), once per step; per
+        micro-batch only the MoE layers' own (one per layer forward, see ``MoELayer.forward``).
+        Statistics stay on the device (``MoEStepStats.add``) until a logged step reads them."""
         cfg, dev = self.cfg.train, self.rt.device
         lr = lr_at(self.step, cfg)
         set_lr(self.engine.optimizer, lr)
         micro_batches = self.sampler.next_step()
         step_tokens = cfg.global_batch * cfg.seq_len
-        sums = torch.zeros(3, dtype=torch.float64, device=dev)  # [LM loss sum, aux loss share, NaN router logits?]
+        # [LM loss sum, aux loss share, NaN router logits?, a2a bytes sent intra-node, inter-node]
+        sums = torch.zeros(5, dtype=torch.float64, device=dev)
         self.moe_stats.reset()
         for layer in self.moe:  # NaN router logits counted by evaluation forwards are not this step's
             layer.take_nonfinite_logits()
+        take_traffic(layer.traffic for layer in self.moe)  # nor the bytes their exchanges sent
         for m, batch in enumerate(micro_batches):
             self._set_context(m)
             self.engine.set_gradient_sync(m == len(micro_batches) - 1)
@@ -353,9 +357,11 @@ class Trainer:
             sums[:2] += torch.stack([lm_sum.detach().double(), aux.detach().double()])
         router_bad = {layer.context.layer_idx: bad for layer in self.moe if (bad := layer.take_nonfinite_logits())}
         sums[2] = float(bool(router_bad))  # the layers' counts are global already; the all-reduce makes it certain
+        traffic = take_traffic(layer.traffic for layer in self.moe)  # host integers, exact in float64
+        sums[3:] = torch.tensor([traffic.intra, traffic.inter], dtype=torch.float64)
         if self.rt.distributed:
             dist.all_reduce(sums, group=self.rt.groups.dp)
-        lm_total, aux_total, router_flag = sums.tolist()  # the step's one read of the losses
+        lm_total, aux_total, router_flag, intra, inter = sums.tolist()  # the step's one read of the losses
         loss = lm_total / step_tokens
         spike = math.isfinite(loss) and self.loss_spike(loss)
         # reduce, clip, update; a step whose global loss or gradient norm is not finite, whose router
@@ -370,7 +376,8 @@ class Trainer:
             else:
                 layer.after_optimizer_step()
         self.step += 1
-        row = {"loss": loss, "aux_loss": aux_total, "lr": lr, "grad_norm": grad_norm}
+        row = {"loss": loss, "aux_loss": aux_total, "lr": lr, "grad_norm": grad_norm,
+               "a2a_intra_bytes": int(intra), "a2a_inter_bytes": int(inter)}
         if skipped:
             row["skipped"] = True
         if spike:
@@ -513,12 +520,16 @@ class Trainer:
                  f"{dispatch + ', ' if dispatch else ''}"
                  f"dense={self.engine.dense_layout()}; data: "
                  f"{self.data.train.count:,} train tokens, {cfg.train.global_batch}x{cfg.train.seq_len} tokens per step")
+        node_limit = cfg.model.moe.node_limit_warning(self.rt.groups.ep_nodes)
+        if node_limit:
+            self.log(node_limit)
         small = small_corpus_note(self.data.train.count, cfg.train.global_batch, cfg.train.seq_len, steps)
         if small:
             self.log(small)
         baseline = unigram_baseline(self.data, cfg.train.seq_len, cfg.eval)
         self._bar = self._progress()
         tokens_seen, last_val, row = self.step * cfg.train.global_batch * cfg.train.seq_len, None, {"loss": None}
+        a2a_bytes, steps_run = [0, 0], 0  # this run's [intra, inter] bytes over its steps (summary.json)
         if cfg.eval.probe_every and self.step == 0:
             self.probe_fluctuation()  # the reference the first probe compares with
         try:
@@ -532,6 +543,9 @@ class Trainer:
                                               cfg.model.moe.router, eager_router_reason(self.model)))
                 step_tokens = cfg.train.global_batch * cfg.train.seq_len
                 tokens_seen += step_tokens
+                a2a_bytes[0] += row["a2a_intra_bytes"]
+                a2a_bytes[1] += row["a2a_inter_bytes"]
+                steps_run += 1
                 diverged = self.check_finite(row)
                 row = {"step": self.step, **row, "tokens_per_s": step_tokens / dt, "cpu_s": round(cpu, 4),
                        "tokens": tokens_seen,
@@ -575,6 +589,9 @@ class Trainer:
                    "unigram_loss": baseline["loss"], "unigram_ppl": baseline["ppl"], "val_tokens": last_val["tokens"],
                    "train_seconds": round(wall, 1), "tokens": tokens_seen, "parameters": self.params,
                    "skipped_steps": self.skipped_steps, "rollbacks": self.rollbacks,
+                   # all-to-all bytes sent per step, summed over the ranks (None: no step trained in this run)
+                   "a2a_intra_bytes_per_step": a2a_bytes[0] / steps_run if steps_run else None,
+                   "a2a_inter_bytes_per_step": a2a_bytes[1] / steps_run if steps_run else None,
                    "peak_rss_gib": gather_peak_rss_gib(self.rt),  # every rank's, in order
                    **cuda_memory_gib(self.rt.device)}  # rank 0's
         if self.compile_clock is not None:  # this process's graphs and seconds spent compiling

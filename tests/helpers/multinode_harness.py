@@ -27,21 +27,29 @@ STEPS = 4
 RUN_TIMEOUT = 240  # one launch on a busy 2-core machine: ~20-40 s alone
 
 
-@pytest.fixture(scope="module")
-def cluster():
+def up_or_skip(prepare=None, nodes: int = 2, **kw):
+    """A cluster of ``nodes`` nodes for a module's tests (a generator for a fixture: ``yield from``),
+    ``prepare(cluster)`` run on it first; the test skipped with the reason where none can be made."""
     reason = unavailable_reason()
     if reason:
         pytest.skip(reason)
     remove_stale()
-    c = Cluster(2)
+    c = Cluster(nodes, **kw)
     try:
         c.up()  # removes what it made when it fails
     except ClusterUnavailable as e:  # e.g. a firewall between the bridge's ports
         pytest.skip(str(e))
     try:
+        if prepare is not None:
+            prepare(c)
         yield c
     finally:
         c.down()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    yield from up_or_skip()
 
 
 @pytest.fixture(autouse=True)
@@ -60,8 +68,11 @@ def _clean_nodes(request):
 
 
 def _env(**extra) -> dict:
+    """This environment for a node's processes, less what a launcher or the rule of the socket interface
+    sets (a test names those itself), plus the interpreter and the repository."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK")}
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK",
+                        "NPROC_PER_NODE", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") and not k.startswith("SLURM_")}
     env.update(PYTHON=sys.executable, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **extra)
     return env
 

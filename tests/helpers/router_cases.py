@@ -14,7 +14,7 @@ from .moe_cases import D_MODEL, collect, make_batch, make_layer, split_sizes, st
 from moe_dist.distributed import build_parallel_groups
 from moe_dist.distributed.groups import ParallelGroups
 from moe_dist.moe import RouterInputs
-from moe_dist.moe.routers.hyper import set_inference_k
+from moe_dist.moe.routers import set_inference_k
 from moe_dist.parallel import apply_expert_parallel, sync_gradients
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -70,7 +70,9 @@ def run_calls(layer, groups, calls: list, tokens: int, rank: int, world: int, un
         ctx = layer.context
         ctx.step, ctx.micro_step = call.get("step", 0), call.get("micro_step", 0)
         ctx.seed, ctx.layer_idx = call.get("seed", 7), call.get("layer_idx", 0)
-        inputs = RouterInputs(prev_top1=call_labels(i, tokens, layer.num_experts)[sl] if call.get("labels") else None)
+        labels = call.get("labels")  # True: labels over every expert; an int: over that many (the rest empty)
+        clusters = layer.num_experts if labels is True else labels
+        inputs = RouterInputs(prev_top1=call_labels(i, tokens, clusters)[sl] if labels else None)
         for p in layer.parameters():
             p.grad = None
         res = step(layer, x[sl], w[sl], tokens, inputs)

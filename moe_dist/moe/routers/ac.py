@@ -7,6 +7,12 @@ the model hands the layer's forward). Per group k and feature q the router input
 L2-normalised expert embeddings, so features on which a cluster is tight count more. Only the
 router sees the scaled input; the weights carry no gradient.
 
+The defaults follow the paper. The authors' language-model code differs in ways that change
+training, each an option: it rescales the expert embeddings to norm 1.5 in place on every
+forward (``embedding_norm``), its layers before the clustered ones use a linear gate with a
+bias (``plain_gate: linear``), a cluster of one token gets dispersion 0 (``min_count: 1``), and
+empty clusters enter the weights' normalisation (``empty_clusters: included``).
+
 Distributed: the weights come from sufficient statistics summed in fp32 over
 ``ctx.group_for(scope)`` in two rounds (``[n_k, sum x]``, then ``sum |x - mu_k|`` or
 ``sum (x - mu_k)^2``), never from per-rank means, so with scope ``global`` R ranks compute the
@@ -22,7 +28,7 @@ import torch.nn.functional as F
 
 from ...distributed.collectives import all_reduce_sum
 from ..routing import SCOPES, Routing, RouterInputs, RoutingContext, is_recomputing
-from .base import Router, default_normalize, fp32_linear, select_topk
+from .base import Router, gate_normalization, fp32_linear
 from .registry import register_router
 from .token_stats import real_token_weights
 from ...checks import check_choice
@@ -32,6 +38,8 @@ DISPERSIONS = ("mad", "var")
 WEIGHT_NORMS = ("feature", "global")
 EVAL_MODES = ("batch", "running")
 BASES = ("embedding", "linear")
+PLAIN_GATES = ("shared", "linear")
+EMPTY_CLUSTERS = ("excluded", "included")
 
 
 @torch.no_grad()
@@ -96,20 +104,37 @@ class AdaptiveClusteringRouter(Router):
     base: ``embedding`` (scores against L2-normalised expert embeddings, orthogonal init with
         gain 0.32, as the authors' LM code) or ``linear`` (a plain linear router).
     normalize: renormalise the gates over the chosen k (default: k > 1).
+    embedding_norm: null (paper) or a norm (authors' code: 1.5) the expert embeddings are
+        rescaled to, in place and without gradient, whenever they score: the scores are the
+        same (they use the normalised embeddings), the embeddings' gradient is scaled by
+        ``|e| / embedding_norm`` and the optimizer steps on vectors of that norm (base
+        ``embedding`` only).
+    plain_gate: what scores the calls that do not cluster (layers before ``start_layer``):
+        ``shared`` (the router's own scores) or ``linear`` (the authors' code: a linear gate with
+        a bias, ``x W^T + b``, on the same weight tensor, unnormalised, and a bias initialised 0).
+    empty_clusters: ``excluded`` (clusters without a token stay out of the clamp and the means)
+        or ``included`` (the authors' code: they enter them with dispersion 0, i.e. weight
+        ``1 / eps``).
     """
 
-    supports_expert_bias = True
+    supports_expert_bias = supports_group_limit = True
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, *, start_layer: int = 2, dispersion: str = "mad",
                  eps: float = 1e-4, clamp: Optional[float] = 10.0, weight_norm: str = "feature", min_count: int = 2,
                  scope: str = "global", eval_mode: str = "batch", momentum: float = 0.1, base: str = "embedding",
-                 normalize: Optional[bool] = None, init_std: float = 0.02):
+                 normalize: Optional[bool] = None, init_std: float = 0.02, embedding_norm: Optional[float] = None,
+                 plain_gate: str = "shared", empty_clusters: str = "excluded"):
         super().__init__(d_model, num_experts, top_k)
         check_choice("model.moe.router_options.dispersion", dispersion, DISPERSIONS)
         check_choice("model.moe.router_options.weight_norm", weight_norm, WEIGHT_NORMS)
         check_choice("model.moe.router_options.scope", scope, SCOPES)
         check_choice("model.moe.router_options.eval_mode", eval_mode, EVAL_MODES)
         check_choice("model.moe.router_options.base", base, BASES)
+        check_choice("model.moe.router_options.plain_gate", plain_gate, PLAIN_GATES)
+        check_choice("model.moe.router_options.empty_clusters", empty_clusters, EMPTY_CLUSTERS)
+        if embedding_norm is not None and (base != "embedding" or not embedding_norm > 0):
+            raise ConfigError("model.moe.router_options.embedding_norm must be null or > 0 with base: embedding, "
+                              f"got {embedding_norm} with base: {base}")
         if not eps > 0:
             raise ConfigError(f"model.moe.router_options.eps must be > 0, got {eps}")
         if clamp is not None and clamp < 0:
@@ -123,19 +148,31 @@ class AdaptiveClusteringRouter(Router):
         self.start_layer, self.dispersion, self.eps, self.clamp = int(start_layer), dispersion, float(eps), clamp
         self.weight_norm, self.min_count, self.scope = weight_norm, int(min_count), scope
         self.eval_mode, self.momentum, self.base = eval_mode, float(momentum), base
-        self.normalize = default_normalize(top_k, normalize)
+        self.normalize = gate_normalization(top_k, normalize)
+        self.embedding_norm = None if embedding_norm is None else float(embedding_norm)
+        self.plain_gate, self.empty_clusters = plain_gate, empty_clusters
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))
         if base == "embedding":
             nn.init.orthogonal_(self.weight, gain=0.32)
         else:
             nn.init.normal_(self.weight, std=init_std)
+        self.plain_bias = nn.Parameter(torch.zeros(num_experts)) if plain_gate == "linear" else None
         # running statistics for eval_mode='running' (global, identical on every rank)
         self.register_buffer("running_dispersion", torch.ones(num_experts, d_model))
         self.register_buffer("running_valid", torch.zeros(num_experts, dtype=torch.bool))
         self.last_weights: Optional[torch.Tensor] = None  # [E, d] weights of the last AC call
 
     def router_weight(self) -> torch.Tensor:
-        return F.normalize(self.weight.float(), dim=-1) if self.base == "embedding" else self.weight
+        if self.base != "embedding":
+            return self.weight
+        if self.embedding_norm is not None and not is_recomputing():
+            self._rescale_embeddings()
+        return F.normalize(self.weight.float(), dim=-1)
+
+    @torch.no_grad()
+    def _rescale_embeddings(self) -> None:
+        norms = self.weight.float().norm(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+        self.weight.mul_((self.embedding_norm / norms).to(self.weight.dtype))
 
     def active(self, ctx: RoutingContext, inputs: RouterInputs) -> bool:
         return inputs.prev_top1 is not None and ctx.layer_idx >= self.start_layer
@@ -158,6 +195,8 @@ class AdaptiveClusteringRouter(Router):
         counts, disp = cluster_dispersion(x, labels, self.num_experts, self.dispersion, ctx.group_for(self.scope),
                                           real_token_weights(inputs, ctx, x.shape[0], x.device))
         valid = counts >= self.min_count
+        if self.empty_clusters == "included":
+            valid = valid | (counts == 0)
         if self.training and not is_recomputing():
             self._update_running(counts, disp)
         w = dispersion_weights(disp, valid, self.eps, self.clamp, self.weight_norm)
@@ -172,10 +211,11 @@ class AdaptiveClusteringRouter(Router):
             w, stats = self.feature_weights(x, labels, ctx, inputs)
             self.last_weights = w
             extras.update(stats, ac_active=x.new_ones((), dtype=torch.float32))
-            router_input = x.float() * w.index_select(0, labels)
+            logits = fp32_linear(x.float() * w.index_select(0, labels), self.router_weight())
+        elif self.plain_gate == "linear":
+            logits = fp32_linear(x, self.weight, self.plain_bias)
         else:
-            router_input = x
-        logits = fp32_linear(router_input, self.router_weight())
+            logits = fp32_linear(x, self.router_weight())
         probs = torch.softmax(logits, dim=-1)
-        expert_ids, gates = select_topk(logits, probs, self.top_k, self.normalize, self.selection_bias())
+        expert_ids, gates = self.choose_topk(logits, probs, self.top_k, self.normalize)
         return Routing(expert_ids=expert_ids, gates=gates, probs=probs, logits=logits, extras=extras)

@@ -6,7 +6,10 @@ layer's router ``[W | b] = H(e)`` from a trainable embedding ``e`` through a fro
 hypernetwork ``H`` (2-layer ReLU MLP), so the router moves only along directions ``H`` allows.
 Both raise k linearly from ``k_min`` to ``k_max`` over ``k_schedule_steps`` optimizer steps
 (``ctx.step``), and route at ``eval_k`` (default ``k_max``) experts at inference
-(``set_inference_k`` changes it for a whole model, e.g. to evaluate at several k).
+(``set_inference_k`` changes it for a whole model, e.g. to evaluate at several k). Whether the
+gates are renormalised over the chosen experts is fixed at build time from ``k_max``
+(:func:`~moe_dist.moe.routers.base.gate_normalization`), the same at every k of the schedule
+and at every inference k.
 
 Frozen tensors are *buffers*: outside every optimizer, weight decay and gradient
 reduction, saved in the state dict. They are drawn from the global RNG like the other
@@ -26,7 +29,7 @@ import torch.nn as nn
 
 from ...distributed.collectives import all_gather_tensor, group_size
 from ..routing import Routing, RouterInputs, RoutingContext
-from .base import Router, default_normalize, fp32_linear, select_topk
+from .base import Router, gate_normalization, fp32_linear
 from .registry import register_router
 from ...errors import ConfigError
 
@@ -54,19 +57,20 @@ class FrozenRouter(Router):
         optimizer steps (the trainer sets it to the run's total steps; required if k_max > k_min).
     eval_k: experts per token at inference (default: k_max, the k training ends with; the
         reference code selects checkpoints on validation at k = E).
-    normalize: renormalise the gates over the chosen k (default: yes when k > 1).
+    normalize: renormalise the gates over the chosen k (default: yes when k_max > 1), at every
+        k of the schedule and every inference k; ``true`` is the reference code's gate (a
+        softmax over the chosen logits).
     Subclasses register their frozen tensors with :meth:`register_frozen` and implement
     :meth:`router_weights`.
     """
 
-    supports_expert_bias = supports_fp64 = True
+    supports_expert_bias = supports_fp64 = supports_group_limit = has_inference_k = True
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, *, k_min: Optional[int] = None,
                  k_max: Optional[int] = None, k_schedule_steps: Optional[int] = None, eval_k: Optional[int] = None,
                  normalize: Optional[bool] = None):
         super().__init__(d_model, num_experts, top_k)
-        k_min = top_k if k_min is None else int(k_min)
-        k_max = k_min if k_max is None else int(k_max)
+        k_min, k_max = self.k_bounds(top_k, k_min, k_max)
         if not 1 <= k_min <= k_max <= num_experts:
             raise ConfigError(f"model.moe.router_options: need 1 <= k_min <= k_max <= num_experts={num_experts}, "
                              f"got k_min={k_min}, k_max={k_max}")
@@ -75,12 +79,23 @@ class FrozenRouter(Router):
                              f"when k_max > k_min, got {k_schedule_steps!r}")
         self.k_min, self.k_max = k_min, k_max
         self.k_schedule_steps = None if k_schedule_steps is None else int(k_schedule_steps)
-        self.eval_k = None
         self.set_eval_k(eval_k)
-        self.normalize = normalize
+        self.normalize = gate_normalization(self.final_k, normalize)
         self._frozen: list[str] = []
 
     # ---- k --------------------------------------------------------------------------------
+    @staticmethod
+    def k_bounds(top_k: int, k_min: Optional[int], k_max: Optional[int]) -> tuple[int, int]:
+        """``(k_min, k_max)`` with their defaults: k_min the layer's top_k, k_max k_min."""
+        k_min = top_k if k_min is None else int(k_min)
+        return k_min, k_min if k_max is None else int(k_max)
+
+    @classmethod
+    def largest_k(cls, top_k: int, options: dict) -> int:
+        k_max = cls.k_bounds(top_k, options.get("k_min"), options.get("k_max"))[1]
+        eval_k = options.get("eval_k")
+        return k_max if eval_k is None else max(k_max, int(eval_k))
+
     @property
     def final_k(self) -> int:
         return self.k_max
@@ -96,15 +111,9 @@ class FrozenRouter(Router):
             return {**options, "k_schedule_steps": total_steps}
         return options
 
-    def set_eval_k(self, k: Optional[int]) -> None:
-        if k is not None and not 1 <= int(k) <= self.num_experts:
-            raise ConfigError(f"eval_k must be in [1, num_experts={self.num_experts}] or null, got {k}")
-        self.eval_k = None if k is None else int(k)
-
     def current_k(self, ctx: RoutingContext) -> int:
-        if not self.training:  # the trained model's k unless told otherwise (not ctx.step: 0 in a fresh eval process)
-            return self.k_max if self.eval_k is None else self.eval_k
-        return scheduled_k(ctx.step, self.k_min, self.k_max, self.k_schedule_steps)
+        # in eval mode the trained model's k unless told otherwise (not ctx.step: 0 in a fresh eval process)
+        return self.routing_k(scheduled_k(ctx.step, self.k_min, self.k_max, self.k_schedule_steps))
 
     # ---- frozen tensors ---------------------------------------------------------------------
     def register_frozen(self, name: str, tensor: torch.Tensor) -> None:
@@ -156,7 +165,7 @@ class FrozenRouter(Router):
         logits = fp32_linear(x, weight, bias, dtype=self.compute_dtype)
         probs = torch.softmax(logits, dim=-1)
         k = self.current_k(ctx)
-        expert_ids, gates = select_topk(logits, probs, k, default_normalize(k, self.normalize), self.selection_bias())
+        expert_ids, gates = self.choose_topk(logits, probs, k, self.normalize)
         return Routing(expert_ids=expert_ids, gates=gates, probs=probs, logits=logits,
                        extras={"k": logits.new_full((), float(k))})
 
@@ -236,12 +245,3 @@ class HyperRouter(FrozenRouter):
 
     def frozen_changed(self) -> None:
         self._cache = None
-
-
-def set_inference_k(model: nn.Module, k: Optional[int]) -> int:
-    """Route with ``k`` experts per token in eval mode in every scheduled-k router of ``model``
-    (None: back to the scheduled k). Returns the number of routers changed."""
-    routers = [m for m in model.modules() if isinstance(m, FrozenRouter)]
-    for r in routers:
-        r.set_eval_k(k)
-    return len(routers)

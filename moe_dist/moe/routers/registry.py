@@ -62,9 +62,20 @@ def _routers_with(flag: str) -> list[str]:
     return sorted(n for n, c in ROUTERS.items() if getattr(c, flag, False))
 
 
-def check_router_features(name: str, expert_bias: bool, router_dtype: str) -> None:
-    """``model.moe.expert_bias`` and ``model.moe.router_dtype=fp64`` only with a router that supports them."""
+def router_largest_k(name: str, top_k: int, options: dict) -> int:
+    """The most experts per token router ``name`` built with ``top_k`` and (checked) ``options``
+    routes to, in training or at inference (:meth:`Router.largest_k`)."""
+    return ROUTERS[name].largest_k(top_k, {**ROUTER_DEFAULTS[name], **options})
+
+
+def check_router_features(name: str, expert_bias: bool, router_dtype: str, group_limit: bool = False) -> None:
+    """``model.moe.expert_bias``, ``model.moe.router_dtype=fp64`` and ``model.moe.max_groups_per_token``
+    only with a router that supports them."""
     cls = ROUTERS[name]
+    if group_limit and not cls.supports_group_limit:
+        why = cls.group_limit_refusal or "it does not choose by a top-k of per-token scores"
+        raise ConfigError(f"model.moe.max_groups_per_token is not allowed with router {name!r} ({why}); allowed "
+                          f"routers: {_routers_with('supports_group_limit')}")
     if expert_bias and not cls.supports_expert_bias:
         raise ConfigError(f"model.moe.expert_bias=true is not allowed with router {name!r} (it does not choose by "
                           "top-k of its probabilities: Sinkhorn balances by itself, Symphony chooses through its "

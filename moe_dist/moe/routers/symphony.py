@@ -76,6 +76,9 @@ class SymphonyRouter(WrappingRouter):
     """
 
     local_extras = {"topk_changed": "mean", "gate_sum": "mean"}  # figures of this rank's tokens
+    group_limit_refusal = ("it chooses through its expert graph, whose scores the zero-initialised graph makes "
+                           "equal for every expert (so for every group) and which learns from the base router's "
+                           "unlimited choices")
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, *, base: str = "topk",
                  base_options: Optional[dict] = None, beta: float = 0.9, init: str = "zero",

@@ -11,6 +11,10 @@ layer's own (sequences are never split across data-parallel ranks). They read th
 structure from the :class:`~moe_dist.moe.routing.RouterInputs` the model hands the layer:
 ``batch_shape``, ``padding_mask`` (padding keys are masked) and ``causal`` (in decoders a token
 never mixes with later tokens); the attention-aware router also its ``attention``.
+
+``mixing_set``: ``all`` mixes over every allowed token (the definitions, Def. 2 / 5);
+``lower_entropy`` only over the tokens whose base routing is at most as uncertain as the
+token's own, ``J_i = {j : H(r_j) <= H(r_i)}`` (the set of the paper's Prop. 1).
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ import torch.nn.functional as F
 from ...checks import check_bounds, check_choice
 from ..counting import count_values
 from ..routing import AttentionInputs, Routing, RouterInputs, RoutingContext
-from .base import default_normalize, select_topk
+from .base import gate_normalization
 from .registry import register_router
 from .wrapping import WrappingRouter, topk_set_changed
 
@@ -33,6 +37,7 @@ AUX_PROBS = ("mixed", "base")
 # dtype of the token graph's q . k products (forward and backward); the softmax and the mixing stay fp32
 GRAPH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SIMILARITIES = ("dot", "cosine")
+MIXING_SETS = ("all", "lower_entropy")
 
 
 def sequence_shape(x: torch.Tensor, inputs: RouterInputs, router: str) -> tuple[int, int]:
@@ -68,14 +73,15 @@ def graph_values_per_token(S: int, causal: bool = True, block: int = BLOCK) -> f
 EXP_FLOOR = -50.0
 
 
-def _softmax_(L: torch.Tensor, i0: int, causal: bool, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+def _softmax_(L: torch.Tensor, i0: int, causal: bool, key_mask: Optional[torch.Tensor],
+              entropy: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Row softmax, in place, of the masked score block ``L`` (``-inf`` where a key is not allowed,
     :func:`_mask_block_`); those keys get exactly 0. Entries more than 50 below their row's maximum
     get ``e^-50`` (:data:`EXP_FLOOR`): next to the maximum's ``exp(0) = 1`` that is nothing at
     float32 precision, and it keeps every weight and product downstream normal (similarity logits
     in high dimensions span hundreds)."""
     L.sub_(L.amax(-1, keepdim=True)).clamp_min_(EXP_FLOOR).exp_()
-    _mask_block_(L, i0, causal, key_mask, 0.0)
+    _entropy_mask_(_mask_block_(L, i0, causal, key_mask, 0.0), i0, entropy, 0.0)
     return L.div_(L.sum(-1, keepdim=True))
 
 
@@ -123,6 +129,23 @@ def _keep_self_where_empty_(L: torch.Tensor, i0: int) -> torch.Tensor:
     return L
 
 
+def _entropy_mask_(L: torch.Tensor, i0: int, entropy: Optional[torch.Tensor], value: float) -> torch.Tensor:
+    """In place: ``value`` on the keys of the score block ``L`` (queries ``i0:i0+b``) whose routing
+    entropy exceeds the query's (``entropy`` ``[B, S]``, or None: nothing; the token itself always
+    stays)."""
+    if entropy is not None:
+        b, e = L.shape[-2], L.shape[-1]
+        L.masked_fill_(entropy[:, None, :e] > entropy[:, i0:i0 + b, None], value)
+    return L
+
+
+def routing_entropy(probs: torch.Tensor) -> torch.Tensor:
+    """Entropy of each row of ``probs`` ``[..., E]`` (fp32, no gradient)."""
+    with torch.no_grad():
+        p = probs.float()
+        return -(p * p.clamp_min(torch.finfo(torch.float32).tiny).log()).sum(-1)
+
+
 class _GraphMix(torch.autograd.Function):
     """Blockwise ``softmax_j(L_ij) @ R`` with ``L = scale * q k^T + log(prior) + key_bias``, masked;
     nothing after the diagonal is computed when causal. Saves the softmax blocks for backward.
@@ -131,7 +154,7 @@ class _GraphMix(torch.autograd.Function):
     softmax and the mixing stay fp32)."""
 
     @staticmethod
-    def forward(ctx, probs, q, k, prior, key_bias, scale, key_mask, causal, block, mm_dtype):
+    def forward(ctx, probs, q, k, prior, key_bias, scale, key_mask, causal, block, mm_dtype, entropy):
         B, S, E = probs.shape
         out = probs.new_empty(B, S, E)
         ctx.keys_are_queries = q is not None and k is None
@@ -152,9 +175,10 @@ class _GraphMix(torch.autograd.Function):
             if key_bias is not None:
                 L.add_(key_bias[:, None, :e])
             _mask_block_(L, i0, causal, key_mask, neg)
+            _entropy_mask_(L, i0, entropy, neg)
             if prior is not None:  # only a prior can leave a row without a finite logit
                 _keep_self_where_empty_(L, i0)
-            W = _softmax_(L, i0, causal, key_mask)
+            W = _softmax_(L, i0, causal, key_mask, entropy)
             out[:, i0:i1] = torch.bmm(W, probs[:, :e])
             weights.append(W)
         ctx.scale, ctx.causal, ctx.block = scale, causal, block
@@ -220,7 +244,7 @@ class _GraphMix(torch.autograd.Function):
                 t.mul_(ctx.scale)
         if d_q is not None:
             d_q = d_q.to(ctx.q_dtype)
-        return d_probs, d_q, d_k, d_prior, d_bias, None, None, None, None, None
+        return d_probs, d_q, d_k, d_prior, d_bias, None, None, None, None, None, None
 
 
 # Callables observing every mixing step (diagnostics, e.g. moe_dist.study.graph_probe): each is called
@@ -230,7 +254,8 @@ GRAPH_OBSERVERS: list = []
 
 def dense_graph_weights(q: Optional[torch.Tensor], k: Optional[torch.Tensor], scale: float = 1.0,
                         prior: Optional[torch.Tensor] = None, key_bias: Optional[torch.Tensor] = None,
-                        key_mask: Optional[torch.Tensor] = None, causal: bool = True) -> torch.Tensor:
+                        key_mask: Optional[torch.Tensor] = None, causal: bool = True,
+                        entropy: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The mixing weights ``softmax_j(L_ij)`` ``[B, S, S]`` of :func:`mix_over_sequence` as one dense
     matrix (for inspection; the mixing step itself never forms it), in fp32, same masks."""
     ref = q if q is not None else prior
@@ -243,14 +268,15 @@ def dense_graph_weights(q: Optional[torch.Tensor], k: Optional[torch.Tensor], sc
             L = L + torch.log(prior.float())
         if key_bias is not None:
             L = L + key_bias.float()[:, None, :]
-        _keep_self_where_empty_(_mask_block_(L, 0, causal, key_mask, float("-inf")), 0)
-        return _softmax_(L, 0, causal, key_mask)
+        _keep_self_where_empty_(_entropy_mask_(_mask_block_(L, 0, causal, key_mask, float("-inf")), 0, entropy,
+                                               float("-inf")), 0)
+        return _softmax_(L, 0, causal, key_mask, entropy)
 
 
 def mix_over_sequence(probs: torch.Tensor, q: Optional[torch.Tensor] = None, k: Optional[torch.Tensor] = None,
                       scale: float = 1.0, prior: Optional[torch.Tensor] = None, key_bias: Optional[torch.Tensor] = None,
                       padding_mask: Optional[torch.Tensor] = None, causal: bool = True, block: int = BLOCK,
-                      mm_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                      mm_dtype: torch.dtype = torch.float32, entropy: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The token-graph mixing step, ``P = softmax_j(L_ij) @ probs`` within each sequence, where
     ``L_ij = scale * q_i . k_j + log prior_ij + key_bias_j``.
 
@@ -261,16 +287,19 @@ def mix_over_sequence(probs: torch.Tensor, q: Optional[torch.Tensor] = None, k: 
     excluded (and never computed). fp32; gradients flow to every tensor input that needs them.
     mm_dtype: dtype of the ``q . k`` products and their gradients (bf16: rounded scores, the
     precision of a bf16 model's own attention; everything else stays fp32).
+    entropy: ``[B, S]`` or None: a query mixes only keys of entropy at most its own (``mixing_set:
+    lower_entropy``; no gradient).
     """
     if q is None and prior is None:
         raise ValueError("mix_over_sequence needs q/k or a prior")
     km = None if padding_mask is None else padding_mask.to(device=probs.device, dtype=torch.bool)
-    mixed = _GraphMix.apply(probs, q, k, prior, key_bias, float(scale), km, bool(causal), int(block), mm_dtype)
+    entropy = None if entropy is None else entropy.detach().float()
+    mixed = _GraphMix.apply(probs, q, k, prior, key_bias, float(scale), km, bool(causal), int(block), mm_dtype, entropy)
     if GRAPH_OBSERVERS:
         with torch.no_grad():
             for observe in GRAPH_OBSERVERS:
                 observe(probs=probs, q=q, k=q if k is None else k, scale=float(scale), prior=prior, key_bias=key_bias, key_mask=km,
-                        causal=bool(causal), mixed=mixed)
+                        causal=bool(causal), mixed=mixed, entropy=entropy)
     return mixed
 
 
@@ -278,7 +307,7 @@ class TokenGraphRouter(WrappingRouter):
     """Shared tail of both token-graph routers: mixed probabilities -> top-k -> Routing."""
 
     local_extras = {"topk_changed": "mean"}  # share of tokens whose top-k set the mixing changed
-    supports_expert_bias = True
+    supports_expert_bias = supports_group_limit = True
     needs_whole_sequences = True
     eager_under_compile = ("its time is the [S, S] token graph's products inside its own autograd functions, "
                            "which dynamo cannot fuse; compiled it measured slower (bench/results.md, "
@@ -289,17 +318,23 @@ class TokenGraphRouter(WrappingRouter):
         return graph_values_per_token(seq_len)
 
     def __init__(self, d_model, num_experts, top_k, base, base_options, normalize, aux_probs, detach_graph,
-                 graph_dtype):
+                 graph_dtype, mixing_set):
         super().__init__(d_model, num_experts, top_k, base, base_options)
         check_choice("model.moe.router_options.aux_probs", aux_probs, AUX_PROBS)
         check_choice("model.moe.router_options.graph_dtype", graph_dtype, GRAPH_DTYPES)
-        self.normalize = default_normalize(top_k, normalize)
+        check_choice("model.moe.router_options.mixing_set", mixing_set, MIXING_SETS)
+        self.mixing_set = mixing_set
+        self.normalize = gate_normalization(top_k, normalize)
         self.aux_probs = aux_probs
         self.detach_graph = bool(detach_graph)
         self.graph_dtype = GRAPH_DTYPES[graph_dtype]
 
+    def mixing_entropy(self, base: Routing, B: int, S: int) -> Optional[torch.Tensor]:
+        """``[B, S]`` entropies of the base routing that restrict the mixing set, or None (``all``)."""
+        return routing_entropy(base.probs).view(B, S) if self.mixing_set == "lower_entropy" else None
+
     def finish(self, base: Routing, mixed: torch.Tensor, extras: dict) -> Routing:
-        expert_ids, gates = select_topk(mixed, mixed, self.top_k, self.normalize, self.selection_bias())
+        expert_ids, gates = self.choose_topk(mixed, mixed, self.top_k, self.normalize)
         with torch.no_grad():
             extras = {**base.extras, **extras, "topk_changed": topk_set_changed(expert_ids, base.expert_ids).float().mean()}
         return Routing(expert_ids=expert_ids, gates=gates, probs=mixed if self.aux_probs == "mixed" else base.probs,
@@ -317,6 +352,8 @@ class SimilarityRouter(TokenGraphRouter):
     detach_graph: no gradient through the similarity matrix (only through R).
     normalize: renormalise the k gates (default: yes for k > 1; top-1 keeps ``P[i, e*]``).
     aux_probs: load-balance loss on the ``mixed`` P (default) or the ``base`` R.
+    mixing_set: ``all`` (default, Def. 2) or ``lower_entropy`` (Prop. 1: only tokens whose base
+        routing entropy is at most the token's own).
     graph_dtype: ``fp32`` (default) or ``bf16`` for the graph's ``u . u`` products and their
         gradients (bf16 rounds the scores to 8 significant bits, so ``dot`` logits near
         ``|u|^2 ~ d = 512`` are rounded to multiples of 4 before the division by tau; use a tau of
@@ -326,8 +363,9 @@ class SimilarityRouter(TokenGraphRouter):
     def __init__(self, d_model: int, num_experts: int, top_k: int, *, base: str = "topk",
                  base_options: Optional[dict] = None, temperature: float = 1.0, similarity: str = "dot",
                  learn_similarity: bool = False, detach_graph: bool = False, normalize: Optional[bool] = None,
-                 aux_probs: str = "mixed", graph_dtype: str = "fp32"):
-        super().__init__(d_model, num_experts, top_k, base, base_options, normalize, aux_probs, detach_graph, graph_dtype)
+                 aux_probs: str = "mixed", graph_dtype: str = "fp32", mixing_set: str = "all"):
+        super().__init__(d_model, num_experts, top_k, base, base_options, normalize, aux_probs, detach_graph, graph_dtype,
+                         mixing_set)
         check_bounds("model.moe.router_options.temperature", temperature, gt=0)
         check_choice("model.moe.router_options.similarity", similarity, SIMILARITIES)
         self.temperature, self.similarity = float(temperature), similarity
@@ -349,7 +387,8 @@ class SimilarityRouter(TokenGraphRouter):
                 q = q.detach()
             keys = None if self.similarity_weight is None else u  # None: the keys are the queries (cast once)
             mixed = mix_over_sequence(base.probs.view(B, S, -1), q, keys, scale=1.0 / self.temperature,
-                                      padding_mask=inputs.padding_mask, causal=inputs.causal, mm_dtype=self.graph_dtype)
+                                      padding_mask=inputs.padding_mask, causal=inputs.causal, mm_dtype=self.graph_dtype,
+                                      entropy=self.mixing_entropy(base, B, S))
         return self.finish(base, mixed.reshape(B * S, -1), {})
 
 
@@ -470,7 +509,7 @@ class AttentionRouter(TokenGraphRouter):
 
     sigma: likelihood std (paper default 1). likelihood: False uses ``A_{h*}`` alone.
     output_scale: factor on the attention output used as u (default 1/H).
-    Other options as for ``similarity`` (graph_dtype also for the entropy scan's scores and the
+    Other options (mixing_set included) as for ``similarity`` (graph_dtype also for the entropy scan's scores and the
     likelihood's ``W_h^T u`` products);
     detach_graph stops gradients into the attention, v' and u.
     """
@@ -481,8 +520,10 @@ class AttentionRouter(TokenGraphRouter):
     def __init__(self, d_model: int, num_experts: int, top_k: int, *, base: str = "topk",
                  base_options: Optional[dict] = None, sigma: float = 1.0, likelihood: bool = True,
                  output_scale: Optional[float] = None, detach_graph: bool = False,
-                 normalize: Optional[bool] = None, aux_probs: str = "mixed", graph_dtype: str = "fp32"):
-        super().__init__(d_model, num_experts, top_k, base, base_options, normalize, aux_probs, detach_graph, graph_dtype)
+                 normalize: Optional[bool] = None, aux_probs: str = "mixed", graph_dtype: str = "fp32",
+                 mixing_set: str = "all"):
+        super().__init__(d_model, num_experts, top_k, base, base_options, normalize, aux_probs, detach_graph, graph_dtype,
+                         mixing_set)
         check_bounds("model.moe.router_options.sigma", sigma, gt=0)  # types: the registry (build_router)
         self.sigma, self.likelihood, self.output_scale = float(sigma), bool(likelihood), output_scale
 
@@ -530,7 +571,8 @@ class AttentionRouter(TokenGraphRouter):
         if self.detach_graph:
             a, q, k, key_bias = (None if t is None else t.detach() for t in (a, q, k, key_bias))
         mixed = mix_over_sequence(base.probs.view(B, S, -1), q, k, prior=a, key_bias=key_bias,
-                                  padding_mask=inputs.padding_mask, causal=inputs.causal, mm_dtype=self.graph_dtype)
+                                  padding_mask=inputs.padding_mask, causal=inputs.causal, mm_dtype=self.graph_dtype,
+                                  entropy=self.mixing_entropy(base, B, S))
         return mixed, head, H
 
     def _mix_from_scores(self, inputs: RouterInputs, base: Routing, B: int, S: int):
@@ -551,7 +593,8 @@ class AttentionRouter(TokenGraphRouter):
         if self.detach_graph:
             q, k, key_bias = (None if t is None else t.detach() for t in (q, k, key_bias))
         mixed = mix_over_sequence(base.probs.view(B, S, -1), q, k, key_bias=key_bias,
-                                  padding_mask=inputs.padding_mask, causal=inputs.causal, mm_dtype=self.graph_dtype)
+                                  padding_mask=inputs.padding_mask, causal=inputs.causal, mm_dtype=self.graph_dtype,
+                                  entropy=self.mixing_entropy(base, B, S))
         return mixed, head, H
 
     def route(self, x: torch.Tensor, ctx: RoutingContext, inputs: RouterInputs) -> Routing:

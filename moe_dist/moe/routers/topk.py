@@ -6,9 +6,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...errors import ConfigError
 from ..routing import Routing, RouterInputs, RoutingContext
-from .base import Router, default_normalize, fp32_linear, layout_invariant_normal, select_topk
+from .base import Router, gate_normalization, fp32_linear, layout_invariant_normal
 from .registry import register_router
 
 
@@ -18,25 +17,24 @@ class TopKRouter(Router):
     """Linear scores, softmax, top-k.
 
     normalize: renormalise the k gates to sum to one (default: yes for k > 1, no for k = 1,
-        which is Switch's gate).
+        which is Switch's gate); fixed at build time from ``top_k`` (``gate_normalization``).
     noisy: Shazeer et al. (2017) noisy top-k gating: in training, add
         ``N(0, 1) * softplus(x W_noise)`` to the logits before choosing (the noise is
         layout-invariant: drawn for the global batch and sliced per rank).
     init_std: std of the router weight init.
     eval_k: experts per token in eval mode (default: top_k), to measure how a model trained at
-        top_k degrades at another k (HyperRouter's SMoE baseline; ``moe-dist eval --k``).
+        top_k degrades at another k (HyperRouter's SMoE baseline; ``moe-dist eval --k``). The
+        gates keep the rule fixed at build time.
     """
 
-    supports_expert_bias = supports_fp64 = True
+    supports_expert_bias = supports_fp64 = supports_group_limit = has_inference_k = True
     per_expert_tensors = ("weight", "noise_weight")
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, *, normalize: bool | None = None,
                  noisy: bool = False, init_std: float = 0.02, eval_k: int | None = None):
         super().__init__(d_model, num_experts, top_k)
-        if eval_k is not None and not 1 <= int(eval_k) <= num_experts:
-            raise ConfigError(f"model.moe.router_options.eval_k must be in [1, num_experts={num_experts}] or null, got {eval_k}")
-        self.eval_k = None if eval_k is None else int(eval_k)
-        self.normalize = default_normalize(top_k, normalize)
+        self.set_eval_k(eval_k)
+        self.normalize = gate_normalization(top_k, normalize)
         self.noisy = bool(noisy)
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))
         nn.init.normal_(self.weight, std=init_std)
@@ -57,6 +55,6 @@ class TopKRouter(Router):
             eps = layout_invariant_normal((self.num_experts,), ctx, x.shape[0], salt=1, device=x.device)
             logits = logits + eps * noise_std
         probs = torch.softmax(logits, dim=-1)
-        k = self.eval_k if self.eval_k is not None and not self.training else self.top_k
-        expert_ids, gates = select_topk(logits, probs, k, self.normalize, self.selection_bias())
+        k = self.routing_k(self.top_k)
+        expert_ids, gates = self.choose_topk(logits, probs, k, self.normalize)
         return Routing(expert_ids=expert_ids, gates=gates, probs=probs, logits=logits)

@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..routing import Routing, RouterInputs, RoutingContext
-from .base import Router, default_normalize, fp32_linear, select_topk
+from .base import Router, gate_normalization, fp32_linear
 from .registry import register_router
 from ...errors import ConfigError
 
@@ -20,7 +20,7 @@ class XMoERouter(Router):
     """dim: routing dimension (paper: 16). init_temperature: initial tau (learned in log space,
     clamped to [min_temperature, 1])."""
 
-    supports_expert_bias = supports_fp64 = True
+    supports_expert_bias = supports_fp64 = supports_group_limit = True
     per_expert_tensors = ("expert_embed",)
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, *, dim: int = 16,
@@ -31,7 +31,7 @@ class XMoERouter(Router):
             raise ConfigError(f"model.moe.router_options.dim must be >= 1, got {dim}")
         if not 0 < init_temperature:
             raise ConfigError(f"model.moe.router_options.init_temperature must be > 0, got {init_temperature}")
-        self.normalize = default_normalize(top_k, normalize)
+        self.normalize = gate_normalization(top_k, normalize)
         self.min_temperature = min_temperature
         self.proj = nn.Parameter(torch.empty(dim, d_model))
         nn.init.normal_(self.proj, std=init_std)
@@ -48,6 +48,6 @@ class XMoERouter(Router):
             e = F.normalize(self.expert_embed.to(self.compute_dtype), dim=-1)
             logits = (z @ e.t()) / self.temperature().to(self.compute_dtype)
         probs = torch.softmax(logits, dim=-1)
-        expert_ids, gates = select_topk(logits, probs, self.top_k, self.normalize, self.selection_bias())
+        expert_ids, gates = self.choose_topk(logits, probs, self.top_k, self.normalize)
         return Routing(expert_ids=expert_ids, gates=gates, probs=probs, logits=logits,
                        extras={"temperature": self.temperature().detach()})
