@@ -60,3 +60,15 @@ def test_counted_inter_node_bytes_match_the_links(cluster, tmp_path):
             assert node["counted_received"] == w["nodes"][str(1 - int(n))]["counted_sent"], what
             assert 0 <= node["other_sent"] <= OTHER_PER_CALL * CALLS, (what, node)
             assert 0 <= node["other_received"] <= OTHER_PER_CALL * CALLS, (what, node)
+
+
+def test_hierarchical_dispatch_bytes_match_the_links(cluster, tmp_path):
+    # top-4 of 8 experts on 2 nodes: the hierarchical dispatch sends each token to the other node once (its
+    # rows with their ids and gates counted as such); the flat one sends a row per pair there
+    flat = run_bench(cluster, tmp_path, "--layers", "512", "--top-k", "4")
+    hier = run_bench(cluster, tmp_path, "--layers", "512", "--top-k", "4", "--dispatch", "hierarchical")
+    assert hier["dispatch"] == "hierarchical" and [w["calls_of"] for w in hier["windows"]] == ["layer"]
+    for n, node in hier["windows"][0]["nodes"].items():
+        assert 0 <= node["other_sent"] <= OTHER_PER_CALL * CALLS, (n, node)
+        assert 0 <= node["other_received"] <= OTHER_PER_CALL * CALLS, (n, node)
+        assert node["counted_sent"] < 0.6 * flat["windows"][0]["nodes"][n]["counted_sent"], (n, node)

@@ -2,7 +2,8 @@
 
     # on every node of the job (one process per rank; every MoE layer's experts over all ranks):
     torchrun --nnodes 2 --nproc-per-node 2 ... -m moe_dist.bench.a2a_bytes [--calls 6] [--interface eth0]
-        [--layers 64 512 512:bmm:1.0] [--tokens 128] [--experts 8] [--top-k 2] [--out result.json]
+        [--layers 64 512 512:bmm:1.0] [--tokens 128] [--experts 8] [--top-k 2] [--dispatch hierarchical]
+        [--out result.json]
 
 Only MoE layer calls run (forward + backward of one :class:`~moe_dist.moe.layer.MoELayer` at
 ``ep`` = the world size; no optimizer, no sharded dense weights), so what crosses a node's link is
@@ -16,7 +17,7 @@ acknowledgements, the read, a barrier):
 - one window of ``--calls`` calls per ``--layers`` entry ``D_MODEL[:KERNEL[:CAPACITY_FACTOR]]``
   (default kernel ``loop``, the pipelined exchange; default dropless);
 - for a dropless entry, one window of its exchange alone: the last call's rows sent out and back
-  and their gradients likewise (:func:`exchange_call`), no routing, no statistics.
+  and their gradients likewise (:func:`exchange_call`), no routing, no statistics (flat dispatch only).
 
 Per node and window, beyond the idle window, the bytes the interface sent are split into the
 inter-node bytes its ranks counted, the packets' headers (:data:`HEADER_BYTES` per packet:
@@ -105,7 +106,7 @@ def layer_spec(text: str) -> tuple[int, str, Optional[float]]:
 
 
 def measure(args) -> Optional[dict]:
-    rt = init_distributed(lambda names: len(names), args.experts, backend="gloo", device="cpu")
+    rt = init_distributed(lambda names: len(names), args.experts, backend="gloo", device="cpu", dispatch=args.dispatch)
     try:
         world, rank = dist.get_world_size(), dist.get_rank()
         nodes = node_of_ranks(hosts())
@@ -121,7 +122,7 @@ def measure(args) -> Optional[dict]:
             w = torch.randn(args.tokens, d, generator=g)
             layer_call(layer, x, w)  # warm-up: first-use allocations and connections
             runs = [("layer", layer.traffic, lambda: layer_call(layer, x, w))]
-            if cf is None:  # the same rows' four transfers alone (the routing is the last call's)
+            if cf is None and not layer.hierarchical:  # the same rows' four transfers alone (the last call's routing)
                 meter = TrafficMeter(rt.groups.ep_nodes, rt.groups.ep_rank)
                 rows, ex = exchange_of(layer, x, meter)
                 runs.append(("exchange", meter, lambda: exchange_call(rows, ex)))
@@ -159,6 +160,7 @@ def summarise(args, nodes: Sequence[int], idle: Sequence, results: Sequence[dict
     link's change beyond the idle window split into counted bytes, headers and the rest."""
     leaders = {n: nodes.index(n) for n in sorted(set(nodes))}
     out = {"calls": args.calls, "tokens_per_rank": args.tokens, "experts": args.experts, "top_k": args.top_k,
+           "dispatch": args.dispatch,
            "ranks": len(nodes), "nodes": len(leaders), "interface": args.interface, "header_bytes": HEADER_BYTES,
            "idle": {str(n): idle[r] for n, r in leaders.items()}, "windows": []}
     for res in results:
@@ -187,6 +189,7 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     p.add_argument("--tokens", type=int, default=128, help="tokens per rank and call")
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--dispatch", choices=("flat", "hierarchical"), default="flat", help="parallel.dispatch")
     p.add_argument("--interface", default="eth0", help="the node's inter-node interface")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="also write the JSON here (rank 0)")

@@ -167,6 +167,9 @@ class ParallelConfig:
     timeout_s: int = knob(600, "collective timeout in seconds", min=1)
     ranks_per_node: Optional[int] = knob(None, "nodes as blocks of this many consecutive ranks (null = the ranks' host "
                                          "names); what node-aware dispatch and its byte counts call a node", min=1)
+    dispatch: Literal["flat", "hierarchical"] = knob("flat", "how routed tokens reach the expert-parallel ranks: flat "
+                                                     "(one row per token-expert pair), or hierarchical (one row per token "
+                                                     "and remote node, fanned out there; docs/multinode.md)")
 
 
 @dataclass

@@ -258,7 +258,7 @@ def _meshes(groups: ParallelGroups, device: torch.device, world: int):
 
 def init_distributed(ep: Union[int, Callable[[list[str]], int]] = 1, num_experts: Optional[int] = None, *,
                      backend: str = "auto", device: str = "auto", timeout_s: float = 600,
-                     ranks_per_node: Optional[int] = None,
+                     ranks_per_node: Optional[int] = None, dispatch: str = "flat",
                      environ: Optional[Mapping[str, str]] = None) -> Runtime:
     """Initialise the default process group (unless one exists) and build the parallel groups.
 
@@ -266,7 +266,7 @@ def init_distributed(ep: Union[int, Callable[[list[str]], int]] = 1, num_experts
     a function of every rank's host name (in rank order) that returns it: called on every rank
     with the same list once the process group exists, before the groups are made.
     ``ranks_per_node``: nodes are blocks of this many consecutive ranks (None: the ranks' host names;
-    :mod:`~moe_dist.distributed.topology`).
+    :mod:`~moe_dist.distributed.topology`). ``dispatch``: ``parallel.dispatch``, carried by the groups.
     """
     if dist.is_available() and dist.is_initialized():  # started by someone else (tests, a notebook)
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -298,12 +298,12 @@ def init_distributed(ep: Union[int, Callable[[list[str]], int]] = 1, num_experts
             ep = ep(hosts() if ranks_per_node is None else [f"node{n}" for n in node_of])
         if launch.world_size % ep:
             raise ConfigError(f"parallel.ep={ep} must divide the world size {launch.world_size}")
-        groups = build_parallel_groups(ep, num_experts, node_of)
+        groups = build_parallel_groups(ep, num_experts, node_of, dispatch)
         dp_mesh, mesh = _meshes(groups, dev, launch.world_size)
     else:
         if callable(ep):
             ep = ep([socket.gethostname()])
-        groups = build_parallel_groups(ep, num_experts)  # raises for ep > 1 on one process
+        groups = build_parallel_groups(ep, num_experts, dispatch=dispatch)  # raises for ep > 1 on one process
         dp_mesh = mesh = None
     return Runtime(launch=launch, device=dev, backend=be, groups=groups, dp_mesh=dp_mesh, mesh=mesh, owns_process_group=owns,
                    socket_interface=iface)

@@ -65,6 +65,9 @@ class ParallelGroups:
     dp_rank: int = 0
     edp_size: int = 1
     ep_nodes: NodeLayout = SINGLE  # the node of each ep peer (in ep rank order)
+    dispatch: str = "flat"  # how tokens reach the ep peers: flat, or hierarchical (node-aware; moe_dist.moe.hierarchical)
+    ep_node: Optional[dist.ProcessGroup] = None  # hierarchical: this rank's ep peers on its node
+    ep_rail: Optional[dist.ProcessGroup] = None  # hierarchical: the ep peers in this rank's position on every node
 
     @classmethod
     def single(cls) -> "ParallelGroups":
@@ -72,14 +75,14 @@ class ParallelGroups:
 
 
 def build_parallel_groups(ep_size: int, num_experts: Optional[int] = None,
-                          node_of: Optional[Sequence[int]] = None) -> ParallelGroups:
+                          node_of: Optional[Sequence[int]] = None, dispatch: str = "flat") -> ParallelGroups:
     """Create the groups on an initialised default process group (collective: all ranks call it).
     ``node_of``: the node of every rank (:func:`~moe_dist.distributed.topology.node_of_ranks`; None:
-    one node)."""
+    one node). ``dispatch``: ``parallel.dispatch``, carried to the MoE layers."""
     if not (dist.is_available() and dist.is_initialized()):
         if ep_size != 1:
             raise ConfigError(f"parallel.ep={ep_size} needs torch.distributed to be initialised (world size 1 allows only ep=1)")
-        return ParallelGroups.single()
+        return ParallelGroups(dispatch=dispatch)
     world, rank = dist.get_world_size(), dist.get_rank()
     describe_group(None)  # remember the default group's ranks while it exists
     if ep_size < 1 or world % ep_size:
@@ -99,6 +102,9 @@ def build_parallel_groups(ep_size: int, num_experts: Optional[int] = None,
     if node_of is not None and len(node_of) != world:
         raise ValueError(f"node_of names {len(node_of)} ranks, the world has {world}")
     ep_nodes = NodeLayout(tuple(node_of[start:start + ep_size]) if node_of is not None else (0,) * ep_size)
+    ep_node = ep_rail = None
+    if dispatch == "hierarchical" and node_of is not None:
+        ep_node, ep_rail = _node_and_rail_groups(world, ep_size, node_of, rank)
     return ParallelGroups(
         dp=dist.group.WORLD,
         ep=ep_group,
@@ -109,4 +115,30 @@ def build_parallel_groups(ep_size: int, num_experts: Optional[int] = None,
         dp_rank=rank,
         edp_size=world // ep_size,
         ep_nodes=ep_nodes,
+        dispatch=dispatch,
+        ep_node=ep_node,
+        ep_rail=ep_rail,
     )
+
+
+def _node_and_rail_groups(world: int, ep_size: int, node_of: Sequence[int], rank: int) -> tuple:
+    """The hierarchical dispatch's groups of every expert-parallel group that spans several nodes as
+    blocks of equally many consecutive ranks: its ranks on each node, and its ranks in each position
+    on every node (a rail). Collective: every rank makes every group, in the same order. Returns
+    this rank's two (None, None where its ep group does not qualify)."""
+    node_group = rail_group = None
+    for start in range(0, world, ep_size):
+        layout = NodeLayout(tuple(node_of[start:start + ep_size]))
+        if not (layout.multi_node and layout.contiguous() and layout.uniform()):
+            continue
+        nodes = [[start + p for p in layout.peers_on(n)] for n in range(layout.num_nodes)]
+        for members in nodes:
+            g = new_group(members, name="ep_node")
+            if rank in members:
+                node_group = g
+        for j in range(len(nodes[0])):
+            members = [ranks[j] for ranks in nodes]
+            g = new_group(members, name="ep_rail")
+            if rank in members:
+                rail_group = g
+    return node_group, rail_group

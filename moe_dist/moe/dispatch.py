@@ -6,6 +6,12 @@ sorted into *send order* (the rows for every other rank in rank order, this rank
 and an :class:`~moe_dist.moe.exchange.Exchange` says where they travel; the experts exchange
 and compute them (:mod:`moe_dist.moe.exchange`) and hand back outputs in the same order, which
 the combine sums into their tokens weighted by the gates.
+
+When the expert-parallel group spans several nodes and a token has three or more pairs, the sums
+of its pairs (the combine, and the backward of the gather into the input rows) run per node
+first, in ascending expert order, then across the nodes in node order (:class:`SumOrder`): the
+order in which the hierarchical dispatch (:mod:`moe_dist.moe.hierarchical`) must add, so both give
+bit-identical results. With one or two pairs per token every order gives the same sum.
 """
 from __future__ import annotations
 
@@ -17,9 +23,26 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from ..distributed.collectives import group_rank, group_size
+from ..distributed.topology import NodeLayout
 from .counting import count_values
 from .exchange import Exchange
+from .experts import host_ints
 from .traffic import COUNTS, TrafficMeter
+
+
+@dataclass(frozen=True, eq=False)
+class SumOrder:
+    """The order in which the rows that land on one output row are added: ``order`` lists the rows
+    in the order they are added (None: row order); with ``slots > 1`` each row first goes into the
+    partial sum ``slot[row]`` of its output row (a zero start), and the partials are then added in
+    slot order. Rows that land on one output row must add in the same order whatever their layout."""
+
+    order: Optional[torch.Tensor] = None
+    slot: Optional[torch.Tensor] = None
+    slots: int = 1
+
+
+ROW_ORDER = SumOrder()
 
 
 @dataclass
@@ -29,37 +52,121 @@ class DispatchPlan:
     local_counts: list  # rows per local expert (received from every rank, this one included)
     exchange: Optional[Exchange] = None  # where the rows travel (expert parallelism), else None
     read_along: Optional[list] = None  # host values of the caller's ``read_along`` tensor
+    sum_order: SumOrder = ROW_ORDER  # how a token's pairs are summed (combine, input-row gradient)
+    inter_node_pairs: Optional[int] = None  # kept pairs whose expert is on another node (nodes known)
+    inter_node_rows: Optional[int] = None  # rows this rank sends to other nodes (flat: one per such pair)
 
 
 _BLOCK_ROWS = 4096  # rows per temporary: small temporaries are recycled, big ones page-fault
 
 
-class _WeightedScatter(torch.autograd.Function):
-    """``out[token_idx[i]] += gate[i] * y[i]`` into a zero ``[num_tokens, d]`` output, all in
-    ``y``'s dtype. The gate products are formed block by block (no ``[N, d]`` temporary);
-    the backward gathers the output gradient once and reuses that buffer for the rows'
-    gradient."""
+def sum_rows(rows: torch.Tensor, index: torch.Tensor, n: int, how: SumOrder = ROW_ORDER,
+             gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``out[index[i]] += [gate[i] *] rows[i]`` into a zero ``[n, d]`` output, in ``rows``' dtype,
+    the additions in the order ``how`` says. The gate products are formed block by block (no
+    ``[N, d]`` temporary)."""
+    target = index if how.slot is None else how.slot * n + index
+    out = rows.new_zeros((how.slots * n, rows.shape[1]))
+    for s in range(0, rows.shape[0], _BLOCK_ROWS):
+        pick = slice(s, s + _BLOCK_ROWS) if how.order is None else how.order[s:s + _BLOCK_ROWS]
+        part = rows[pick] if gate is None else rows[pick] * gate[pick].unsqueeze(1)
+        out.index_add_(0, target[pick], part)
+    if how.slots == 1:
+        return out
+    total = out[:n] + out[n:2 * n]
+    for s in range(2, how.slots):
+        total.add_(out[s * n:(s + 1) * n])
+    return total
+
+
+class _Gather(torch.autograd.Function):
+    """``x[index]`` whose backward sums the rows' gradients into ``x``'s rows in the order ``how``."""
 
     @staticmethod
-    def forward(ctx, y, gate, token_idx, num_tokens):
+    def forward(ctx, x, index, how):
+        ctx.save_for_backward(index)
+        ctx.how, ctx.n = how, x.shape[0]
+        return x.index_select(0, index)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        return sum_rows(grad.contiguous(), index, ctx.n, ctx.how), None, None
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor, how: SumOrder = ROW_ORDER) -> torch.Tensor:
+    """The rows ``x[index]``; their gradients sum into ``x`` in the order ``how`` (autograd's
+    ``index_select`` when that is row order)."""
+    return x.index_select(0, index) if how is ROW_ORDER else _Gather.apply(x, index, how)
+
+
+class _WeightedScatter(torch.autograd.Function):
+    """``out[token_idx[i]] += gate[i] * y[i]`` (``gate`` None: ``y[i]``) into a zero
+    ``[num_tokens, d]`` output, all in ``y``'s dtype, added in the order ``how``
+    (:func:`sum_rows`); the backward gathers the output gradient once and reuses that buffer
+    for the rows' gradient."""
+
+    @staticmethod
+    def forward(ctx, y, gate, token_idx, num_tokens, how=ROW_ORDER):
         ctx.save_for_backward(y, gate, token_idx)
-        out = y.new_zeros((num_tokens, y.shape[1]))
-        for s in range(0, y.shape[0], _BLOCK_ROWS):
-            t = s + _BLOCK_ROWS
-            out.index_add_(0, token_idx[s:t], y[s:t] * gate[s:t].unsqueeze(1))
-        return out
+        return sum_rows(y, token_idx, num_tokens, how, gate)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
         y, gate, token_idx = ctx.saved_tensors
+        if gate is None:
+            return grad.contiguous().index_select(0, token_idx), None, None, None, None
         g_rows = grad.contiguous().index_select(0, token_idx)
         g_gate = None
         if ctx.needs_input_grad[1]:
             g_gate = torch.cat([(g_rows[s : s + _BLOCK_ROWS] * y[s : s + _BLOCK_ROWS]).sum(1)
                                 for s in range(0, y.shape[0], _BLOCK_ROWS)]) if y.shape[0] else gate.new_zeros(0)
         g_y = g_rows.mul_(gate.unsqueeze(1)) if ctx.needs_input_grad[0] else None
-        return g_y, g_gate, None, None
+        return g_y, g_gate, None, None, None
+
+
+def scatter_rows(y: torch.Tensor, gate: Optional[torch.Tensor], index: torch.Tensor, n: int,
+                 how: SumOrder = ROW_ORDER) -> torch.Tensor:
+    """``out[index[i]] += [gate[i] *] y[i]`` into a zero ``[n, d]`` output (differentiable), in the
+    order ``how``."""
+    return _WeightedScatter.apply(y, gate, index, n, how)
+
+
+def expert_nodes(nodes: NodeLayout, num_experts: int, device) -> torch.Tensor:
+    """The node of every expert, and the node count for the index ``num_experts`` (a dropped pair)."""
+    local = num_experts // nodes.size
+    return host_ints([nodes.node_of[e // local] for e in range(num_experts)] + [nodes.num_nodes], device)
+
+
+def pair_nodes(kept: torch.Tensor, nodes: NodeLayout, num_experts: int) -> torch.Tensor:
+    """The node of each pair's expert (``kept`` ``[T, k]``, ``num_experts`` for a dropped pair, whose
+    node is ``nodes.num_nodes``)."""
+    return expert_nodes(nodes, num_experts, kept.device)[kept]
+
+
+def nodes_of_tokens(node: torch.Tensor, num_nodes: int) -> torch.Tensor:
+    """``[T, num_nodes]``: whether the token has a kept pair on each node (``node`` ``[T, k]`` from
+    :func:`pair_nodes`)."""
+    has = torch.zeros((node.shape[0], num_nodes + 1), dtype=torch.bool, device=node.device)
+    return has.scatter_(1, node, True)[:, :num_nodes]
+
+
+def node_sum_order(kept: torch.Tensor, nodes: NodeLayout, num_experts: int, order: torch.Tensor) -> SumOrder:
+    """The per-node sum order (module docstring) of the pairs ``order`` picks (flat indices into
+    ``kept`` ``[T, k]``, in row order): a token's pairs on one node add up in ascending expert order
+    into a partial sum, one slot per node the token reaches (ascending), the slots then in order."""
+    node = pair_nodes(kept, nodes, num_experts)
+    slot_of_node = torch.cumsum(nodes_of_tokens(node, nodes.num_nodes).long(), 1) - 1
+    slot = slot_of_node.gather(1, node.clamp(max=nodes.num_nodes - 1)).reshape(-1).index_select(0, order)
+    rows_expert = kept.reshape(-1).index_select(0, order)
+    return SumOrder(torch.argsort(rows_expert, stable=True), slot, min(kept.shape[1], nodes.num_nodes))
+
+
+def inter_node_pairs(send: Sequence[int], nodes: NodeLayout, rank: int) -> int:
+    """Rows of a flat send (``send[r]`` to expert-parallel rank ``r``) that leave ``rank``'s node."""
+    return sum(n for r, n in enumerate(send) if nodes.node_of[r] != nodes.node_of[rank])
 
 
 def read_counts(parts: Sequence[torch.Tensor]) -> list[list[int]]:
@@ -88,7 +195,8 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor, kee
              num_experts: int, ep_group: Optional[dist.ProcessGroup],
              peer_counts: Optional[torch.Tensor] = None,
              read_along: Optional[torch.Tensor] = None,
-             meter: Optional[TrafficMeter] = None) -> tuple[torch.Tensor, DispatchPlan]:
+             meter: Optional[TrafficMeter] = None,
+             nodes: Optional[NodeLayout] = None) -> tuple[torch.Tensor, DispatchPlan]:
     """Gather the kept rows of ``x`` ``[T, d]`` for their experts: grouped by expert, or with
     expert parallelism in send order (``plan.exchange`` says where they travel).
 
@@ -98,6 +206,9 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor, kee
     dispatch's single host read and comes back as ``plan.read_along`` (a list of ints).
     ``meter``: records the bytes of the count exchange and, through ``plan.exchange``, of the rows'
     transfers (:mod:`moe_dist.moe.traffic`).
+    ``nodes``: the node of every ``ep_group`` rank (None: one node); over several nodes a token's
+    three or more pairs sum per node first (module docstring), and the plan counts the rows that
+    leave the node.
 
     Host synchronisation: exactly one read (the row counts the all-to-all and the expert
     kernels need, plus ``read_along``), none in backward.
@@ -136,11 +247,15 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor, kee
     token_idx = torch.div(order, top_k, rounding_mode="floor")
     plan = DispatchPlan(token_idx, flat_g.index_select(0, order), [sum(row[e] for row in recv) for e in range(local)],
                         Exchange(ep_group, me, send, recv, meter), read_along=along[0] if along else None)
-    return x.index_select(0, token_idx), plan
+    if nodes is not None and nodes.multi_node:
+        plan.inter_node_pairs = plan.inter_node_rows = inter_node_pairs(send, nodes, me)
+        if top_k >= 3:
+            plan.sum_order = node_sum_order(kept.view(-1, top_k), nodes, num_experts, order)
+    return gather_rows(x, token_idx, plan.sum_order), plan
 
 
 def combine(y: torch.Tensor, plan: DispatchPlan, num_tokens: int) -> torch.Tensor:
     """Sum the expert outputs ``y`` (in the dispatch's row order) into their tokens, weighted by
     the gates. The gate multiply happens in the experts' dtype (no fp32 ``[k, T, d]``
     temporaries). Dropped pairs contribute nothing."""
-    return _WeightedScatter.apply(y, plan.gates.to(y.dtype), plan.token_idx, num_tokens)
+    return scatter_rows(y, plan.gates.to(y.dtype), plan.token_idx, num_tokens, plan.sum_order)

@@ -40,6 +40,9 @@ class Exchange:
     send: rows this rank sends to each rank (its own experts' rows: ``send[rank]``, kept here).
     recv: ``recv[src][e]`` rows that rank ``src`` sends for this rank's local expert ``e``.
     meter: records the bytes each transfer sends (:mod:`moe_dist.moe.traffic`); None: not counted.
+    runs: the rows from each ``src`` as ``(local expert, rows)`` runs in arrival order, when the rows
+        of one expert from one source are several spans (the hierarchical dispatch forwards the rows
+        of several origins, each its own span); None: one run per expert, ``recv[src]``.
     """
 
     group: Optional[dist.ProcessGroup]
@@ -47,6 +50,10 @@ class Exchange:
     send: list[int]
     recv: list[list[int]]
     meter: Optional[TrafficMeter] = None
+    runs: Optional[list[list[tuple[int, int]]]] = None
+
+    def _runs(self, src: int) -> list[tuple[int, int]]:
+        return list(enumerate(self.recv[src])) if self.runs is None else list(self.runs[src])
 
     def record(self, kind: str, splits: list[int], rows: torch.Tensor) -> None:
         """A transfer of ``kind`` sends ``splits[r]`` rows of ``rows`` to rank ``r`` (to the meter)."""
@@ -72,11 +79,11 @@ class Exchange:
 
     def remote_segments(self) -> list[tuple[int, int]]:
         """``(local expert, rows)`` of the received rows, in arrival order (by source, then expert)."""
-        return [(e, c) for src, row in enumerate(self.recv) if src != self.rank for e, c in enumerate(row)]
+        return [run for src in range(len(self.recv)) if src != self.rank for run in self._runs(src)]
 
     def own_segments(self) -> list[tuple[int, int]]:
         """``(local expert, rows)`` of the rows that stay on this rank (the tail of the send order)."""
-        return list(enumerate(self.recv[self.rank]))
+        return self._runs(self.rank)
 
 
 class _Transfer:

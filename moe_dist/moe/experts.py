@@ -202,8 +202,10 @@ class GroupedExperts(nn.Module):
             return self._grouped(x, counts)
         raise ValueError(f"unknown expert kernel {name!r}; allowed: {list(KERNELS)}")
 
-    def forward(self, x: torch.Tensor, counts: Sequence[int], exchange: Optional[Exchange] = None) -> torch.Tensor:
-        """Rows ``x`` grouped by local expert (``counts[e]`` rows each, in expert order), or, with
+    def forward(self, x: torch.Tensor, counts: Sequence[int], exchange: Optional[Exchange] = None,
+                segments: Optional[Sequence[tuple[int, int]]] = None) -> torch.Tensor:
+        """Rows ``x`` grouped by local expert (``counts[e]`` rows each, in expert order), or laid out
+        as ``segments`` (``(local expert, rows)`` in row order, an expert possibly in several), or, with
         expert parallelism, this rank's routed rows in send order and the ``exchange`` that takes
         them to their experts' ranks: the outputs come back in send order. The loop kernel
         overlaps the transfers with the rows that stay here; the other kernels exchange the rows,
@@ -221,7 +223,7 @@ class GroupedExperts(nn.Module):
                 return self._loop(x, counts, exchange=exchange)
             rows, segments = exchange_rows(x, exchange)
             return return_rows(self._compute(rows, counts, segments), exchange)
-        return self._compute(x, counts)
+        return self._compute(x, counts, segments)
 
     def _compute(self, x: torch.Tensor, counts: list[int],
                  segments: Optional[Sequence[tuple[int, int]]] = None) -> torch.Tensor:

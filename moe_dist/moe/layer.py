@@ -27,6 +27,7 @@ from .args import MoEArgs
 from .capacity import apply_capacity
 from .dispatch import combine, dispatch
 from .experts import GroupedExperts
+from .hierarchical import combine_hierarchical, dispatch_hierarchical, hierarchical_experts, hierarchical_fallback
 from .losses import balance_losses, sequence_balance_sum
 from .route import route
 from .routers import build_router
@@ -76,11 +77,15 @@ class MoELayer(nn.Module):
         self.shared_expert_gate = init_linear(d_model, 1, init_std) if args.shared_gate else None
         self._pending_counts: Optional[torch.Tensor] = None  # expert-bias counts of the current optimizer step
         self.groups = ParallelGroups.single()
+        self.hierarchical = False  # node-aware dispatch (parallel.dispatch=hierarchical over several nodes)
         self.traffic = TrafficMeter()  # bytes this rank's exchanges send, intra- and inter-node
         self.context = RoutingContext(layer_idx=layer_idx)
         self.aux_loss: Optional[torch.Tensor] = None
         self.stats: Optional[MoEStats] = None
         self.last_routing: Optional[Routing] = None
+        # the last forward's rows to other nodes, over several nodes: (one per pair, as the flat dispatch
+        # sends them; as this layer's dispatch sent them), else None
+        self.inter_node_rows: Optional[tuple[int, int]] = None
         # NaN/Inf router logits: raise (the default), or, for a trainer that skips such a step,
         # count them (global over the stats group) in nonfinite_logits and carry the NaN forward
         self.raise_on_nonfinite_logits = True
@@ -148,10 +153,13 @@ class MoELayer(nn.Module):
     def set_groups(self, groups: ParallelGroups) -> None:
         """The one way parallelism reaches the layer (``moe_dist.parallel.apply_expert_parallel`` calls
         it): the routing statistics are gathered over ``groups.dp`` (the ranks holding distinct
-        tokens), the tokens exchanged over ``groups.ep``. Until then the layer runs as one process."""
+        tokens), the tokens exchanged over ``groups.ep`` (hierarchically when ``groups.dispatch`` asks
+        for it and the group spans several nodes, :mod:`~moe_dist.moe.hierarchical`). Until then the
+        layer runs as one process."""
         if self.num_experts % groups.ep_size:
             raise ConfigError(f"parallel.ep={groups.ep_size} must divide model.moe.num_experts={self.num_experts}")
         self.groups = groups
+        self.hierarchical = groups.dispatch == "hierarchical" and hierarchical_fallback(groups) is None
         self.traffic = TrafficMeter(groups.ep_nodes, groups.ep_rank)
         self.context.stats_group, self.context.ep_group = groups.dp, groups.ep
 
@@ -184,11 +192,19 @@ class MoELayer(nn.Module):
         # dropless: every expert-parallel peer's counts are already here (no count exchange)
         peer_counts = (subgroup_rows(stats.per_rank.counts, self.context.stats_group, self.groups.ep)
                        if capacity.keep is None else None)
-        routed, plan = dispatch(rows, routing.expert_ids, routing.gates, capacity.keep, self.num_experts, self.groups.ep,
-                                peer_counts, read_along=torch.stack([stats.total.nonfinite, stats.total.tokens]),
-                                meter=self.traffic)
-        self._check_nonfinite(*plan.read_along)
-        out = combine(self.experts(routed, plan.local_counts, plan.exchange), plan, rows.shape[0])
+        read_along = torch.stack([stats.total.nonfinite, stats.total.tokens])
+        if self.hierarchical:
+            routed, plan = dispatch_hierarchical(rows, routing.expert_ids, routing.gates, capacity.keep, self.num_experts,
+                                                 self.groups, read_along, meter=self.traffic)
+            self._check_nonfinite(*plan.read_along)
+            out = combine_hierarchical(hierarchical_experts(self.experts, routed, plan), plan)
+        else:
+            routed, plan = dispatch(rows, routing.expert_ids, routing.gates, capacity.keep, self.num_experts,
+                                    self.groups.ep, peer_counts, read_along, meter=self.traffic, nodes=self.groups.ep_nodes)
+            self._check_nonfinite(*plan.read_along)
+            out = combine(self.experts(routed, plan.local_counts, plan.exchange), plan, rows.shape[0])
+        self.inter_node_rows = (None if plan.inter_node_pairs is None
+                                else (plan.inter_node_pairs, plan.inter_node_rows))
         out = add_shared_expert(out, rows, self.shared_expert, self.shared_expert_gate)
         self.stats = MoEStats.of(stats.total, losses, capacity, routing, grouped)
         return out.to(x.dtype).reshape(x.shape)

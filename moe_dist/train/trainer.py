@@ -34,6 +34,7 @@ from ..hardware import batch_to_device, bf16_choice, cuda_memory_gib, peak_rss_b
 from ..model import count_parameters
 from ..parallel.kernel_choice import agree_expert_kernels
 from ..moe import collect_aux_loss, moe_layers
+from ..moe.hierarchical import dispatch_note
 from ..moe.traffic import take_traffic
 from .checkpoint import TrainingCheckpoints, latest_checkpoint, load_checkpoint
 from .checkpoint.collective import broadcast
@@ -98,7 +99,7 @@ def setup_runtime(cfg: Config, rt: Optional[Runtime] = None) -> Runtime:
     if rt is None:
         rt = init_distributed(cfg.expert_parallel_size, cfg.model.moe.num_experts, backend=cfg.parallel.backend,
                               device=cfg.run.device, timeout_s=cfg.parallel.timeout_s,
-                              ranks_per_node=cfg.parallel.ranks_per_node)
+                              ranks_per_node=cfg.parallel.ranks_per_node, dispatch=cfg.parallel.dispatch)
     cfg.check_world(rt.world_size)
     torch.set_num_threads(thread_choice(cfg.run.threads, rt.launch.local_world_size)[0])
     cfg.train.dtype, note = bf16_choice(rt.device, cfg.train.dtype, cfg.train.bf16_on_slow_cpu)
@@ -511,10 +512,12 @@ class Trainer:
                  f"token), {len(self.moe)} MoE layers x {cfg.model.moe.num_experts} experts, top-{cfg.model.moe.top_k}, "
                  f"router {cfg.model.moe.router}")
         over = f" over {self.rt.socket_interface}" if self.rt.socket_interface else ""  # this host's interface
+        dispatch = dispatch_note(self.rt.groups)  # parallel.dispatch: hierarchical (or why it fell back)
         self.log(f"parallel: {self.rt.world_size} process(es) [{self.rt.launch.launcher}, {self.rt.backend or 'no backend'}{over}, "
                  f"{self.rt.device}, {torch.get_num_threads()} thread(s) each from "
                  f"{thread_choice(cfg.run.threads, self.rt.launch.local_world_size)[1]}], ep={self.rt.groups.ep_size}"
                  f"{' (parallel.ep=auto)' if cfg.parallel.ep == 'auto' else ''}, "
+                 f"{dispatch + ', ' if dispatch else ''}"
                  f"dense={self.engine.dense_layout()}; data: "
                  f"{self.data.train.count:,} train tokens, {cfg.train.global_batch}x{cfg.train.seq_len} tokens per step")
         node_limit = cfg.model.moe.node_limit_warning(self.rt.groups.ep_nodes)
