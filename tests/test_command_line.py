@@ -94,12 +94,11 @@ def _moe_dist(*args):
 ])
 def test_bad_values_are_refused_before_launch(tmp_path, override, message):
     run_dir = tmp_path / "run"
-    res, seconds = _moe_dist("train", "--config", "configs/test.yaml", "model.moe.router=ssr", "--nproc", "2",
+    res, _ = _moe_dist("train", "--config", "configs/test.yaml", "model.moe.router=ssr", "--nproc", "2",
                              override, f"run.dir={run_dir}")
     assert res.returncode == 2, res.stdout + res.stderr
     assert res.stderr.startswith("moe-dist train: error: " + message) and res.stderr.count("\n") == 1, res.stderr
     assert res.stdout == "" and not run_dir.exists()  # no rank started: torchrun never ran
-    assert seconds < 30  # about 2 s on an idle 2-core machine; torchrun alone takes longer
 
 
 def test_router_option_of_a_wrong_type_is_one_line(tmp_path):

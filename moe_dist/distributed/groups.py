@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from .topology import SINGLE, NodeLayout
+from .topology import NodeLayout
 
 # the timeout every group is created with (parallel.timeout_s; set by init_distributed), so that a
 # collective on any group, not only the default one, gives up after it instead of torch's 30 minutes
@@ -64,10 +64,16 @@ class ParallelGroups:
     dp_size: int = 1
     dp_rank: int = 0
     edp_size: int = 1
-    ep_nodes: NodeLayout = SINGLE  # the node of each ep peer (in ep rank order)
+    ep_nodes: Optional[NodeLayout] = None  # the node of each ep peer, in ep rank order (None: all on one node)
     dispatch: str = "flat"  # how tokens reach the ep peers: flat, or hierarchical (node-aware; moe_dist.moe.hierarchical)
     ep_node: Optional[dist.ProcessGroup] = None  # hierarchical: this rank's ep peers on its node
     ep_rail: Optional[dist.ProcessGroup] = None  # hierarchical: the ep peers in this rank's position on every node
+
+    def __post_init__(self):
+        if self.ep_nodes is None:
+            self.ep_nodes = NodeLayout((0,) * self.ep_size)
+        if self.ep_nodes.size != self.ep_size:
+            raise ValueError(f"ep_nodes names {self.ep_nodes.size} ep ranks, the ep group has {self.ep_size}")
 
     @classmethod
     def single(cls) -> "ParallelGroups":

@@ -358,7 +358,7 @@ class Trainer:
         router_bad = {layer.context.layer_idx: bad for layer in self.moe if (bad := layer.take_nonfinite_logits())}
         sums[2] = float(bool(router_bad))  # the layers' counts are global already; the all-reduce makes it certain
         traffic = take_traffic(layer.traffic for layer in self.moe)  # host integers, exact in float64
-        sums[3:] = torch.tensor([traffic.intra, traffic.inter], dtype=torch.float64)
+        sums[3], sums[4] = float(traffic.intra), float(traffic.inter)  # fills: no tensor made on the default device
         if self.rt.distributed:
             dist.all_reduce(sums, group=self.rt.groups.dp)
         lm_total, aux_total, router_flag, intra, inter = sums.tolist()  # the step's one read of the losses
