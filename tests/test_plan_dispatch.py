@@ -185,6 +185,14 @@ def test_plan_command_prints_the_dispatch_section(capsys):
         make_network(compute_tflops=0)
 
 
+def test_the_configured_dispatch_and_node_limit_are_marked(capsys):
+    config = os.path.join(ROOT, "configs", "tiny.yaml")
+    assert cli(["plan", "--config", config, "--nodes", "2", "--gpus-per-node", "2", "--max-groups", "2",
+                "parallel.dispatch=hierarchical", "model.moe.router_groups=2", "model.moe.max_groups_per_token=1"]) == 0
+    marked = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith(" *")]
+    assert [r[1:4] for r in marked] == [["4", "hierarchical", "1"]]  # M=1 shown although --max-groups named only 2
+
+
 def test_plan_table_prints_the_presets_and_regimes(capsys):
     from moe_dist.bench.plan_table import main
 

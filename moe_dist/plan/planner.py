@@ -6,10 +6,11 @@ override plans its upcycled MoE instead of the dense model).
 """
 from __future__ import annotations
 
+
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Optional, Union
 
 import yaml
@@ -46,6 +47,8 @@ class PlanInput:
     notes: list[str]
     backend: str = "nccl"  # "gloo" (parallel.backend=gloo) adds the copy its reduce-scatter makes
     reshard_after_forward: bool = True  # FSDP2 gathers the weights again in backward
+    configured_dispatch: str = "flat"  # parallel.dispatch
+    configured_max_groups: Optional[int] = None  # model.moe.max_groups_per_token (groups of model.moe.router_groups)
 
 
 def _read_mapping(path: str) -> dict:
@@ -96,7 +99,8 @@ def load_plan_input(path: str, overrides: Iterable[str] = (), seq_len: Optional[
                      global_batch=cfg.train.global_batch, grad_accum=cfg.train.grad_accum, dtype=cfg.train.dtype,
                      dense_mode=cfg.parallel.dense, configured_ep=cfg.parallel.ep,
                      backend="gloo" if cfg.parallel.backend == "gloo" else "nccl",
-                     reshard_after_forward=cfg.parallel.reshard_after_forward, notes=[])
+                     reshard_after_forward=cfg.parallel.reshard_after_forward, notes=[],
+                     configured_dispatch=cfg.parallel.dispatch, configured_max_groups=cfg.model.moe.max_groups_per_token)
 
 
 def _gib(x: float) -> float:
@@ -391,6 +395,8 @@ def plan(path: str, nodes: int, gpus_per_node: int, gpu_mem_gib: float, override
     layouts = [evaluate_layout(inp, counts, world, gpus_per_node, ep, mb) for ep in eps]
     usable = gpu_mem_gib * USABLE_FRACTION
     if network is not None:
+        if inp.configured_max_groups is not None and inp.configured_max_groups not in network.max_groups:
+            network = replace(network, max_groups=tuple(sorted({*network.max_groups, inp.configured_max_groups})))
         for l in layouts:
             l["dispatch"] = dispatch_variants(inp, counts, world, gpus_per_node, l, network, usable)
     best, reason = recommend(layouts, usable)
@@ -410,7 +416,8 @@ def plan(path: str, nodes: int, gpus_per_node: int, gpu_mem_gib: float, override
                     "usable_gib": round(usable, 3)},
         "workload": {"seq_len": inp.seq_len, "micro_batch_per_gpu": mb, "grad_accum": inp.grad_accum,
                      "tokens_per_gpu_per_micro_batch": mb * inp.seq_len, "activation_dtype": inp.dtype,
-                     "dense_weights": inp.dense_mode, "configured_ep": inp.configured_ep},
+                     "dense_weights": inp.dense_mode, "configured_ep": inp.configured_ep,
+                     "configured_dispatch": inp.configured_dispatch, "configured_max_groups": inp.configured_max_groups},
         "layouts": layouts, "recommended": best, "reason": reason, "notes": inp.notes + notes,
         **({"network": {"intra_gbps": network.links.intra_gbps, "inter_gbps_per_node": network.links.inter_gbps,
                         "alpha_us": network.links.alpha_s * 1e6, "compute_tflops": network.compute_flops / 1e12,

@@ -20,7 +20,10 @@ def format_dispatch(p: dict) -> list[str]:
     lines = [f"expert dispatch per step (balanced router) and predicted step time: intra-node {n['intra_gbps']:g} "
              f"Gbit/s per GPU, inter-node {n['inter_gbps_per_node']:g} Gbit/s per node, alpha {n['alpha_us']:g} us, "
              f"{n['compute_tflops']:g} TFLOP/s per GPU, FSDP overlap {'on' if n['fsdp_overlap'] else 'off'} "
-             "(M: node-limited routing, at most M nodes per token):"]
+             "(M: node-limited routing, at most M nodes per token; *: the config's parallel.dispatch and "
+             "model.moe.max_groups_per_token):"]
+    w = p["workload"]
+    mine = (w.get("configured_dispatch", "flat"), w.get("configured_max_groups"))
     lines.append(f"  {'ep':>4} {'dispatch':<13} {'M':>2} {'intra/GPU':>10} {'inter/GPU':>10} {'step s':>8} "
                  f"{'compute':>8} {'a2a exp.':>8} {'sync exp.':>9} {'ckpt':>4}")
     for l in p["layouts"]:
@@ -28,7 +31,8 @@ def format_dispatch(p: dict) -> list[str]:
             lines.append(f"  {l['ep']:>4} (an expert-parallel group that neither fills whole nodes nor sits in one: "
                          "not modelled)")
         for v in l.get("dispatch", []):
-            lines.append(f"  {l['ep']:>4} {v['dispatch']:<13} {v['max_groups'] or '-':>2} "
+            star = "*" if (v["dispatch"], v["max_groups"]) == mine else " "
+            lines.append(f" {star}{l['ep']:>4} {v['dispatch']:<13} {v['max_groups'] or '-':>2} "
                          f"{_bytes(v['intra_bytes_per_gpu_per_step']):>10} {_bytes(v['inter_bytes_per_gpu_per_step']):>10} "
                          f"{v['step_s']:>8.3f} {v['compute_s']:>8.3f} {v['exposed_all_to_all_s']:>8.3f} "
                          f"{v['exposed_sync_s']:>9.3f} {'on' if v['activation_checkpointing'] else 'off':>4}")
