@@ -15,7 +15,7 @@ from moe_dist.plan.memory import Workload, all_to_all_bytes
 from moe_dist.plan.planner import make_network
 from moe_dist.model.params import BlockShape
 from moe_dist.plan.timing import Links, all_to_all_s, exchange_pass_s, ring_s
-from moe_dist.plan.traffic import dispatch_bytes, group_shape, rows_per_token
+from moe_dist.plan.dispatch_rows import dispatch_bytes, group_shape, rows_per_token
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENS = 100_000

@@ -57,6 +57,7 @@ from .exchange import Exchange, exchange_rows, return_rows
 from .experts import GroupedExperts, PermuteRows, host_ints, inverse_permutation
 from .traffic import COMBINE, COMBINE_GRAD, COUNTS, DISPATCH, DISPATCH_GRAD, TrafficMeter
 
+
 def hierarchical_fallback(groups: ParallelGroups) -> Optional[str]:
     """Why ``parallel.dispatch: hierarchical`` runs the flat dispatch on these groups (None: it does
     not; the hierarchical dispatch runs)."""

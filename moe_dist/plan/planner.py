@@ -24,7 +24,7 @@ from .memory import (GIB, STAGES, Units, Workload, activation_bytes, all_to_all_
                      engine_state_bytes, fsdp_gathered_bytes, fsdp_head_grad_bytes, fsdp_reduce_peak_bytes,
                      gathered_bytes_per_param, grad_sync_bytes, optimizer_step_bytes, state_bytes, uses_fsdp)
 from .timing import Cluster, Links, StepWork, flops_per_token, passes, step_time, sync_time
-from .traffic import DISPATCHES, dispatch_bytes, group_shape
+from .dispatch_rows import DISPATCHES, dispatch_bytes, group_shape
 
 USABLE_FRACTION = 0.9  # leave 10% of each GPU for the framework, allocator fragmentation and buffers
 DEFAULT_HF_SEQ_LEN = 4096

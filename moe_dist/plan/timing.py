@@ -41,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .traffic import GroupShape, rows_per_token
+from .dispatch_rows import GroupShape, rows_per_token
 
 GBIT = 1e9 / 8  # bytes per second of one Gbit/s
 
