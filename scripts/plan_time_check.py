@@ -218,7 +218,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.source:
         with open(args.source) as f:
             result = json.load(f)
-        args.overrides, args.steps = result["overrides"], result["steps"]
+        args.config, args.overrides, args.steps = result["config"], result["overrides"], result["steps"]
         rates = [row["rate"] for row in result["table"]]
         result["table"] = []
         compare(args, result, rates)

@@ -65,7 +65,7 @@ def hierarchical_fallback(groups: ParallelGroups) -> Optional[str]:
     if not nodes.multi_node:
         return (f"parallel.dispatch=hierarchical: the expert-parallel group (ep={groups.ep_size}) is on one node, "
                 "nothing crosses nodes; running the flat dispatch")
-    if not (nodes.contiguous() and nodes.uniform()):
+    if not nodes.node_blocks():
         return (f"parallel.dispatch=hierarchical: the expert-parallel group's nodes {list(nodes.node_of)} are not "
                 "blocks of equally many consecutive ranks; running the flat dispatch")
     if groups.ep_node is None or groups.ep_rail is None:

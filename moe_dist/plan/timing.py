@@ -74,16 +74,18 @@ class Cluster:
 def all_to_all_s(s: GroupShape, dispatch: str, max_groups: Optional[int], rows: float, d_model: int,
                  act_bytes: int, links: Links, gpus_per_node: int) -> dict[str, float]:
     """Seconds of one all-to-all of ``rows`` local token rows: ``inter`` (the node-crossing stage),
-    ``intra`` (the hierarchical fan-out; flat: 0, its intra rows travel beside the inter ones), ``total``."""
+    ``intra`` (the hierarchical fan-out; flat: 0, its intra rows travel beside the inter ones), ``total``
+    and ``hidden``: the stage the loop kernel's pipeline overlaps (flat: all of it; hierarchical: the
+    fan-out, while the inter-node stage waits in full)."""
     per = rows_per_token(s, dispatch, max_groups)
     row_bytes = rows * d_model * act_bytes
     intra = links.intra_s(per["intra"] * row_bytes)
     inter = links.inter_s(gpus_per_node * per["inter"] * row_bytes) if s.nodes > 1 else 0.0
     if dispatch == "hierarchical" and s.nodes > 1:
         return {"inter": links.alpha_s + inter, "intra": links.alpha_s + intra,
-                "total": 2 * links.alpha_s + inter + intra}
+                "total": 2 * links.alpha_s + inter + intra, "hidden": links.alpha_s + intra}
     t = links.alpha_s + max(intra, inter)
-    return {"inter": t, "intra": 0.0, "total": t}
+    return {"inter": t, "intra": 0.0, "total": t, "hidden": t}
 
 
 def exchange_pass_s(a2a: dict[str, float], expert_s: float, own_fraction: float, overlapped: bool) -> float:
@@ -92,7 +94,7 @@ def exchange_pass_s(a2a: dict[str, float], expert_s: float, own_fraction: float,
     if not overlapped:
         return 2 * a2a["total"] + expert_s
     own = own_fraction * expert_s
-    hidden = a2a["intra"] if a2a["intra"] else a2a["inter"]  # the stage the pipeline overlaps
+    hidden = a2a["hidden"]  # the stage the pipeline overlaps
     exposed = a2a["total"] - hidden  # hierarchical: the inter-node stage waits in full
     return 2 * exposed + 2 * max(hidden, own / 2) + (expert_s - own)
 
@@ -130,7 +132,7 @@ class StepWork:
 def step_time(work: StepWork, s: Optional[GroupShape], dispatch: str, max_groups: Optional[int], links: Links,
               gpus_per_node: int, rate_flops: float, fsdp_overlap: bool) -> dict[str, float]:
     """Predicted seconds of one optimizer step and its parts."""
-    fwd_share = 1 / (4 if work.checkpointing else 3)  # forward : backward = 1 : 2, plus a recomputed forward
+    fwd_share = 1 / passes(work.checkpointing)  # forward : backward = 1 : 2, plus a recomputed forward
     expert_pass = work.expert_flops / rate_flops  # per micro-batch per MoE layer, all passes
     compute = (work.other_flops + work.moe_layers * work.expert_flops) / rate_flops * work.grad_accum
     exchange = 0.0
