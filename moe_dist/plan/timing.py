@@ -141,10 +141,10 @@ def step_time(work: StepWork, s: Optional[GroupShape], dispatch: str, max_groups
         a2a = all_to_all_s(s, dispatch, max_groups, work.tokens, work.d_model, work.act_bytes, links, gpus_per_node)
         hier = dispatch == "hierarchical" and s.nodes > 1
         own = 1 / (s.ranks_per_node if hier else s.ep)
-        passes = [fwd_share, 2 * fwd_share] + ([fwd_share] if work.checkpointing else [])
-        per_mb = sum(exchange_pass_s(a2a, expert_pass * share, own, work.overlapped_exchange) for share in passes)
+        shares = [fwd_share, 2 * fwd_share] + ([fwd_share] if work.checkpointing else [])
+        per_mb = sum(exchange_pass_s(a2a, expert_pass * share, own, work.overlapped_exchange) for share in shares)
         exchange = per_mb * work.moe_layers * work.grad_accum
-        a2a_s = 2 * len(passes) * a2a["total"] * work.moe_layers * work.grad_accum
+        a2a_s = 2 * len(shares) * a2a["total"] * work.moe_layers * work.grad_accum
     else:
         exchange = work.moe_layers * expert_pass * work.grad_accum
     other = compute - work.moe_layers * expert_pass * work.grad_accum
