@@ -108,6 +108,8 @@ def main() -> int:
         p, out = procs[0]
         out.seek(0)
         text = out.read()
+        for _, f in procs:
+            f.close()
     lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
     if p.returncode or not lines:
         print(text[-4000:], file=sys.stderr)

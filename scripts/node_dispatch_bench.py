@@ -107,7 +107,8 @@ def measure(args, variant: str, rate: str, rnd: int) -> dict:
                             overrides=[*VARIANTS[variant][0], *args.overrides], warmup=args.warmup)
     got = run_two_nodes(ns, name, None if rate == "none" else rate)
     run_dir = os.path.join(args.out, name)
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
     after = [r for r in rows if r["step"] > args.warmup]
     return {"step_s": got["step_s"], "steps_s": step_times(run_dir, args.warmup),
             "a2a_inter_bytes": statistics.mean(r["a2a_inter_bytes"] for r in after),

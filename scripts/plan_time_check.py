@@ -59,7 +59,8 @@ def _overrides(args, run_dir: str) -> list[str]:
 
 def step_times(run_dir: str, warmup: int) -> list[float]:
     """Seconds of every step after ``warmup`` (rank 0's metrics.jsonl)."""
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
     cfg_tokens = None
     times = []
     for row in rows:
@@ -103,7 +104,8 @@ def run_two_nodes(args, name: str, rate: Optional[str]) -> dict:
         rx, tx = c.link_bytes(c.nodes[0])
     for i, (p, _) in enumerate(procs):
         if p.returncode != 0:
-            text = open(os.path.join(args.out, f"{name}.node{i}.log")).read()
+            with open(os.path.join(args.out, f"{name}.node{i}.log")) as f:
+                text = f.read()
             raise RuntimeError(f"{name}: node{i} exited {p.returncode}\n{text[-3000:]}")
     return {"step_s": statistics.mean(step_times(run_dir, args.warmup)), "node0_tx_bytes": tx, "node0_rx_bytes": rx}
 
@@ -218,7 +220,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.source:
         with open(args.source) as f:
             result = json.load(f)
-        args.overrides, args.steps = result["overrides"], result["steps"]
+        args.config, args.overrides, args.steps = result["config"], result["overrides"], result["steps"]
         rates = [row["rate"] for row in result["table"]]
         result["table"] = []
         compare(args, result, rates)

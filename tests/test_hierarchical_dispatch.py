@@ -97,7 +97,7 @@ def test_hierarchical_equals_flat_bit_for_bit_and_sends_each_token_once_per_node
                 torch.testing.assert_close(hier["expert_grads"][n], g, rtol=1e-6, atol=1e-6,
                                            msg=lambda m: f"{where}: expert gradient {n}: {m}")
             # the same pairs would cross; the hierarchical dispatch sends one row per token and node
-            assert hier["pairs"] == flat["pairs"] == flat["rows"], where
+            assert hier["pairs"] == flat["pairs"], where
             assert hier["rows"] <= hier["pairs"], where
             if "duplication" in hier:
                 assert flat["rows"] - hier["rows"] == hier["duplication"], where

@@ -56,8 +56,6 @@ def test_counted_inter_node_bytes_match_the_links(cluster, tmp_path):
         for n, node in w["nodes"].items():
             what = (w["calls_of"], w["d_model"], w["kernel"], n)
             assert node["counted_sent"] > 100_000, what  # the payload dominates the window
-            # one link: what this node's ranks counted as sent across is what the other node's counted as received
-            assert node["counted_received"] == w["nodes"][str(1 - int(n))]["counted_sent"], what
             assert 0 <= node["other_sent"] <= OTHER_PER_CALL * CALLS, (what, node)
             assert 0 <= node["other_received"] <= OTHER_PER_CALL * CALLS, (what, node)
 

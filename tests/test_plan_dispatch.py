@@ -15,7 +15,7 @@ from moe_dist.plan.memory import Workload, all_to_all_bytes
 from moe_dist.plan.planner import make_network
 from moe_dist.model.params import BlockShape
 from moe_dist.plan.timing import Links, all_to_all_s, exchange_pass_s, ring_s
-from moe_dist.plan.traffic import dispatch_bytes, group_shape, rows_per_token
+from moe_dist.plan.dispatch_rows import dispatch_bytes, group_shape, rows_per_token
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENS = 100_000
@@ -120,11 +120,16 @@ def test_alpha_beta_hand_cases():
     assert h["inter"] == pytest.approx(1e-5 + 2 * 1000 * 22 / 28 * 4096 / 10e9)
     assert h["intra"] == pytest.approx(1e-5 + 1000 * 4096 / 100e9)
     # the loop kernel's pipeline: max(A, own/2) + remote + max(A, own/2)
-    assert exchange_pass_s({"total": 1.0, "intra": 0.0, "inter": 1.0}, 8.0, 0.25, True) == pytest.approx(1 + 6 + 1)
-    assert exchange_pass_s({"total": 0.1, "intra": 0.0, "inter": 0.1}, 8.0, 0.25, True) == pytest.approx(1 + 6 + 1)
-    assert exchange_pass_s({"total": 0.1, "intra": 0.0, "inter": 0.1}, 8.0, 0.25, False) == pytest.approx(8.2)
+    assert exchange_pass_s({"total": 1.0, "intra": 0.0, "inter": 1.0, "hidden": 1.0}, 8.0, 0.25, True) == pytest.approx(1 + 6 + 1)
+    assert exchange_pass_s({"total": 0.1, "intra": 0.0, "inter": 0.1, "hidden": 0.1}, 8.0, 0.25, True) == pytest.approx(1 + 6 + 1)
+    assert exchange_pass_s({"total": 0.1, "intra": 0.0, "inter": 0.1, "hidden": 0.1}, 8.0, 0.25, False) == pytest.approx(8.2)
     # hierarchical: the inter-node stage waits, the intra one overlaps
-    assert exchange_pass_s({"total": 1.5, "intra": 0.5, "inter": 1.0}, 8.0, 0.25, True) == pytest.approx(2 + 2 + 6)
+    assert exchange_pass_s({"total": 1.5, "intra": 0.5, "inter": 1.0, "hidden": 0.5}, 8.0, 0.25, True) == pytest.approx(2 + 2 + 6)
+    # one GPU per node and no latency: the fan-out costs nothing, and still the inter-node stage waits in full
+    h1 = all_to_all_s(group_shape(4, 1, 8, 2), "hierarchical", None, 1000, 1024, 4,
+                      Links(intra_gbps=800.0, inter_gbps=80.0, alpha_s=0.0), gpus_per_node=1)
+    assert h1["intra"] == 0.0 and h1["hidden"] == 0.0 and h1["inter"] > 0
+    assert exchange_pass_s(h1, 8.0, 0.25, True) == pytest.approx(2 * h1["inter"] + 2 * 1.0 + 6)
     # ring over 4 ranks on 2 nodes of 8 MB: 3 alpha + 6 MB over the slower link (the node's uplink)
     assert ring_s(8e6, 4, True, 1, links) == pytest.approx(3e-5 + 6e6 / 10e9)
     assert ring_s(8e6, 4, False, 1, links) == pytest.approx(3e-5 + 6e6 / 100e9)
@@ -175,6 +180,9 @@ def test_plan_command_prints_the_dispatch_section(capsys):
     out = json.loads(capsys.readouterr().out)
     four = next(l for l in out["layouts"] if l["ep"] == 4)["dispatch"]
     assert [(v["dispatch"], v["max_groups"]) for v in four] == [("hierarchical", None), ("hierarchical", 1)]
+    # ep=2 sits inside a node: there the hierarchical dispatch is the flat one, and that row is shown
+    two = next(l for l in out["layouts"] if l["ep"] == 2)["dispatch"]
+    assert [(v["dispatch"], v["max_groups"]) for v in two] == [("flat", None)]
     assert out["network"]["inter_gbps_per_node"] == 3200.0
     for argv, key in ((["--dispatch", "ring"], "--dispatch"), (["--inter-gbps", "0"], "--inter-gbps"),
                       (["--max-groups", "0"], "--max-groups"), (["--alpha-us", "-1"], "--alpha-us")):

@@ -234,3 +234,52 @@ def test_validation_messages():
             build_router("ac", 16, E, 2, **{key: value})
     with pytest.raises(ValueError, match="min_count"):
         build_router("ac", 16, E, 2, min_count=0)
+
+
+# ---- the trainer: embedding_norm under FSDP2 --------------------------------------------------
+AUTHORS = ["model.moe.router=ac", "model.moe.num_experts=8", "model.moe.router_options.start_layer=1",
+           "model.moe.router_options.embedding_norm=1.5", "model.moe.router_options.plain_gate=linear",
+           "model.moe.router_options.min_count=1", "model.moe.router_options.empty_clusters=included"]
+
+
+def _ac_run(tmp: str, name: str, *extra) -> dict:
+    import os
+
+    from moe_dist.config import load_config
+    from moe_dist.distributed.shards import local_rows
+    from moe_dist.train.trainer import Trainer
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_config(os.path.join(root, "configs/test.yaml"), [
+        f"run.dir={tmp}/{name}", f"data.cache_dir={tmp}/cache", f"data.corpus={root}/tests/data/python-docs",
+        "run.tensorboard=false", "run.plots=false", "ckpt.save_final=false", "train.steps=4", *AUTHORS, *extra])
+    trainer = Trainer(cfg)
+    try:
+        losses = [trainer.train_step()["loss"] for _ in range(cfg.train.steps)]
+        norms = [local_rows(layer.router.weight).local.detach().float().norm(dim=-1) for layer in trainer.moe]
+        return {"loss": losses, "norms": norms}
+    finally:
+        trainer.close()
+
+
+def _ac_ranks(rank, world, tmp):
+    return {ep: _ac_run(tmp, f"r{world}-ep{ep}", f"parallel.ep={ep}") for ep in (1, 2)}
+
+
+@pytest.mark.slow
+def test_embedding_norm_trains_alike_on_one_process_and_fsdp_ranks(tmp_path):
+    """The rescale reaches FSDP2's shards (it runs after the optimizer step, on the rows a rank
+    holds), so 2 ranks (FSDP2 over 2, and ep=2) train as 1 process and every embedding keeps norm
+    1.5. A rescale inside the forward changed only FSDP2's gathered copy: the shards kept their
+    norm and the backward's second gather mixed the two."""
+    tmp = str(tmp_path)
+    ref = _ac_run(tmp, "one", "parallel.ep=1")
+    for res in run_ranks(_ac_ranks, 2, args=(tmp,), timeout=300):
+        for ep, got in res.items():
+            torch.testing.assert_close(torch.tensor(got["loss"]), torch.tensor(ref["loss"]), rtol=1e-5, atol=0,
+                                       msg=lambda m: f"ep={ep}: {m}")
+            for n in got["norms"]:
+                if n.numel():
+                    torch.testing.assert_close(n, torch.full_like(n, 1.5))
+    for n in ref["norms"]:
+        torch.testing.assert_close(n, torch.full_like(n, 1.5))

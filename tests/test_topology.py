@@ -18,14 +18,30 @@ def test_declared_blocks_of_ranks_override_the_names():
         node_of_ranks(["h"] * 6, ranks_per_node=4)
 
 
+def test_ranks_per_node_is_checked_before_any_process_starts():
+    """``check_world`` (the launcher's pre-flight, with the process count) refuses a block size
+    that does not divide it, naming the key."""
+    import os
+
+    from moe_dist.config import load_config
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_config(os.path.join(root, "configs", "test.yaml"), ["parallel.ranks_per_node=3", "parallel.ep=1"])
+    with pytest.raises(ConfigError, match=r"^parallel.ranks_per_node: 3 must be >= 1 and divide the number of processes \(4\)"):
+        cfg.check_world(4)
+    cfg.check_world(3)
+    load_config(os.path.join(root, "configs", "test.yaml"), ["parallel.ranks_per_node=2"]).check_world(4)
+
+
 def test_layout_renumbers_and_answers_questions():
     lay = NodeLayout((3, 3, 5, 5))
     assert lay.node_of == (0, 0, 1, 1) and lay.num_nodes == 2 and lay.multi_node
     assert lay.peers_on(1) == (2, 3) and lay.local_index(3) == 1
-    assert lay.contiguous() and lay.uniform()
+    assert lay.contiguous() and lay.uniform() and lay.node_blocks()
     odd = NodeLayout((0, 1, 0))
-    assert not odd.contiguous() and not odd.uniform()
-    assert not NodeLayout().multi_node and NodeLayout().size == 1
+    assert not odd.contiguous() and not odd.uniform() and not odd.node_blocks()
+    assert NodeLayout((0, 0, 1)).contiguous() and not NodeLayout((0, 0, 1)).node_blocks()  # 2 ranks and 1
+    assert not NodeLayout().multi_node and NodeLayout().size == 1 and not NodeLayout().node_blocks()
 
 
 def _groups(rank, world, ep, ranks_per_node):

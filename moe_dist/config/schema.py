@@ -339,6 +339,10 @@ class Config:
         """Rules that depend on the number of processes (checked once it is known)."""
         if self.parallel.ep != AUTO:
             check_ep(self.parallel.ep, self.model.moe.num_experts, world_size)
+        rpn = self.parallel.ranks_per_node
+        if rpn is not None and (rpn < 1 or world_size % rpn):
+            _fail("parallel.ranks_per_node", f"{rpn} must be >= 1 and divide the number of processes ({world_size}), "
+                  "or null (nodes by host name)")
         per_forward = self.train.global_batch // self.train.grad_accum
         if per_forward < world_size:
             _fail("train.global_batch", f"global_batch / grad_accum = {per_forward} sequences per forward must be at "

@@ -135,7 +135,7 @@ def _node_and_rail_groups(world: int, ep_size: int, node_of: Sequence[int], rank
     node_group = rail_group = None
     for start in range(0, world, ep_size):
         layout = NodeLayout(tuple(node_of[start:start + ep_size]))
-        if not (layout.multi_node and layout.contiguous() and layout.uniform()):
+        if not layout.node_blocks():
             continue
         nodes = [[start + p for p in layout.peers_on(n)] for n in range(layout.num_nodes)]
         for members in nodes:

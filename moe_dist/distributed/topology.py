@@ -70,5 +70,11 @@ class NodeLayout:
         """Every node holds the same number of the group's ranks."""
         return len({len(self.peers_on(n)) for n in range(self.num_nodes)}) == 1
 
+    def node_blocks(self) -> bool:
+        """The group spans several nodes as equal blocks of consecutive ranks: the layout on which
+        the hierarchical dispatch runs (its node and rail groups are made) and an expert group of
+        node-limited routing can be one node's experts."""
+        return self.multi_node and self.contiguous() and self.uniform()
+
 
 SINGLE = NodeLayout()

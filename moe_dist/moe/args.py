@@ -85,7 +85,7 @@ class MoEArgs:
         if self.max_groups_per_token is None or not ep_nodes.multi_node:
             return ""
         nodes = ep_nodes.num_nodes
-        if self.router_groups % nodes == 0 and ep_nodes.contiguous() and ep_nodes.uniform():
+        if self.router_groups % nodes == 0 and ep_nodes.node_blocks():
             return ""
         return (f"warning: model.moe.max_groups_per_token={self.max_groups_per_token} limits a token to that many "
                 f"expert groups, not nodes: the expert-parallel group spans {nodes} nodes "

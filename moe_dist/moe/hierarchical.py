@@ -57,6 +57,7 @@ from .exchange import Exchange, exchange_rows, return_rows
 from .experts import GroupedExperts, PermuteRows, host_ints, inverse_permutation
 from .traffic import COMBINE, COMBINE_GRAD, COUNTS, DISPATCH, DISPATCH_GRAD, TrafficMeter
 
+
 def hierarchical_fallback(groups: ParallelGroups) -> Optional[str]:
     """Why ``parallel.dispatch: hierarchical`` runs the flat dispatch on these groups (None: it does
     not; the hierarchical dispatch runs)."""
@@ -64,7 +65,7 @@ def hierarchical_fallback(groups: ParallelGroups) -> Optional[str]:
     if not nodes.multi_node:
         return (f"parallel.dispatch=hierarchical: the expert-parallel group (ep={groups.ep_size}) is on one node, "
                 "nothing crosses nodes; running the flat dispatch")
-    if not (nodes.contiguous() and nodes.uniform()):
+    if not nodes.node_blocks():
         return (f"parallel.dispatch=hierarchical: the expert-parallel group's nodes {list(nodes.node_of)} are not "
                 "blocks of equally many consecutive ranks; running the flat dispatch")
     if groups.ep_node is None or groups.ep_rail is None:

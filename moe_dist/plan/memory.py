@@ -45,7 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..model.params import BlockShape
-from .traffic import flat_rows_per_token, transfers_per_layer
+from .dispatch_rows import flat_rows_per_token, transfers_per_layer
 
 GIB = float(1 << 30)
 STAGES = (0, 1, 2, 3)
@@ -206,7 +206,7 @@ def optimizer_step_bytes(largest_group_local: float) -> float:
 
 def all_to_all_bytes(s: BlockShape, w: Workload, ep: int, gpus_per_node: int, checkpointing: bool) -> dict[str, float]:
     """Bytes one GPU sends in expert all-to-alls per optimizer step with the flat dispatch and a
-    balanced router (:mod:`moe_dist.plan.traffic`). Forward: dispatch + combine; backward: the
+    balanced router (:mod:`moe_dist.plan.dispatch_rows`). Forward: dispatch + combine; backward: the
     same two in reverse; activation checkpointing repeats the forward pair."""
     if ep == 1 or not w.moe_blocks:
         return {"per_gpu": 0.0, "inter_node_per_gpu": 0.0, "collectives": 0}

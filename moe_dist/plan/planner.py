@@ -24,7 +24,7 @@ from .memory import (GIB, STAGES, Units, Workload, activation_bytes, all_to_all_
                      engine_state_bytes, fsdp_gathered_bytes, fsdp_head_grad_bytes, fsdp_reduce_peak_bytes,
                      gathered_bytes_per_param, grad_sync_bytes, optimizer_step_bytes, state_bytes, uses_fsdp)
 from .timing import Cluster, Links, StepWork, flops_per_token, passes, step_time, sync_time
-from .traffic import DISPATCHES, dispatch_bytes, group_shape
+from .dispatch_rows import DISPATCHES, dispatch_bytes, group_shape
 
 USABLE_FRACTION = 0.9  # leave 10% of each GPU for the framework, allocator fragmentation and buffers
 DEFAULT_HF_SEQ_LEN = 4096
@@ -119,7 +119,7 @@ def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int
     router_cls = ROUTERS.get(m.moe.router)
     graph_values = router_cls.graph_values_per_token(inp.seq_len) if n_moe and router_cls is not None else 0.0
     work = Workload(seq_len=inp.seq_len, micro_batch=micro_batch, grad_accum=inp.grad_accum,
-                    act_bytes=2 if inp.dtype == "bf16" else 4, vocab_size=m.vocab_size, n_layers=m.n_layers,
+                    act_bytes=gathered_bytes_per_param(inp.dtype), vocab_size=m.vocab_size, n_layers=m.n_layers,
                     moe_blocks=inp.moe_blocks,
                     graph_values=graph_values,
                     attention_probs=bool(n_moe and router_cls is not None and router_cls.attention_needs == "probs"))
@@ -226,7 +226,7 @@ def step_work(inp: PlanInput, counts: dict, world: int, gpus_per_node: int, layo
                      inp.grad_accum * (2 if inp.reshard_after_forward else 1), inp.backend == "gloo")
     return StepWork(expert_flops=per_token["expert"] * tokens * p, other_flops=per_token["other"] * tokens * p,
                     tokens=tokens, moe_layers=n_moe, grad_accum=inp.grad_accum, d_model=s.d_model,
-                    act_bytes=2 if inp.dtype == "bf16" else 4, checkpointing=checkpointing,
+                    act_bytes=gathered_bytes_per_param(inp.dtype), checkpointing=checkpointing,
                     overlapped_exchange=m.moe.expert_kernel == "loop", sync_s=sync["total"],
                     sync_first_last_s=sync["first_last"], sync_bytes=sync["bytes_per_gpu"])
 
@@ -246,9 +246,8 @@ def dispatch_variants(inp: PlanInput, counts: dict, world: int, gpus_per_node: i
     limits = [None] + [M for M in net.max_groups if shape is not None and M < shape.nodes]
     out = []
     spans_nodes = shape is not None and shape.nodes > 1
-    for dispatch in net.dispatches:
-        if dispatch == "hierarchical" and not spans_nodes:
-            continue  # within one node the hierarchical dispatch is the flat one
+    # within one node the hierarchical dispatch is the flat one (the runtime falls back to it too)
+    for dispatch in dict.fromkeys(d if spans_nodes else "flat" for d in net.dispatches):
         for M in limits:
             if shape is not None and n_moe and layout["ep"] > 1:
                 b = dispatch_bytes(shape, dispatch, M, work.tokens, s.d_model, work.act_bytes, n_moe, inp.grad_accum, ckpt)

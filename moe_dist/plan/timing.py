@@ -41,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .traffic import GroupShape, rows_per_token
+from .dispatch_rows import GroupShape, rows_per_token
 
 GBIT = 1e9 / 8  # bytes per second of one Gbit/s
 
@@ -74,16 +74,18 @@ class Cluster:
 def all_to_all_s(s: GroupShape, dispatch: str, max_groups: Optional[int], rows: float, d_model: int,
                  act_bytes: int, links: Links, gpus_per_node: int) -> dict[str, float]:
     """Seconds of one all-to-all of ``rows`` local token rows: ``inter`` (the node-crossing stage),
-    ``intra`` (the hierarchical fan-out; flat: 0, its intra rows travel beside the inter ones), ``total``."""
+    ``intra`` (the hierarchical fan-out; flat: 0, its intra rows travel beside the inter ones), ``total``
+    and ``hidden``: the stage the loop kernel's pipeline overlaps (flat: all of it; hierarchical: the
+    fan-out, while the inter-node stage waits in full)."""
     per = rows_per_token(s, dispatch, max_groups)
     row_bytes = rows * d_model * act_bytes
     intra = links.intra_s(per["intra"] * row_bytes)
     inter = links.inter_s(gpus_per_node * per["inter"] * row_bytes) if s.nodes > 1 else 0.0
     if dispatch == "hierarchical" and s.nodes > 1:
         return {"inter": links.alpha_s + inter, "intra": links.alpha_s + intra,
-                "total": 2 * links.alpha_s + inter + intra}
+                "total": 2 * links.alpha_s + inter + intra, "hidden": links.alpha_s + intra}
     t = links.alpha_s + max(intra, inter)
-    return {"inter": t, "intra": 0.0, "total": t}
+    return {"inter": t, "intra": 0.0, "total": t, "hidden": t}
 
 
 def exchange_pass_s(a2a: dict[str, float], expert_s: float, own_fraction: float, overlapped: bool) -> float:
@@ -92,7 +94,7 @@ def exchange_pass_s(a2a: dict[str, float], expert_s: float, own_fraction: float,
     if not overlapped:
         return 2 * a2a["total"] + expert_s
     own = own_fraction * expert_s
-    hidden = a2a["intra"] if a2a["intra"] else a2a["inter"]  # the stage the pipeline overlaps
+    hidden = a2a["hidden"]  # the stage the pipeline overlaps
     exposed = a2a["total"] - hidden  # hierarchical: the inter-node stage waits in full
     return 2 * exposed + 2 * max(hidden, own / 2) + (expert_s - own)
 
@@ -130,7 +132,7 @@ class StepWork:
 def step_time(work: StepWork, s: Optional[GroupShape], dispatch: str, max_groups: Optional[int], links: Links,
               gpus_per_node: int, rate_flops: float, fsdp_overlap: bool) -> dict[str, float]:
     """Predicted seconds of one optimizer step and its parts."""
-    fwd_share = 1 / (4 if work.checkpointing else 3)  # forward : backward = 1 : 2, plus a recomputed forward
+    fwd_share = 1 / passes(work.checkpointing)  # forward : backward = 1 : 2, plus a recomputed forward
     expert_pass = work.expert_flops / rate_flops  # per micro-batch per MoE layer, all passes
     compute = (work.other_flops + work.moe_layers * work.expert_flops) / rate_flops * work.grad_accum
     exchange = 0.0
@@ -139,10 +141,10 @@ def step_time(work: StepWork, s: Optional[GroupShape], dispatch: str, max_groups
         a2a = all_to_all_s(s, dispatch, max_groups, work.tokens, work.d_model, work.act_bytes, links, gpus_per_node)
         hier = dispatch == "hierarchical" and s.nodes > 1
         own = 1 / (s.ranks_per_node if hier else s.ep)
-        passes = [fwd_share, 2 * fwd_share] + ([fwd_share] if work.checkpointing else [])
-        per_mb = sum(exchange_pass_s(a2a, expert_pass * share, own, work.overlapped_exchange) for share in passes)
+        shares = [fwd_share, 2 * fwd_share] + ([fwd_share] if work.checkpointing else [])
+        per_mb = sum(exchange_pass_s(a2a, expert_pass * share, own, work.overlapped_exchange) for share in shares)
         exchange = per_mb * work.moe_layers * work.grad_accum
-        a2a_s = 2 * len(passes) * a2a["total"] * work.moe_layers * work.grad_accum
+        a2a_s = 2 * len(shares) * a2a["total"] * work.moe_layers * work.grad_accum
     else:
         exchange = work.moe_layers * expert_pass * work.grad_accum
     other = compute - work.moe_layers * expert_pass * work.grad_accum

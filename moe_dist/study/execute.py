@@ -65,9 +65,9 @@ def eval_k_finished(run_dir: str, ks: list[int]) -> bool:
 
 def inference_ks(study: Study, cfg) -> list[int]:
     """The study's eval_k values this run's router can use (none when it has no inference k)."""
-    from ..moe.routers import router_options
+    from ..moe.routers import ROUTERS
 
-    if not study.eval_k or "eval_k" not in router_options(cfg.model.moe.router):
+    if not study.eval_k or not ROUTERS[cfg.model.moe.router].has_inference_k:
         return []
     return [k for k in study.eval_k if k <= cfg.model.moe.num_experts]
 

@@ -28,10 +28,10 @@ def add_arguments(parser) -> None:
     add_overrides_argument(parser)
 
 
-def _router_option_names(router: str) -> list[str]:
-    from ..moe.routers import router_options
+def _has_inference_k(router: str) -> bool:
+    from ..moe.routers import ROUTERS
 
-    return router_options(router)
+    return ROUTERS[router].has_inference_k
 
 
 def _routers_with_inference_k() -> list[str]:
@@ -157,7 +157,7 @@ def run(args) -> int:
         write = bool(args.run_dir)  # a bare model directory is only read
         cfg = _config(args)
         ks = _k_values(args.k) if args.k else None
-        if ks and "eval_k" not in _router_option_names(cfg.model.moe.router):
+        if ks and not _has_inference_k(cfg.model.moe.router):
             raise UsageError(f"--k: router {cfg.model.moe.router!r} has no inference k (routers with one: "
                              f"{', '.join(_routers_with_inference_k())})")
         rt = setup_runtime(cfg)

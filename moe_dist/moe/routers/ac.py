@@ -9,7 +9,8 @@ router sees the scaled input; the weights carry no gradient.
 
 The defaults follow the paper. The authors' language-model code differs in ways that change
 training, each an option: it rescales the expert embeddings to norm 1.5 in place on every
-forward (``embedding_norm``), its layers before the clustered ones use a linear gate with a
+forward (``embedding_norm``; here after every optimizer step and when made or loaded, the same
+values at every forward), its layers before the clustered ones use a linear gate with a
 bias (``plain_gate: linear``), a cluster of one token gets dispersion 0 (``min_count: 1``), and
 empty clusters enter the weights' normalisation (``empty_clusters: included``).
 
@@ -27,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...distributed.collectives import all_reduce_sum
+from ...distributed.shards import local_rows
 from ..routing import SCOPES, Routing, RouterInputs, RoutingContext, is_recomputing
 from .base import Router, gate_normalization, fp32_linear
 from .registry import register_router
@@ -84,6 +86,10 @@ def dispersion_weights(dispersion: torch.Tensor, valid: torch.Tensor, eps: float
     return torch.where(valid[:, None], w, torch.ones_like(w))
 
 
+def _rescale_after_load(router: "AdaptiveClusteringRouter", _incompatible_keys) -> None:
+    router._rescale_embeddings()
+
+
 @register_router("ac")
 class AdaptiveClusteringRouter(Router):
     """Options:
@@ -105,8 +111,9 @@ class AdaptiveClusteringRouter(Router):
         gain 0.32, as the authors' LM code) or ``linear`` (a plain linear router).
     normalize: renormalise the gates over the chosen k (default: k > 1).
     embedding_norm: null (paper) or a norm (authors' code: 1.5) the expert embeddings are
-        rescaled to, in place and without gradient, whenever they score: the scores are the
-        same (they use the normalised embeddings), the embeddings' gradient is scaled by
+        rescaled to, in place and without gradient, when made or loaded and after every
+        optimizer step (so every forward sees that norm, as the authors' per-forward rescale): the
+        scores are the same (they use the normalised embeddings), the embeddings' gradient is scaled by
         ``|e| / embedding_norm`` and the optimizer steps on vectors of that norm (base
         ``embedding`` only).
     plain_gate: what scores the calls that do not cluster (layers before ``start_layer``):
@@ -156,6 +163,9 @@ class AdaptiveClusteringRouter(Router):
             nn.init.orthogonal_(self.weight, gain=0.32)
         else:
             nn.init.normal_(self.weight, std=init_std)
+        self._rescale_embeddings()
+        # a loaded state (a checkpoint, another run's router) holds embeddings of any norm
+        self.register_load_state_dict_post_hook(_rescale_after_load)
         self.plain_bias = nn.Parameter(torch.zeros(num_experts)) if plain_gate == "linear" else None
         # running statistics for eval_mode='running' (global, identical on every rank)
         self.register_buffer("running_dispersion", torch.ones(num_experts, d_model))
@@ -165,14 +175,25 @@ class AdaptiveClusteringRouter(Router):
     def router_weight(self) -> torch.Tensor:
         if self.base != "embedding":
             return self.weight
-        if self.embedding_norm is not None and not is_recomputing():
-            self._rescale_embeddings()
         return F.normalize(self.weight.float(), dim=-1)
 
     @torch.no_grad()
     def _rescale_embeddings(self) -> None:
-        norms = self.weight.float().norm(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-        self.weight.mul_((self.embedding_norm / norms).to(self.weight.dtype))
+        """``embedding_norm``: every expert embedding set to that norm, in place, on the rows this
+        rank holds (whole rows under FSDP2's Shard(0), or the whole tensor). Done when the weight
+        is made or loaded and after every optimizer step, never in the forward: a forward's in-place
+        change would reach only FSDP2's gathered copy (the shards would keep the old values, and a
+        backward that gathers again would mix the two). The authors rescale at the start of every
+        forward; the weights every forward sees are the same."""
+        if self.embedding_norm is None or self.weight.is_meta:
+            return
+        w = local_rows(self.weight).local
+        if w.numel():
+            norms = w.float().norm(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+            w.mul_((self.embedding_norm / norms).to(w.dtype))
+
+    def after_optimizer_step(self, ctx: RoutingContext) -> None:
+        self._rescale_embeddings()
 
     def active(self, ctx: RoutingContext, inputs: RouterInputs) -> bool:
         return inputs.prev_top1 is not None and ctx.layer_idx >= self.start_layer
