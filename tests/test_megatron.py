@@ -4,10 +4,12 @@
     input and weight gradients, the router state after the per-step hook and a second forward
     agree to 1e-5, for topk, sinkhorn, ac, symphony and similarity with the allgather and the
     alltoall dispatchers (two layers in a row: AC clusters layer 2's tokens by layer 1's top-1),
-    and for ac and sinkhorn with a padding mask (Megatron's True = padding);
+    and for ac and sinkhorn with a padding mask (Megatron's True = padding), and topk with
+    Megatron's group-limited routing options (moe_router_num_groups / moe_router_group_topk);
   - inside Megatron at 1 vs 2 ranks (ep=2, the batch split over the ranks): the same results,
     while Megatron's own sinkhorn router (local tokens only) differs: the control;
-  - Megatron dist-checkpointing save/load keeps the routers' state (also loaded at ep=1).
+  - Megatron dist-checkpointing save/load keeps the routers' state (also loaded at ep=1);
+  - the group-limited choice against Megatron-Core's own ``group_limited_topk``.
 
 Megatron-Core needs a few CUDA calls stubbed on a CPU: tests/helpers/megatron_shim.py (test-only).
 """
@@ -59,6 +61,13 @@ def _one_rank(rank, world):
         got = mc.run_megatron(meg, x, w, dp_size=1)
         out["vs_moe_dist"][f"topk/{disp}/capacity"] = _max_diffs(got, mc.run_reference(ref, x, w))
         out["megatron"][f"topk/{disp}/capacity"] = got
+    for disp in DISPATCHERS:  # group-limited routing from Megatron's moe_router_num_groups / group_topk
+        ref = mc.reference_layers("topk", {}, groups=mc.GROUPS)
+        meg = mc.megatron_layers(disp, "topk", {}, groups=mc.GROUPS)
+        mc.copy_weights(ref, meg)
+        got = mc.run_megatron(meg, x, w, dp_size=1)
+        out["vs_moe_dist"][f"topk/{disp}/groups"] = _max_diffs(got, mc.run_reference(ref, x, w))
+        out["megatron"][f"topk/{disp}/groups"] = got
     out["control"] = _control(mc, x, w, dp_size=1)
     mc.finish_megatron()
     return out
@@ -82,6 +91,10 @@ def _two_ranks(rank, world):
         meg = mc.megatron_layers(disp, "topk", {}, capacity=mc.CAPACITY)
         mc.copy_weights(ref, meg)
         out["megatron"][f"topk/{disp}/capacity"] = mc.run_megatron(meg, xs, ws, dp_size=world)
+        ref = mc.reference_layers("topk", {}, groups=mc.GROUPS)
+        meg = mc.megatron_layers(disp, "topk", {}, groups=mc.GROUPS)
+        mc.copy_weights(ref, meg)
+        out["megatron"][f"topk/{disp}/groups"] = mc.run_megatron(meg, xs, ws, dp_size=world)
     out["control"] = _control(mc, xs, ws, dp_size=world)
     mc.finish_megatron()
     return out
@@ -130,7 +143,7 @@ def two_ranks():
 # ---- tests ----------------------------------------------------------------------------------
 def test_megatron_layer_with_our_router_matches_moe_dist_layer(one_rank):
     res = one_rank["vs_moe_dist"]
-    assert len(res) == 14
+    assert len(res) == 16
     for case, diffs in res.items():
         assert diffs["scale"] > 0.1, (case, diffs)  # outputs of order one: the tolerance is meaningful
         for key, value in diffs.items():
@@ -144,7 +157,7 @@ def _cat_ranks(per_rank: list, key: str) -> torch.Tensor:
 
 def test_one_vs_two_ranks_inside_megatron(one_rank, two_ranks):
     cases = [f"{router}/{disp}" for router in INVARIANT for disp in DISPATCHERS]
-    cases += [f"topk/{disp}/capacity" for disp in DISPATCHERS]
+    cases += [f"topk/{disp}/{kind}" for disp in DISPATCHERS for kind in ("capacity", "groups")]
     for case in cases:
         one = one_rank["megatron"][case]
         two = [r["megatron"][case] for r in two_ranks]
@@ -357,6 +370,10 @@ def _config(**overrides):
     ({}, {"router": "attention"}, "reads the preceding attention"),
     ({}, {"router": "nope"}, "allowed: ["),
     ({}, {"router": "topk", "router_options": {"bogus": 1}}, "unknown key(s) ['bogus']"),
+    ({"moe_router_num_groups": 2, "moe_router_group_topk": 1}, {"router": "sinkhorn"},
+     "max_groups_per_token is not allowed with router 'sinkhorn'"),
+    ({"moe_router_num_groups": 4, "moe_router_group_topk": 1}, {"router": "topk"},
+     "moe_router_num_groups=4, moe_router_group_topk=1: model.moe.max_groups_per_token=1: 1 group(s) of 1 experts"),
 ])
 def test_bad_configuration_is_refused(overrides, kwargs, message):
     from moe_dist.integrations.megatron import MegatronRouter
@@ -378,3 +395,22 @@ def test_spec_helper_replaces_only_moe_routers():
     assert moe.submodules.mlp.submodules.router is not builder  # the input spec is left as it was
     with pytest.raises(ValueError, match="has no MoE layer"):
         use_moe_dist_router(get_gpt_layer_local_spec())
+
+
+# ---- group-limited routing against Megatron-Core's own rule -----------------------------------
+@pytest.mark.parametrize("E, k, G, M", [(8, 2, 2, 1), (8, 4, 4, 2), (16, 6, 4, 2), (16, 8, 8, 4), (64, 8, 8, 4)])
+def test_group_limit_chooses_what_megatron_chooses(E, k, G, M):
+    """select_topk with ``groups=(G, M)`` picks the experts Megatron-Core's ``group_limited_topk``
+    picks (moe_router_num_groups / moe_router_group_topk) from the same softmax scores: the same
+    rule written twice, by independent hands."""
+    from megatron.core.transformer.moe.moe_utils import group_limited_topk
+
+    from moe_dist.moe.routers.base import select_topk
+
+    torch.manual_seed(E * 100 + k)
+    probs = torch.softmax(torch.randn(4096, E) * 2, dim=-1)
+    ids, gates = select_topk(probs, probs, k, False, groups=(G, M))
+    theirs_p, theirs_ids = group_limited_topk(probs, k, probs.shape[0], E, G, M)
+    assert torch.equal(ids.sort(-1).values, theirs_ids.sort(-1).values)
+    torch.testing.assert_close(gates.sort(-1).values, theirs_p.sort(-1).values, rtol=0, atol=0)
+    assert max(len(set((row // (E // G)).tolist())) for row in ids) == M  # at most M groups, and M used

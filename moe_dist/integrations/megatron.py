@@ -40,6 +40,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("moe_dist.integrations.megatron needs megatron-core: pip install 'moe_dist[megatron]'") from exc
 
 from ..distributed.collectives import group_size
+from ..errors import ConfigError
 from ..moe.capacity import apply_capacity
 from ..moe.losses import balance_losses
 from ..moe.route import route
@@ -71,12 +72,30 @@ def _check_config(config) -> None:
         "moe_input_jitter_eps": (config.moe_input_jitter_eps, None),
         "moe_router_force_load_balancing": (config.moe_router_force_load_balancing, False),
         "moe_enable_routing_replay": (getattr(config, "moe_enable_routing_replay", False), False),
-        "moe_router_num_groups": (config.moe_router_num_groups, None),
     }
     for key, (value, default) in unsupported.items():
         if value != default:
             raise ValueError(f"{key}={value!r} is not supported with a moe_dist router; allowed: {default!r} "
                              "(moe_dist routers are dropless and choose experts themselves)")
+
+
+def _set_group_limit(router_module, name: str, options: dict, config) -> None:
+    """``moe_router_num_groups`` / ``moe_router_group_topk`` as ``model.moe.router_groups`` /
+    ``max_groups_per_token``: the same rule as Megatron's (a group scored by the sum of its top
+    ``topk // group_topk`` scores; here at least its top one), checked as moe_dist checks it."""
+    from ..moe.routers.base import check_group_limit
+    from ..moe.routers.registry import check_router_features, router_largest_k
+
+    groups, max_groups = config.moe_router_num_groups, config.moe_router_group_topk
+    if max_groups is None:
+        raise ValueError("moe_router_num_groups is set but moe_router_group_topk is not: set both (groups chosen per token)")
+    try:
+        check_router_features(name, False, "fp32", group_limit=True)
+        check_group_limit(config.num_moe_experts, router_largest_k(name, config.moe_router_topk, options), groups,
+                          max_groups)
+    except ConfigError as e:
+        raise ValueError(f"moe_router_num_groups={groups}, moe_router_group_topk={max_groups}: {e}") from None
+    router_module.set_group_limit(groups, max_groups)
 
 
 def _distinct_token_group(config, pg_collection):
@@ -115,6 +134,8 @@ class MegatronRouter(MegatronModule):
         _check_config(config)
         self.router = build_router(router, config.hidden_size, config.num_moe_experts, config.moe_router_topk,
                                    **dict(router_options or {}))
+        if config.moe_router_num_groups is not None:  # group-limited routing: Megatron's options, moe_dist's rule
+            _set_group_limit(self.router, router, dict(router_options or {}), config)
         if self.router.attention_needs is not None:
             raise ValueError(f"router={router!r} reads the preceding attention (its queries and keys, or its "
                              "probabilities), which Megatron-Core's MoE layer does not receive; choose another router "

@@ -40,7 +40,10 @@ def finish_megatron() -> None:
     parallel_state.destroy_model_parallel()
 
 
-def config(dispatcher: str, load_balancing: str = "aux_loss", aux: float = AUX, z=Z, capacity=None):
+GROUPS = (2, 1)  # group-limited cases: 2 groups of 2 experts, each token's experts from its best one
+
+
+def config(dispatcher: str, load_balancing: str = "aux_loss", aux: float = AUX, z=Z, capacity=None, groups=None):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(num_layers=2, hidden_size=H, num_attention_heads=2, ffn_hidden_size=FFN,
@@ -49,11 +52,13 @@ def config(dispatcher: str, load_balancing: str = "aux_loss", aux: float = AUX, 
                              moe_aux_loss_coeff=aux, moe_z_loss_coeff=z, use_cpu_initialization=True,
                              moe_grouped_gemm=False, gated_linear_unit=True, activation_func=F.silu,
                              add_bias_linear=False, bias_activation_fusion=False, params_dtype=torch.float32,
-                             moe_expert_capacity_factor=capacity, moe_token_drop_policy="probs")
+                             moe_expert_capacity_factor=capacity, moe_token_drop_policy="probs",
+                             moe_router_num_groups=groups[0] if groups else None,
+                             moe_router_group_topk=groups[1] if groups else None)
 
 
 def megatron_layers(dispatcher: str, router: str | None, options: dict | None = None, load_balancing="aux_loss",
-                    aux: float = AUX, z=Z, capacity=None) -> torch.nn.ModuleList:
+                    aux: float = AUX, z=Z, capacity=None, groups=None) -> torch.nn.ModuleList:
     """Two Megatron-Core MoE layers; ``router=None`` keeps Megatron's own TopKRouter."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -63,7 +68,7 @@ def megatron_layers(dispatcher: str, router: str | None, options: dict | None = 
     spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)
     if router is not None:
         spec = use_moe_dist_router(spec, router=router, router_options=options)
-    cfg = config(dispatcher, load_balancing, aux, z, capacity)
+    cfg = config(dispatcher, load_balancing, aux, z, capacity, groups)
     layers = torch.nn.ModuleList()
     for n in (1, 2):
         layer = MoELayer(cfg, spec.submodules.mlp.submodules, layer_number=n)
@@ -73,7 +78,7 @@ def megatron_layers(dispatcher: str, router: str | None, options: dict | None = 
     return layers
 
 
-def reference_layers(router: str, options: dict, capacity=None) -> torch.nn.ModuleList:
+def reference_layers(router: str, options: dict, capacity=None, groups=None) -> torch.nn.ModuleList:
     """Two moe_dist MoELayers (the single-process reference), seeded; with a capacity, the
     global scope and the ``probs`` drop policy."""
     from moe_dist.moe import MoEArgs, MoELayer
@@ -82,7 +87,9 @@ def reference_layers(router: str, options: dict, capacity=None) -> torch.nn.Modu
     layers = torch.nn.ModuleList(
         MoELayer(H, MoEArgs(d_ff=FFN, num_experts=E, top_k=K, router=router, router_options=options, aux_loss_coef=AUX,
                             z_loss_coef=Z, expert_kernel="loop", capacity_factor=capacity, drop_policy="probs",
-                            capacity_scope="global"), layer_idx=i, init_std=0.15) for i in range(2))
+                            capacity_scope="global", router_groups=groups[0] if groups else None,
+                            max_groups_per_token=groups[1] if groups else None), layer_idx=i, init_std=0.15)
+        for i in range(2))
     with torch.no_grad():  # O(1) router scores and outputs, so that an absolute tolerance means something
         for p in layers.parameters():
             if p.requires_grad and p.dim() == 2:
