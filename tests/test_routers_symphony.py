@@ -35,7 +35,7 @@ C3 = torch.tensor([[2, 2, 0], [2, 3, 1], [0, 1, 1]])  # ordered pairs of each to
 
 def test_routing_is_graph_times_softmax():
     torch.manual_seed(0)
-    r = build_router("symphony", D_MODEL, E, K)
+    r = build_router("symphony", D_MODEL, E, K, normalize=False)  # the paper's gates
     with torch.no_grad():
         r.A.copy_(torch.rand(E, E))
     x = torch.randn(20, D_MODEL, requires_grad=True)
@@ -44,14 +44,18 @@ def test_routing_is_graph_times_softmax():
     g = s @ r.A.double().t()
     ids = g.topk(K, -1).indices
     assert torch.equal(out.expert_ids, ids)
-    torch.testing.assert_close(out.gates.double(), g.gather(-1, ids))  # no renormalisation by default
+    torch.testing.assert_close(out.gates.double(), g.gather(-1, ids))  # normalize=false: g itself
     torch.testing.assert_close(out.probs.double(), s)  # the aux loss sees the base softmax
     out.gates.sum().backward()
     assert x.grad.abs().sum() > 0
-    rn = build_router("symphony", D_MODEL, E, K, normalize=True)
+    rn = build_router("symphony", D_MODEL, E, K)  # default at top-2: the gate rule renormalises
     rn.load_state_dict(r.state_dict())
     gn = rn(x, RoutingContext()).gates
     torch.testing.assert_close(gn.sum(-1), torch.ones(20))
+    torch.testing.assert_close(gn.double(), g.gather(-1, ids) / g.gather(-1, ids).sum(-1, keepdim=True))
+    assert rn.renormalizes_gates and not r.renormalizes_gates
+    top1 = build_router("symphony", D_MODEL, E, 1)  # top-1 keeps the raw gate, as every router does
+    assert not top1.renormalizes_gates
 
 
 def test_initial_graphs():
@@ -65,7 +69,7 @@ def test_initial_graphs():
     ident = build_router("symphony", D_MODEL, E, K, init="identity")
     ident.base.load_state_dict(zero.base.state_dict())
     o = ident(x, RoutingContext())
-    plain = build_router("topk", D_MODEL, E, K, normalize=False)
+    plain = build_router("topk", D_MODEL, E, K)  # both renormalise at top-2 by default
     plain.load_state_dict(zero.base.state_dict())
     p = plain(x, RoutingContext())
     assert torch.equal(o.expert_ids, p.expert_ids)
