@@ -1,9 +1,9 @@
 """SymphonySMoE ("Modeling Expert Interactions in SMoE via Graph Structures").
 
 Each layer keeps an ``E x E`` expert graph ``A`` and routes with ``g = A @ softmax(logits)``
-(top-k on g, gates g, renormalised over the chosen experts by the gate rule of every router:
-``normalize: false`` keeps the paper's gates, which sum to less than 1). ``A`` is learned without gradient
-from how often experts are chosen together by the base router:
+(top-k on g, gates g, renormalised over the chosen experts by the gate rule of every router;
+``normalize: false`` keeps the paper's gates, which sum to less than 1). ``A`` is learned
+without gradient from how often experts are chosen together by the base router:
 
 * during training forwards (not in eval, not in activation-checkpoint recomputation) the
   co-selection counts ``C = S^T S`` of the base top-k are accumulated as int64;
