@@ -26,6 +26,7 @@ import time
 import pytest
 
 from moe_dist.testing.cluster import Cluster, ClusterUnavailable, recorded_clusters, remove_stale, unavailable_reason
+from helpers.run_dir import assert_curve_matches, metrics_rows
 from helpers.multinode_harness import (ROOT, RUN_TIMEOUT, STEPS, _clean_nodes, _config, _env, _one_rank_line,  # noqa: F401 (fixtures)
                                cluster, finish, start_nodes)
 
@@ -234,7 +235,7 @@ def test_a_killed_node_is_named_and_the_run_resumes_on_the_other_node(cluster, t
     print(f"killed node: the survivor ended {seconds:.1f} s after the kill")
     names = _checkpoints_complete(tmp_path / "lost")
     assert names, "no checkpoint"
-    before_kill = _losses(tmp_path / "lost")
+    before_kill = metrics_rows(tmp_path / "lost")
 
     # resume=auto on the remaining node alone (2 processes, same global batch): the same loss curve as an
     # uninterrupted run, and nothing crosses the links (both ranks talk over node0's loopback)
@@ -249,14 +250,15 @@ def test_a_killed_node_is_named_and_the_run_resumes_on_the_other_node(cluster, t
     assert moved == [0, 0], moved
     start = int(names[-1].split("_")[1])
     assert f"checkpoints/{names[-1]} at step {start} (saved by 2 rank(s)" in out, out[-2000:]
-    rows = [json.loads(line) for line in open(tmp_path / "lost" / "metrics.jsonl")]
-    resumed = {r["step"]: r["loss"] for r in rows[-(RESUMED_STEPS - start):]}
-    assert sorted(resumed) == list(range(start + 1, RESUMED_STEPS + 1)), [r["step"] for r in rows]
-    uninterrupted = _losses(tmp_path / "uninterrupted")
-    # 2 nodes x 1 process that met at MASTER_ADDR=node0 (a host name), then 1 node x 2 processes: one curve
+    rows = metrics_rows(tmp_path / "lost")
+    resumed = rows[-(RESUMED_STEPS - start):]
+    assert [r["step"] for r in resumed] == list(range(start + 1, RESUMED_STEPS + 1)), [r["step"] for r in rows]
+    uninterrupted = metrics_rows(tmp_path / "uninterrupted")
+    # 2 nodes x 1 process that met at MASTER_ADDR=node0 (a host name), then 1 node x 2 processes: one curve,
+    # that of 1 process (to rounding, until a near tie of two experts goes the other way, if one does)
     n = min(len(before_kill), RESUMED_STEPS)
-    assert before_kill[:n] == pytest.approx(uninterrupted[:n], rel=1e-5, abs=0)
-    assert [resumed[s] for s in sorted(resumed)] == pytest.approx(uninterrupted[start:], rel=1e-5, abs=0)
+    assert_curve_matches(before_kill[:n], uninterrupted[:n])
+    assert_curve_matches(before_kill[:start] + resumed, uninterrupted)
 
 
 def test_an_unplugged_node_is_named_after_the_collective_timeout(cluster, tmp_path):
