@@ -256,9 +256,13 @@ def select_topk(scores: torch.Tensor, probs: torch.Tensor, k: int, normalize: bo
         scores = scores.reshape(*keep.shape, -1).masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
     expert_ids = torch.topk(scores, k, dim=-1, sorted=True).indices
     gates = probs.gather(-1, expert_ids)
-    if normalize:
-        gates = gates / gates.sum(-1, keepdim=True).clamp_min(torch.finfo(gates.dtype).tiny)
-    return expert_ids, gates
+    return expert_ids, (renormalize(gates) if normalize else gates)
+
+
+def renormalize(gates: torch.Tensor) -> torch.Tensor:
+    """``[T, k]`` gates scaled to sum to one per token (the gate rule's renormalisation; a row of
+    zeros stays zeros)."""
+    return gates / gates.sum(-1, keepdim=True).clamp_min(torch.finfo(gates.dtype).tiny)
 
 
 def group_limit_mask(select: torch.Tensor, k: int, groups: int, max_groups: int) -> torch.Tensor:

@@ -27,7 +27,7 @@ from ...errors import ConfigError
 from ...distributed.collectives import all_reduce_sum
 from ..counting import count_values
 from ..routing import SCOPES, Routing, RouterInputs, RoutingContext, is_recomputing
-from .base import gate_normalization
+from .base import gate_normalization, renormalize
 from .registry import register_router
 from .wrapping import WrappingRouter, topk_set_changed
 
@@ -142,7 +142,7 @@ class SymphonyRouter(WrappingRouter):
         expert_ids = topk_descending_stable(g.detach(), probs.detach(), self.top_k)
         gates = g.gather(-1, expert_ids)
         if self.normalize:
-            gates = gates / gates.sum(-1, keepdim=True).clamp_min(torch.finfo(gates.dtype).tiny)
+            gates = renormalize(gates)
         if self.training and not is_recomputing():
             self._count(base.expert_ids if self.count_source == "base" else expert_ids, inputs.padding_mask)
         with torch.no_grad():
