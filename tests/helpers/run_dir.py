@@ -48,13 +48,13 @@ def assert_curve_matches(rows: list[dict], reference: list[dict], rel: float = 1
     """``rows`` (metrics rows, step by step) compute what ``reference`` computed: the loss within ``rel`` at
     every step before the first one whose expert counts differ, and within ``after_parting`` after it.
 
-    Two layouts of the same job (1 process and R ranks) sum in different orders, so their weights differ by
-    rounding; a token whose two best experts score within that rounding may go to the other one, and from
-    that step on the curves part by more than rounding while staying close. Where that happens is a matter
-    of the machine's kernels (one job of the Slurm tests parts at step 12 on one CPU, not at all on another), so the exact
-    claim holds up to it; the router's statistics must agree for the first ``agree_at_least`` rows (a fault
-    in the reduction across ranks shows from the first step). Returns the step at which the routing parted, or
-    None.
+    Two layouts of the same job (1 process and R ranks) sum in different orders, so their weights differ
+    by rounding; a token whose two best experts score within that rounding may go to the other one, and
+    from that step on the curves part by more than rounding while staying close. Where that happens is a
+    matter of the machine's kernels (the Slurm tests' job parts at step 12 on one CPU, not at all on
+    another), so the exact claim holds up to it; the router's statistics must agree for the first
+    ``agree_at_least`` rows (a fault in the reduction across ranks shows from the first step). Returns
+    the step at which the routing parted, or None.
     """
     assert [r["step"] for r in rows] == [r["step"] for r in reference], ([r["step"] for r in rows],
                                                                          [r["step"] for r in reference])
