@@ -3,7 +3,9 @@
 :class:`RoutingStats` names every statistic the balance losses, the capacity and the reported
 :class:`~moe_dist.moe.stats.MoEStats` read. It travels as one float64 row per rank; the row's
 layout is written once, in :data:`FIELDS`, and :meth:`RoutingStats.pack` /
-:meth:`RoutingStats.unpack` are its only readers. Adding a statistic is one entry there.
+:meth:`RoutingStats.unpack` are its only readers. Adding a statistic is one entry there. The group
+spans, the last field, ride in the row only with node-limited routing (``2E + 6`` values without,
+``3E + 6`` with).
 
 Host synchronisation: none (the gathered statistics stay on the device).
 """
@@ -23,6 +25,7 @@ from .routing import Routing
 # (name, width) in row order; width None = num_experts
 FIELDS = (("counts", None), ("prob_sums", None), ("z_sum", 1), ("entropy_sum", 1), ("nonfinite", 1),
           ("seq_loss_sum", 1), ("sequences", 1), ("tokens", 1), ("group_spans", None))
+OPTIONAL = ("group_spans",)  # the row's last fields, in it only when measured (None otherwise)
 
 
 @dataclass
@@ -39,7 +42,7 @@ class RoutingStats:
     seq_loss_sum: the sequence-level balance loss summed over the sequences (detached; zero
         without sequences). sequences: their number. tokens: tokens routed.
     group_spans: ``[E]`` with expert groups (node-limited routing): entry ``j`` counts the tokens
-        whose experts lie in ``j + 1`` distinct groups (zeros without groups).
+        whose experts lie in ``j + 1`` distinct groups; None without groups (not in the row).
     """
 
     counts: torch.Tensor
@@ -50,7 +53,7 @@ class RoutingStats:
     seq_loss_sum: torch.Tensor
     sequences: torch.Tensor
     tokens: torch.Tensor
-    group_spans: torch.Tensor
+    group_spans: Optional[torch.Tensor] = None
 
     @classmethod
     @torch.no_grad()
@@ -69,19 +72,22 @@ class RoutingStats:
                    nonfinite=count_nonfinite(logits if logits is not None else probs).double(),
                    seq_loss_sum=(seq_loss_sum.detach().double() if num_sequences else counts.new_zeros(())),
                    sequences=counts.new_full((), num_sequences), tokens=counts.new_full((), routing.expert_ids.shape[0]),
-                   group_spans=(group_spans(routing.expert_ids, num_experts, groups).double() if groups
-                                else counts.new_zeros(num_experts)))
+                   group_spans=group_spans(routing.expert_ids, num_experts, groups).double() if groups else None)
 
     def pack(self) -> torch.Tensor:
-        """The statistics as one row ``[3E + 6]`` (the collective's payload)."""
-        return torch.cat([getattr(self, name).reshape(-1) for name, _ in FIELDS])
+        """The statistics as one row ``[2E + 6]``, ``[3E + 6]`` with group spans (the collective's
+        payload)."""
+        return torch.cat([getattr(self, name).reshape(-1) for name, _ in FIELDS if getattr(self, name) is not None])
 
     @classmethod
     def unpack(cls, rows: torch.Tensor, num_experts: int) -> "RoutingStats":
-        """The inverse of :meth:`pack` for ``[..., 3E + 6]`` rows (fields are views of ``rows``)."""
+        """The inverse of :meth:`pack` for ``[..., 2E + 6]`` or ``[..., 3E + 6]`` rows (fields are
+        views of ``rows``; the row's length says whether it carries group spans)."""
         out, pos = {}, 0
         for name, width in FIELDS:
             n = num_experts if width is None else width
+            if name in OPTIONAL and pos == rows.shape[-1]:
+                break
             out[name] = rows[..., pos:pos + n] if width is None else rows[..., pos]
             pos += n
         assert pos == rows.shape[-1], f"a row of {rows.shape[-1]} values, {pos} expected"
@@ -118,7 +124,7 @@ class GatheredStats:
 
 def gather_routing_stats(local: RoutingStats, group: Optional[dist.ProcessGroup]) -> GatheredStats:
     """Every rank's statistics: one all-gather of the packed rows over ``group``."""
-    rows = all_gather_tensor(local.pack(), group)  # [R, 3E + 6]
+    rows = all_gather_tensor(local.pack(), group)  # [R, 2E + 6] (3E + 6 with group spans)
     E = local.num_experts
     return GatheredStats(total=RoutingStats.unpack(rows.sum(0), E), per_rank=RoutingStats.unpack(rows, E), local=local)
 
