@@ -289,6 +289,23 @@ def init_distributed(ep: Union[int, Callable[[list[str]], int]] = 1, num_experts
                                     timeout=datetime.timedelta(seconds=timeout_s),
                                     device_id=dev if dev.type == "cuda" else None)
             owns = True
+    try:
+        groups, dp_mesh, mesh = _layout(launch, dev, ep, num_experts, ranks_per_node, dispatch, owns)
+    except BaseException:
+        # a layout refused (parallel.ep against the world size, found only once every host is known):
+        # the group made here goes now, not in interpreter teardown, where gloo may abort the process
+        # ("terminate called without an active exception", see shutdown) after the one-line error
+        if owns and dist.is_initialized():
+            dist.destroy_process_group()
+            gc.collect()
+        raise
+    return Runtime(launch=launch, device=dev, backend=be, groups=groups, dp_mesh=dp_mesh, mesh=mesh, owns_process_group=owns,
+                   socket_interface=iface)
+
+
+def _layout(launch: LaunchInfo, dev: torch.device, ep, num_experts: Optional[int], ranks_per_node: Optional[int],
+            dispatch: str, owns: bool):
+    """The parallel groups and device meshes of the job, once its process group exists."""
     if launch.world_size > 1:
         # every rank's host name: to name a lost node after a failed collective (through the store the
         # group was made with), and for an ep chosen by where the ranks run
@@ -299,14 +316,10 @@ def init_distributed(ep: Union[int, Callable[[list[str]], int]] = 1, num_experts
         if launch.world_size % ep:
             raise ConfigError(f"parallel.ep={ep} must divide the world size {launch.world_size}")
         groups = build_parallel_groups(ep, num_experts, node_of, dispatch)
-        dp_mesh, mesh = _meshes(groups, dev, launch.world_size)
-    else:
-        if callable(ep):
-            ep = ep([socket.gethostname()])
-        groups = build_parallel_groups(ep, num_experts, dispatch=dispatch)  # raises for ep > 1 on one process
-        dp_mesh = mesh = None
-    return Runtime(launch=launch, device=dev, backend=be, groups=groups, dp_mesh=dp_mesh, mesh=mesh, owns_process_group=owns,
-                   socket_interface=iface)
+        return (groups, *_meshes(groups, dev, launch.world_size))
+    if callable(ep):
+        ep = ep([socket.gethostname()])
+    return build_parallel_groups(ep, num_experts, dispatch=dispatch), None, None  # raises for ep > 1 on one process
 
 
 def shutdown(rt: Runtime) -> None:

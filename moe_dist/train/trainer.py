@@ -96,13 +96,21 @@ def thread_choice(run_threads: Optional[int], local_world_size: int, env=os.envi
 
 
 def setup_runtime(cfg: Config, rt: Optional[Runtime] = None) -> Runtime:
-    if rt is None:
+    """The job's runtime (``rt``, or a new one), checked against the config's rules that need the
+    number of processes. A new runtime that fails a check is shut down before the error leaves."""
+    owns = rt is None
+    if owns:
         rt = init_distributed(cfg.expert_parallel_size, cfg.model.moe.num_experts, backend=cfg.parallel.backend,
                               device=cfg.run.device, timeout_s=cfg.parallel.timeout_s,
                               ranks_per_node=cfg.parallel.ranks_per_node, dispatch=cfg.parallel.dispatch)
-    cfg.check_world(rt.world_size)
-    torch.set_num_threads(thread_choice(cfg.run.threads, rt.launch.local_world_size)[0])
-    cfg.train.dtype, note = bf16_choice(rt.device, cfg.train.dtype, cfg.train.bf16_on_slow_cpu)
+    try:
+        cfg.check_world(rt.world_size)
+        torch.set_num_threads(thread_choice(cfg.run.threads, rt.launch.local_world_size)[0])
+        cfg.train.dtype, note = bf16_choice(rt.device, cfg.train.dtype, cfg.train.bf16_on_slow_cpu)
+    except BaseException:
+        if owns:
+            shutdown(rt)  # while the error propagates: no meeting of the ranks, the group destroyed now
+        raise
     if note and rt.is_main:
         print(note, flush=True)
     return rt
