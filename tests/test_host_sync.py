@@ -257,7 +257,7 @@ def test_train_step_reads_no_statistics_per_micro_batch(tmp_path):
     dispatch_reads = [e for e in in_step if "dispatch.py" in e[1]]
     assert len(dispatch_reads) == micro * layers, log.describe()
     others = [e for e in in_step if "dispatch.py" not in e[1]]
-    assert len(others) == 1 and "trainer.py" in others[0][1] and "sums.tolist()" in others[0][1], log.describe(others)
+    assert len(others) == 1 and "train/step.py" in others[0][1] and "sums.tolist()" in others[0][1], log.describe(others)
     update = [e for e in log.tagged("update") if "optimizer.step()" not in e[1]]
     assert len(update) == 1 and "grad_norm" in update[0][1], log.describe(update)
     assert len(summary_log) == 1, summary_log.describe()

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.collectives import all_gather_tensor, group_rank, group_size
+from . import stand_in
 from .counting import count_values
 from ..errors import ConfigError
 
@@ -88,7 +89,10 @@ def keep_by_probs(expert_ids: torch.Tensor, gates: torch.Tensor, capacity, num_e
     if group_size(group) == 1:
         return _keep_by_gate_ranking(flat_e, flat_g, capacity, num_experts).view_as(expert_ids)
     n_local = flat_e.numel()
-    sizes = all_gather_tensor(torch.full((1,), n_local, device=flat_e.device), group).view(-1).tolist()  # the one read
+    if stand_in.active() is not None:  # a dry run: every rank routes as many pairs
+        sizes = [n_local] * group_size(group)
+    else:
+        sizes = all_gather_tensor(torch.full((1,), n_local, device=flat_e.device), group).view(-1).tolist()  # the one read
     n_max = max(sizes)
     pad = n_max - n_local
     # expert id as a float is exact for any realistic E (< 2**24)

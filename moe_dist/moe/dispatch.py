@@ -181,6 +181,17 @@ def read_counts(parts: Sequence[torch.Tensor]) -> list[list[int]]:
     return out
 
 
+def modelled_counts(host_counts: list[list[int]], me: int, local: int, extra: list) -> list[list[int]]:
+    """What :func:`read_counts` returns, from the peers' counts known on the host: with one rank
+    ``[counts per expert]``, else ``[sent per expert, received per (source, local expert)]``; then the
+    ``read_along`` values as zeros (a dry run has no non-finite logits)."""
+    along = [[0] * t.numel() for t in extra]
+    if len(host_counts) == 1:
+        return [list(host_counts[0])] + along
+    received = [c for row in host_counts for c in row[me * local:(me + 1) * local]]
+    return [list(host_counts[me]), received] + along
+
+
 def send_order_key(expert: torch.Tensor, num_experts: int, ep: int, rank: int) -> torch.Tensor:
     """Sort key of each pair's expert (``num_experts`` for a dropped pair, which keeps it) for the
     send order: the experts of the other ranks in rank order, then this rank's own."""
@@ -196,7 +207,8 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor, kee
              peer_counts: Optional[torch.Tensor] = None,
              read_along: Optional[torch.Tensor] = None,
              meter: Optional[TrafficMeter] = None,
-             nodes: Optional[NodeLayout] = None) -> tuple[torch.Tensor, DispatchPlan]:
+             nodes: Optional[NodeLayout] = None,
+             host_counts: Optional[list[list[int]]] = None) -> tuple[torch.Tensor, DispatchPlan]:
     """Gather the kept rows of ``x`` ``[T, d]`` for their experts: grouped by expert, or with
     expert parallelism in send order (``plan.exchange`` says where they travel).
 
@@ -209,6 +221,9 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor, kee
     ``nodes``: the node of every ``ep_group`` rank (None: one node); over several nodes a token's
     three or more pairs sum per node first (module docstring), and the plan counts the rows that
     leave the node.
+    ``host_counts``: ``[ep][E]`` kept pairs per expert of every expert-parallel peer, already known
+    on the host (a dry run's routing model, :mod:`~moe_dist.moe.stand_in`): then nothing is read and
+    ``read_along`` comes back as zeros.
 
     Host synchronisation: exactly one read (the row counts the all-to-all and the expert
     kernels need, plus ``read_along``), none in backward.
@@ -224,7 +239,7 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor, kee
     extra = [] if read_along is None else [read_along]
     if ep == 1:
         order = torch.argsort(kept, stable=True)
-        lc, *along = read_counts([counts] + extra)
+        lc, *along = read_counts([counts] + extra) if host_counts is None else modelled_counts(host_counts, 0, 1, extra)
         order = order[:sum(lc)]
         token_idx = torch.div(order, top_k, rounding_mode="floor")
         plan = DispatchPlan(token_idx, flat_g.index_select(0, order), lc, read_along=along[0] if along else None)
@@ -240,7 +255,8 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor, kee
         dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=ep_group)  # count exchange first
     else:  # [source peer, my local expert]
         recv_counts = peer_counts.to(device=counts.device, dtype=counts.dtype).view(ep, ep, local)[:, me].contiguous()
-    sent, received_counts, *along = read_counts([send_counts, recv_counts] + extra)
+    sent, received_counts, *along = (read_counts([send_counts, recv_counts] + extra) if host_counts is None
+                                     else modelled_counts(host_counts, me, local, extra))
     send = [sum(sent[r * local:(r + 1) * local]) for r in range(ep)]
     recv = [received_counts[r * local:(r + 1) * local] for r in range(ep)]
     order = order[:sum(send)]

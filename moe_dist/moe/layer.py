@@ -29,7 +29,9 @@ from .dispatch import combine, dispatch
 from .experts import GroupedExperts
 from .hierarchical import combine_hierarchical, dispatch_hierarchical, hierarchical_experts, hierarchical_fallback
 from .losses import balance_losses, sequence_balance_sum
+from . import stand_in
 from .route import route
+from .routing_model import LayerCall, kept_counts
 from .routers import build_router
 from .routers.base import nonfinite_logits_error
 from .routing import NO_INPUTS, Routing, RouterInputs, RoutingContext, is_recomputing
@@ -193,14 +195,19 @@ class MoELayer(nn.Module):
         peer_counts = (subgroup_rows(stats.per_rank.counts, self.context.stats_group, self.groups.ep)
                        if capacity.keep is None else None)
         read_along = torch.stack([stats.total.nonfinite, stats.total.tokens])
+        host_counts = self._modelled_counts(rows.shape[0])
         if self.hierarchical:
+            if host_counts is not None:
+                raise ConfigError("a dry run models the flat dispatch; parallel.dispatch=hierarchical over several "
+                                  "nodes is not modelled (use parallel.dispatch=flat for the dry run)")
             routed, plan = dispatch_hierarchical(rows, routing.expert_ids, routing.gates, capacity.keep, self.num_experts,
                                                  self.groups, read_along, meter=self.traffic)
             self._check_nonfinite(*plan.read_along)
             out = combine_hierarchical(hierarchical_experts(self.experts, routed, plan), plan)
         else:
             routed, plan = dispatch(rows, routing.expert_ids, routing.gates, capacity.keep, self.num_experts,
-                                    self.groups.ep, peer_counts, read_along, meter=self.traffic, nodes=self.groups.ep_nodes)
+                                    self.groups.ep, peer_counts, read_along, meter=self.traffic, nodes=self.groups.ep_nodes,
+                                    host_counts=host_counts)
             self._check_nonfinite(*plan.read_along)
             out = combine(self.experts(routed, plan.local_counts, plan.exchange), plan, rows.shape[0])
         self.inter_node_rows = (None if plan.inter_node_pairs is None
@@ -221,6 +228,21 @@ class MoELayer(nn.Module):
             raise ValueError(f"model.moe.balance_loss='sequence' needs [batch, seq, {self.d_model}] input or "
                              f"inputs.batch_shape; got input {tuple(x.shape)} and batch_shape {inputs.batch_shape}")
         return x.reshape(-1, self.d_model), int(shape[0])
+
+    def _modelled_counts(self, tokens: int) -> Optional[list[list[int]]]:
+        """In a dry run (:mod:`~moe_dist.moe.stand_in`): the kept pairs per expert of every
+        expert-parallel peer (``[ep][E]``) from the routing model, capped as the capacity stage caps
+        them; None otherwise (the dispatch reads them from the device)."""
+        model = stand_in.active()
+        if model is None:
+            return None
+        args, g = self.args, self.groups
+        call = LayerCall(self.context.layer_idx, tokens, self.top_k, self.num_experts, g.dp_size, g.dp_rank,
+                         args.capacity_factor_for(self.training), args.capacity_scope, args.drop_policy,
+                         args.min_capacity)
+        kept = kept_counts(model.routed(call), call)
+        first = g.dp_rank - g.ep_rank  # expert-parallel groups are blocks of consecutive ranks
+        return kept[first:first + g.ep_size]
 
     def _count_for_expert_bias(self, stats: GatheredStats) -> None:
         """Add this forward's per-expert counts to the optimizer step's (expert bias, training only)."""

@@ -6,13 +6,17 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..distributed.collectives import all_gather_tensor, group_rank
+from ..distributed.collectives import all_gather_tensor, group_rank, group_size
+from . import stand_in
 from .routing import Routing, RouterInputs, RoutingContext
 
 
 def token_layout(num_tokens: int, group: Optional[dist.ProcessGroup], device) -> tuple[int, int]:
     """(this rank's first token in the concatenated global batch, global tokens): one all-gather
-    of the ranks' token counts over ``group``, read to the host once."""
+    of the ranks' token counts over ``group``, read to the host once (a dry run: every rank holds
+    ``num_tokens``, :mod:`~moe_dist.moe.stand_in`)."""
+    if stand_in.active() is not None:
+        return group_rank(group) * num_tokens, group_size(group) * num_tokens
     sizes = all_gather_tensor(torch.full((1,), num_tokens, device=device), group).view(-1).tolist()
     return sum(sizes[: group_rank(group)]), sum(sizes)
 

@@ -19,6 +19,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--micro-batch", type=int, default=None, metavar="B",
                         help="sequences per GPU per forward (default: from train.global_batch / grad_accum / GPUs, or 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    dry = parser.add_argument_group("dry run: one rank's real training step on fake tensors (moe_dist/plan/dry_run.py)")
+    dry.add_argument("--dry-run", action="store_true",
+                     help="run the training step of one rank of this cluster in this process (fake process group "
+                          "and tensors) and print its memory at the peak next to the planner's")
+    dry.add_argument("--rank", type=int, default=None, metavar="R",
+                     help="the rank to play (default: the busiest expert's rank under --routing)")
+    dry.add_argument("--routing", default="balanced", metavar="MODEL",
+                     help="the dispatch's counts: balanced, skew:F (the busiest expert F x the mean), or a run's "
+                          "metrics.jsonl / run directory (its last logged expert counts)")
+    dry.add_argument("--steps", type=int, default=2, metavar="K", help="training steps of the dry run (default 2)")
     from .planner import DEFAULT_ALPHA_US, DEFAULT_COMPUTE_TFLOPS, DEFAULT_INTER_GBPS, DEFAULT_INTRA_GBPS
 
     net = parser.add_argument_group("step time (alpha-beta model; docs/scale.md)")
@@ -52,6 +62,14 @@ def _max_groups(text: str) -> list:
 
 def run(args) -> int:
     def go() -> int:
+        if args.dry_run:
+            from .dry_run import dry_run, format_dry_run, with_planner
+
+            result = with_planner(dry_run(args.config, args.overrides, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                                          rank=args.rank, routing=args.routing, steps=args.steps,
+                                          micro_batch=args.micro_batch), args.gpu_mem_gib)
+            print(json.dumps(result, indent=2) if args.json else format_dry_run(result))
+            return 0
         from . import format_plan, plan
         from .planner import make_network
 

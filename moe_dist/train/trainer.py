@@ -21,7 +21,6 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ..config import Config, ConfigError, save_config
 from ..config.load import config_to_dict
@@ -33,9 +32,8 @@ from ..exits import JobStopped
 from ..hardware import batch_to_device, bf16_choice, cuda_memory_gib, peak_rss_bytes
 from ..model import count_parameters
 from ..parallel.kernel_choice import agree_expert_kernels
-from ..moe import collect_aux_loss, moe_layers
+from ..moe import moe_layers
 from ..moe.hierarchical import dispatch_note
-from ..moe.traffic import take_traffic
 from .checkpoint import TrainingCheckpoints, latest_checkpoint, load_checkpoint
 from .checkpoint.collective import broadcast
 from .checkpoint.divergence import last_good_step, read_record, record_divergence, take_pending
@@ -44,10 +42,11 @@ from .engines import create_engine, engine_scope
 from .evaluate import autocast, evaluate, format_report, unigram_baseline, validation_batches
 from .metrics import MetricsLogger, MoEStepStats, read_metrics
 from .model_setup import build_meta_model, check_weights_directory, is_weights_directory, weights_filler
-from .optim import lr_at, set_lr
+from .optim import lr_at
 from .parallelize import parallelize
 from .preemption import PreemptionHandler, stop_if_requested
 from .run_lock import RunDirLock
+from .step import TrainStep
 from .tracking import check_tracking, start_tracking
 
 
@@ -204,6 +203,7 @@ class Trainer:
         self._agree_expert_kernels()
         self._compile()
         self.moe_stats = MoEStepStats(self.model)
+        self.run_step = TrainStep(cfg.train, self.rt, self.engine, self.model, self.moe_stats)
         self.diagnostics = RoutingDiagnostics()  # load balance, probe-set fluctuation, Symphony graphs
 
         groups = self.rt.groups
@@ -330,68 +330,10 @@ class Trainer:
         return tqdm(total=self.cfg.train.steps, desc="train", unit="step", dynamic_ncols=True, leave=True)
 
     # ---- one step -------------------------------------------------------------------------
-    def _set_context(self, micro_step: int) -> None:
-        for layer in self.moe:
-            ctx = layer.context
-            ctx.step, ctx.micro_step, ctx.seed = self.step, micro_step, self.cfg.train.seed
-
     def train_step(self) -> dict:
-        """One optimizer step. Host reads of the step itself: the gradient norm (``update``) and
-        the summed losses (one ``tolist`` of a small tensor, with the step's all-to-all bytes, which
-        the MoE layers count on the host and ride on the losses' all-reduce), once per step; per
-        micro-batch only the MoE layers' own (one per layer forward, see ``MoELayer.forward``).
-        Statistics stay on the device (``MoEStepStats.add``) until a logged step reads them."""
-        cfg, dev = self.cfg.train, self.rt.device
-        lr = lr_at(self.step, cfg)
-        set_lr(self.engine.optimizer, lr)
-        micro_batches = self.sampler.next_step()
-        step_tokens = cfg.global_batch * cfg.seq_len
-        # [LM loss sum, aux loss share, NaN router logits?, a2a bytes sent intra-node, inter-node]
-        sums = torch.zeros(5, dtype=torch.float64, device=dev)
-        self.moe_stats.reset()
-        for layer in self.moe:  # NaN router logits counted by evaluation forwards are not this step's
-            layer.take_nonfinite_logits()
-        take_traffic(layer.traffic for layer in self.moe)  # nor the bytes their exchanges sent
-        for m, batch in enumerate(micro_batches):
-            self._set_context(m)
-            self.engine.set_gradient_sync(m == len(micro_batches) - 1)
-            x = batch_to_device(batch, dev)
-            with autocast(dev, cfg.dtype):
-                logits = self.engine.forward(x[:, :-1])
-            lm_sum = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten(), reduction="sum")
-            aux = collect_aux_loss(self.model).to(dev) / len(micro_batches)
-            self.engine.backward(lm_sum / step_tokens + aux)
-            self.moe_stats.add()
-            sums[:2] += torch.stack([lm_sum.detach().double(), aux.detach().double()])
-        router_bad = {layer.context.layer_idx: bad for layer in self.moe if (bad := layer.take_nonfinite_logits())}
-        sums[2] = float(bool(router_bad))  # the layers' counts are global already; the all-reduce makes it certain
-        traffic = take_traffic(layer.traffic for layer in self.moe)  # host integers, exact in float64
-        sums[3], sums[4] = float(traffic.intra), float(traffic.inter)  # fills: no tensor made on the default device
-        if self.rt.distributed:
-            dist.all_reduce(sums, group=self.rt.groups.dp)
-        lm_total, aux_total, router_flag, intra, inter = sums.tolist()  # the step's one read of the losses
-        loss = lm_total / step_tokens
-        spike = math.isfinite(loss) and self.loss_spike(loss)
-        # reduce, clip, update; a step whose global loss or gradient norm is not finite, whose router
-        # logits were not, or whose loss spiked is not applied
-        grad_norm = self.engine.step(loss_finite=math.isfinite(lm_total) and math.isfinite(aux_total)
-                                     and not router_flag and not spike)
-        skipped = self.engine.skipped
-        self.engine.zero_grad()
-        for layer in self.moe:  # the router's per-step state and the expert bias; a skipped step's counts are dropped
-            if skipped:
-                layer.discard_step()
-            else:
-                layer.after_optimizer_step()
+        """One optimizer step (:class:`~moe_dist.train.step.TrainStep`) on the sampler's next batches."""
+        row = self.run_step(self.step, self.sampler.next_step(), self.loss_spike)
         self.step += 1
-        row = {"loss": loss, "aux_loss": aux_total, "lr": lr, "grad_norm": grad_norm,
-               "a2a_intra_bytes": int(intra), "a2a_inter_bytes": int(inter)}
-        if skipped:
-            row["skipped"] = True
-        if spike:
-            row["spike"] = True
-        if router_flag:
-            row["router_nonfinite"] = router_bad or True
         return row
 
     def check_finite(self, row: dict) -> Optional[Divergence]:

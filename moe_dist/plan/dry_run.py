@@ -1,0 +1,319 @@
+"""``moe-dist plan --dry-run``: the real training step of one rank of a large world, in one process.
+
+One process plays rank ``r`` of a world of ``nodes x gpus_per_node`` ranks on torch's fake process
+group (collectives return at once with the right shapes) and fake tensors (shapes, dtypes and
+autograd without storage or compute), and runs the project's own code path: the config checks,
+the meta build, expert parallelism, the FSDP2 units, the optimizer, ``steps`` full training steps
+(:class:`~moe_dist.train.step.TrainStep`: forward, backward, clipping, optimizer step, expert-bias
+update) under torch's FSDP2 memory tracker, then the checkpoint's save plan (the shards this rank
+would write) without writing.
+
+Values never exist, so the reads that decide a shape come from a stated routing model
+(:mod:`moe_dist.moe.routing_model`: ``balanced``, ``skew:F``, a run's histogram) and every other
+host read (losses, the gradient norm, AdamW's step count) reads a finite stand-in value
+(:class:`_StandInReads`): the step takes the path of a healthy step. By default the rank is the
+one with the most work under the routing model: the busiest expert's rank, since the largest rank
+is the one that runs out of memory.
+
+Memory is reported per category of the tracker at the moment of the peak: ``weights`` (this rank's
+shards, and its whole experts when they are not sharded), ``gathered_weights`` (FSDP2's unsharded
+parameters), ``grads``, ``optimizer``, ``activations``, ``temporaries``, ``all_gather`` /
+``reduce_scatter`` (FSDP2's communication buffers) and ``inputs``. Real GPUs add the CUDA context,
+the allocator's rounding and caching, and communication library buffers, none of which exist here.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..config import ConfigError, load_config
+from ..moe import moe_layers
+from ..moe.routing_model import RoutingModel, parse_routing_model
+from ..moe.stand_in import stand_in
+from ..parallel import expert_parameters
+
+GIB = float(1 << 30)
+# tracker category -> the name the dry run reports it under
+CATEGORIES = {"Sharded Param": "weights", "Unsharded Param": "gathered_weights", "Buffer": "buffers",
+              "Sharded Grad": "grads", "Unsharded Grad": "grads", "Activation": "activations", "Temp": "temporaries",
+              "All Gather": "all_gather", "Reduce Scatter": "reduce_scatter", "OptState": "optimizer",
+              "Inputs": "inputs", "Parameter": "weights", "Gradient": "grads", "Optstate": "optimizer",
+              "Other": "inputs"}
+STAND_IN_FLOAT = 0.0  # what a floating-point host read returns: a finite loss and gradient norm, no NaN flag
+
+
+class _StandInReads(TorchDispatchMode):
+    """Host reads of fake tensors (``item``, ``float(t)``, ``tolist``): the value of a fake tensor that
+    still knows it (a constant such as AdamW's step count), else 0: a finite loss and gradient norm
+    and no non-finite flag, so the step is applied. The reads that size tensors never come here (the
+    routing model answers them)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            t = args[0]
+            if getattr(t, "constant", None) is not None:
+                return t.constant.item()
+            return STAND_IN_FLOAT if t.dtype.is_floating_point else (False if t.dtype == torch.bool else 0)
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _fake_world(world: int, rank: int):
+    """The default process group as rank ``rank`` of a fake world of ``world`` ranks."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a dry run makes its own (fake) process group; this process already has one")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _fake_tensors():
+    """Fake tensors whose parameters a module may move (``to_empty``): torch's converter memo holds
+    weak references that forbid the tensor swap ``nn.Module._apply`` does on fake parameters, so this
+    mode's memo keeps strong ones (a few per parameter; the mode lives for one dry run)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        mode.fake_tensor_converter.meta_converter.tensor_memo = {}
+        with _StandInReads():
+            yield mode
+
+
+def _no_fill(model) -> None:
+    """Fake weights need no values: nothing is computed."""
+
+
+def _hosts(world: int, gpus_per_node: int) -> list[str]:
+    return [f"node{r // gpus_per_node}" for r in range(world)]
+
+
+def busiest_rank(cfg, routing: RoutingModel, world: int, gpus_per_node: int) -> int:
+    """The rank that holds the busiest expert under ``routing`` (of the first MoE layer), in the first
+    expert-parallel group: the rank that receives the most rows (and, with a capacity of the global
+    scope and the ``position`` policy, the first to keep them)."""
+    moe = cfg.model.moe
+    blocks = moe.layer_indices(cfg.model.n_layers)
+    if not blocks:
+        return 0
+    ep = cfg.expert_parallel_size(_hosts(world, gpus_per_node))
+    return routing.busiest_expert(blocks[0], moe.num_experts) // (moe.num_experts // ep)
+
+
+def _load(config: str, overrides: Iterable[str], world: int, gpus_per_node: int, micro_batch: Optional[int]):
+    """The config as the trainer of that world would run it, on fake CPU tensors: the world's nodes
+    declared, bf16 kept as bf16 (this CPU's speed says nothing of the target's)."""
+    extra = ["run.device=cpu", f"parallel.ranks_per_node={gpus_per_node}", "train.bf16_on_slow_cpu=bf16"]
+    cfg = load_config(config, list(overrides) + extra)
+    if micro_batch is not None:
+        cfg.train.global_batch = micro_batch * world * cfg.train.grad_accum
+    if cfg.train.engine != "native":
+        raise ConfigError(f"train.engine={cfg.train.engine!r}: the dry run runs the native engine (FSDP2); allowed: native")
+    if not cfg.model.vocab_size:
+        raise ConfigError("model.vocab_size: the dry run needs it set (it does not train a tokenizer)")
+    return cfg
+
+
+def _track_plain_parameters(tracker, model) -> None:
+    """Parameters outside FSDP2 (whole experts when each expert has one copy, everything on one
+    process) and their gradients, which the FSDP2 tracker does not see by itself."""
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+
+    plain = [p for p in model.parameters() if type(p).__name__ != "DTensor" and not hasattr(p, "_local_tensor")]
+    for p in plain:
+        tracker._update_and_maybe_create_winfos(p, _FSDPRefType.SHARDED_PARAM)
+
+        def as_grad(param):
+            tracker._update_and_maybe_create_winfos(param.grad, _FSDPRefType.SHARDED_GRAD)
+
+        p.register_post_accumulate_grad_hook(as_grad)
+
+
+def _tracker(model, optimizer, batch):
+    """torch's FSDP2 memory tracker (per FSDP2 category) when the model is sharded, else its plain
+    memory tracker (one process: parameters, gradients, optimizer state, activations, temporaries)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        tracker = FSDPMemTracker(model, optimizer)
+        _track_plain_parameters(tracker, model)
+        tracker.track_inputs((batch,))
+        return tracker
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer, batch)
+    return tracker
+
+
+def _forward_per_micro_batch(engine, tracker) -> None:
+    """The tracker keeps per-module figures of one forward and refuses a second one: each
+    micro-batch's forward starts with those cleared (the peak over the whole run is kept)."""
+    forward = engine.forward
+
+    def tracked_forward(tokens):
+        tracker.reset_mod_stats()
+        return forward(tokens)
+
+    engine.forward = tracked_forward
+
+
+def _snapshot(tracker, which: str = "peak") -> dict[str, int]:
+    out: dict[str, int] = {}
+    for dev_snap in tracker.get_tracker_snapshot(which).values():
+        for key, value in dev_snap.items():
+            name = "total" if key == "Total" else CATEGORIES.get(getattr(key, "value", str(key)), str(key))
+            out[name] = out.get(name, 0) + int(value)
+    return out
+
+
+def save_plan(model, optimizer, rank: int) -> dict:
+    """The checkpoint shards this rank would write (DCP's local save plan), without writing."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from ..train.checkpoint.collective import around_dcp
+    from ..train.checkpoint.state import expert_keyed_state_dict, optimizer_state_dict
+
+    state = expert_keyed_state_dict(model)
+    state.update(optimizer_state_dict(model, optimizer))
+    planner = DefaultSavePlanner()
+    with around_dcp():
+        planner.set_up_planner(state, is_coordinator=rank == 0)
+        plan = planner.create_local_plan()
+    tensor_bytes = other = 0
+    for item in plan.items:
+        data = item.tensor_data
+        if data is None or isinstance(data, BytesStorageMetadata):
+            other += 1
+            continue
+        n = 1
+        for s in data.chunk.sizes:
+            n *= int(s)
+        tensor_bytes += n * torch.empty((), dtype=data.properties.dtype).element_size()
+    return {"items": len(plan.items), "tensor_bytes": tensor_bytes, "byte_items": other}
+
+
+def dry_run(config: str, overrides: Iterable[str] = (), *, nodes: int = 1, gpus_per_node: int = 8,
+            rank: Optional[int] = None, routing: str = "balanced", steps: int = 2,
+            micro_batch: Optional[int] = None, observe=None, fake: bool = True) -> dict:
+    """One rank's training memory at ``nodes x gpus_per_node`` ranks (module docstring); a dict
+    (JSON): ``peak_bytes``, ``categories_bytes``, ``layout``, ``save_plan``, ``seconds``.
+    ``observe(model, rt)``: called after the steps (a test's look at what the rank built).
+    ``fake=False``: the same measurement on real tensors in the process group that exists (the
+    dry run's own validation: every rank of a real gloo world calls it; the routing is real)."""
+    from ..train.engines import create_engine
+    from ..train.metrics import MoEStepStats
+    from ..train.model_setup import build_meta_model, weights_filler
+    from ..train.step import TrainStep
+    from ..train.trainer import setup_runtime
+
+    for key, value in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node), ("--steps", steps)):
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{key}: {value!r}; allowed: an integer >= 1")
+    world = nodes * gpus_per_node
+    model_of_routing = parse_routing_model(routing)
+    cfg = _load(config, overrides, world, gpus_per_node, micro_batch)
+    if rank is None:
+        rank = busiest_rank(cfg, model_of_routing, world, gpus_per_node)
+    if not 0 <= rank < world:
+        raise ConfigError(f"--rank: {rank}; allowed: 0..{world - 1} (a world of {nodes} x {gpus_per_node} ranks)")
+    start = time.perf_counter()
+    vocab = cfg.model.vocab_size
+    with (_fake_world(world, rank) if fake else contextlib.nullcontext()):
+        rt = setup_runtime(cfg)  # the world-size rules of the config, the groups, the meshes
+        groups = rt.groups
+        per_rank = cfg.train.global_batch // cfg.train.grad_accum // groups.dp_size
+        with (_fake_tensors() if fake else contextlib.nullcontext()), \
+                (stand_in(model_of_routing) if fake else contextlib.nullcontext()):
+            model = build_meta_model(cfg, vocab)
+            model.set_activation_checkpointing(cfg.train.activation_checkpointing)
+            engine = create_engine(cfg, rt, log=lambda _: None)
+            engine.prepare(model, fill=_no_fill if fake else weights_filler(cfg, None))
+            if fake:  # the parameters are placed: the converter's usual weak memo again (frees are seen)
+                import weakref
+
+                torch._guards.active_fake_mode().fake_tensor_converter.meta_converter.tensor_memo = \
+                    weakref.WeakValueDictionary()
+            step = TrainStep(cfg.train, rt, engine, model, MoEStepStats(model))
+            batch = torch.randint(0, vocab, (per_rank, cfg.train.seq_len + 1))
+            tracker = _tracker(model, engine.optimizer, batch)
+            _forward_per_micro_batch(engine, tracker)
+            with tracker:
+                for s in range(steps):
+                    step(s, [batch] * cfg.train.grad_accum)
+            categories = _snapshot(tracker)
+            saved = save_plan(model, engine.optimizer, rank)
+            local_experts = sum(p.numel() for p in expert_parameters(model))
+            if observe is not None:
+                observe(model, rt)
+        layers = moe_layers(model)
+        layout = {"world_size": world, "nodes": nodes, "gpus_per_node": gpus_per_node, "rank": rank,
+                  "ep": groups.ep_size, "edp": groups.edp_size, "dp": groups.dp_size,
+                  "experts_per_rank": layers[0].experts.num_experts if layers else 0,
+                  "expert_params_local": local_experts, "micro_batch": per_rank, "grad_accum": cfg.train.grad_accum,
+                  "seq_len": cfg.train.seq_len, "dtype": cfg.train.dtype, "dense": engine.dense_layout(),
+                  "activation_checkpointing": cfg.train.activation_checkpointing}
+    total = categories.pop("total", sum(categories.values()))
+    return {"config": config, "overrides": list(overrides), "routing": model_of_routing.describe(), "steps": steps,
+            "layout": layout, "peak_bytes": total, "categories_bytes": categories, "save_plan": saved,
+            "seconds": round(time.perf_counter() - start, 2)}
+
+
+def with_planner(result: dict, gpu_mem_gib: float = 80.0) -> dict:
+    """``result`` with the planner's memory of the same layout (``result["planner"]``)."""
+    from .planner import plan
+
+    lay = result["layout"]
+    planned = plan(result["config"], lay["nodes"], lay["gpus_per_node"], gpu_mem_gib, result["overrides"],
+                   seq_len=lay["seq_len"], micro_batch=lay["micro_batch"])
+    same = [l for l in planned["layouts"] if l["ep"] == lay["ep"]]
+    memory = same[0]["memory_gib"] if same else None
+    if memory is not None and lay["activation_checkpointing"]:
+        memory = dict(memory, total=memory["total_with_activation_checkpointing"],
+                      activations=memory["activations_checkpointed"])
+    return dict(result, planner={"memory_gib": memory, "recommended_ep": (planned["recommended"] or {}).get("ep")})
+
+
+def comparison_rows(result: dict) -> list[tuple[str, float, Optional[float]]]:
+    """(category, dry run GiB, planner GiB or None) for the report."""
+    c = {k: v / GIB for k, v in result["categories_bytes"].items()}
+    p = (result.get("planner") or {}).get("memory_gib") or {}
+
+    def planned(*keys: str) -> Optional[float]:
+        return sum(p[k] for k in keys) if p and all(k in p for k in keys) else None
+
+    rows = [("weights (this rank's shards)", c.get("weights", 0.0), planned("weights")),
+            ("gradients", c.get("grads", 0.0), planned("grads")),
+            ("optimizer state", c.get("optimizer", 0.0), planned("optimizer")),
+            ("activations", c.get("activations", 0.0), planned("activations")),
+            ("FSDP2 gathered weights", c.get("gathered_weights", 0.0) + c.get("all_gather", 0.0), planned("fsdp_gather")),
+            ("FSDP2 reduce-scatter", c.get("reduce_scatter", 0.0), planned("fsdp_reduce")),
+            ("temporaries", c.get("temporaries", 0.0), None),
+            ("peak", result["peak_bytes"] / GIB, planned("total"))]
+    return rows
+
+
+def format_dry_run(result: dict) -> str:
+    lay = result["layout"]
+    lines = [f"dry run of {result['config']}: rank {lay['rank']} of {lay['world_size']} ({lay['nodes']} node(s) x "
+             f"{lay['gpus_per_node']}), ep={lay['ep']} edp={lay['edp']}, {lay['experts_per_rank']} expert(s) per MoE "
+             f"layer on this rank, {lay['micro_batch']} x {lay['seq_len']} tokens per micro-batch x {lay['grad_accum']}, "
+             f"{lay['dtype']}, dense={lay['dense']}, routing {result['routing']}, {result['steps']} steps "
+             f"in {result['seconds']:.1f} s",
+             f"{'memory at the peak (GiB)':<32}{'dry run':>10}{'planner':>10}{'ratio':>8}"]
+    for name, got, want in comparison_rows(result):
+        ratio = f"{want / got:.2f}" if want is not None and got > 0 else ""
+        lines.append(f"{name:<32}{got:>10.3f}{'' if want is None else f'{want:10.3f}':>10}{ratio:>8}")
+    sp = result["save_plan"]
+    lines.append(f"checkpoint: this rank writes {sp['items']} items, {sp['tensor_bytes'] / GIB:.3f} GiB of tensors")
+    return "\n".join(lines)

@@ -1,0 +1,113 @@
+"""``moe-dist plan --dry-run``: one rank of a large world runs the real training step on fake tensors.
+
+What is checked here: the routing model's counts (balanced, skewed, capped by a capacity), that the
+dry run runs the project's code at 16 ranks in seconds with the layout the trainer would build (ep,
+edp, this rank's experts, its weight shards and the checkpoint shards it would write, equal to the
+planner's weights), that it refuses what the trainer refuses, and the busiest expert's rank.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from moe_dist.errors import ConfigError
+from moe_dist.moe.routing_model import (Balanced, LayerCall, Skewed, apportion, kept_counts,
+                                        parse_routing_model)
+
+TINY = ["model.n_layers=2", "train.seq_len=64", "model.vocab_size=4096", "eval.batch=16"]
+
+
+def test_apportion_sums_to_the_total_and_follows_the_shares():
+    assert apportion(10, [1, 1, 1]) == [4, 3, 3]
+    assert sum(apportion(1023, [0.3, 0.2, 0.5])) == 1023
+    assert apportion(8, [1, 0, 1, 0]) == [4, 0, 4, 0]
+
+
+def test_skew_gives_the_busiest_expert_f_times_the_mean():
+    call = LayerCall(0, tokens=512, top_k=2, num_experts=8, ranks=4, rank=0)
+    rows = Skewed(3.0).routed(call)
+    assert len(rows) == 4 and all(sum(r) == 1024 for r in rows)
+    assert rows[0][0] == 384 and max(rows[0][1:]) <= 92  # 3 x 128, the rest (640) over 7
+    assert Balanced().routed(call)[0] == [128] * 8
+    with pytest.raises(ConfigError, match="skew:F with F >= 1"):
+        parse_routing_model("skew:0.5")
+    with pytest.raises(ConfigError, match="allowed: balanced"):
+        parse_routing_model("uniform")
+
+
+def test_capacity_caps_the_kept_pairs_as_the_capacity_stage_does():
+    routed = [[300, 100, 100, 12], [300, 100, 100, 12]]
+    local = LayerCall(0, tokens=256, top_k=2, num_experts=4, ranks=2, rank=0, capacity_factor=1.0, scope="local")
+    assert kept_counts(routed, local) == [[128, 100, 100, 12]] * 2  # ceil(1.0 x 256 x 2 / 4) per rank
+    glob = LayerCall(0, tokens=256, top_k=2, num_experts=4, ranks=2, rank=0, capacity_factor=1.0)
+    kept = kept_counts(routed, glob)  # 256 slots over the concatenated batch: rank 0 first
+    assert [r[0] for r in kept] == [256, 0] and [r[1] for r in kept] == [100, 100]
+    probs = LayerCall(0, tokens=256, top_k=2, num_experts=4, ranks=2, rank=0, capacity_factor=1.0,
+                      drop_policy="probs")
+    assert [r[0] for r in kept_counts(routed, probs)] == [128, 128]
+
+
+def test_dry_run_at_16_ranks_builds_what_the_trainer_would():
+    from moe_dist.plan.dry_run import GIB, dry_run, with_planner
+
+    seen = {}
+
+    def observe(model, rt):
+        from moe_dist.moe import moe_layers
+
+        seen["experts"] = moe_layers(model)[0].experts.num_experts
+        seen["world"] = rt.world_size
+
+    result = with_planner(dry_run("configs/tiny.yaml", TINY + ["parallel.ep=4", "train.global_batch=32"], nodes=2,
+                                  gpus_per_node=8, observe=observe))
+    lay = result["layout"]
+    assert (seen["world"], lay["ep"], lay["edp"], seen["experts"]) == (16, 4, 4, 2)
+    assert lay["micro_batch"] == 2
+    planned = result["planner"]["memory_gib"]
+    # this rank's shards of the dense weights and its experts' shards: the planner's figure, exactly
+    assert result["categories_bytes"]["weights"] / GIB == pytest.approx(planned["weights"], abs=2e-3)
+    # the checkpoint writes this rank's weights and its two AdamW moments (plus buffers and step counters)
+    weights = result["categories_bytes"]["weights"]
+    assert 3 * weights <= result["save_plan"]["tensor_bytes"] <= 3 * weights * 1.05
+    assert result["peak_bytes"] > weights
+
+
+def test_dry_run_refuses_what_the_trainer_refuses():
+    from moe_dist.plan.dry_run import dry_run
+
+    with pytest.raises(ConfigError, match="eval.batch: 16 must be at least the number of data-parallel ranks"):
+        dry_run("configs/tiny.yaml", TINY + ["train.global_batch=64", "parallel.ep=8"], nodes=4, gpus_per_node=8)
+
+
+def test_the_busiest_experts_rank_is_played_by_default():
+    from moe_dist.config import load_config
+    from moe_dist.moe.routing_model import Histogram
+    from moe_dist.plan.dry_run import busiest_rank
+
+    cfg = load_config("configs/tiny.yaml", TINY + ["parallel.ep=4"])
+    assert busiest_rank(cfg, Balanced(), 16, 8) == 0
+    hist = Histogram({0: [1, 1, 1, 1, 1, 9, 1, 1], 1: [1] * 8})  # expert 5 of 8, two per rank at ep=4
+    assert busiest_rank(cfg, hist, 16, 8) == 2
+
+
+def test_plan_dry_run_command_prints_the_comparison():
+    done = subprocess.run([sys.executable, "-m", "moe_dist.cli", "plan", "--config", "configs/tiny.yaml", "--nodes", "1",
+                           "--gpus-per-node", "4", "--dry-run", *TINY], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "dry run of configs/tiny.yaml: rank 0 of 4" in done.stdout and "checkpoint: this rank writes" in done.stdout
+
+
+def test_the_dry_run_equals_the_tracker_on_real_tensors_in_one_process():
+    """The same measurement on real tensors (real routing, one process, every category): the fake
+    tensors' figures are the real ones. Dropless top-2 of 8 experts at ep=1: every pair of the rank
+    is computed whatever its expert, so the routing does not change the sizes here."""
+    from moe_dist.plan.dry_run import dry_run
+
+    overrides = ["model.n_layers=2", "train.global_batch=4", "train.seq_len=128", "model.vocab_size=4096",
+                 "parallel.ep=1", "train.dtype=fp32"]
+    fake = dry_run("configs/tiny.yaml", overrides, nodes=1, gpus_per_node=1)
+    real = dry_run("configs/tiny.yaml", overrides, nodes=1, gpus_per_node=1, fake=False)
+    assert fake["categories_bytes"] == real["categories_bytes"] and fake["peak_bytes"] == real["peak_bytes"]
+    assert fake["categories_bytes"]["optimizer"] >= 2 * fake["categories_bytes"]["weights"]  # AdamW's two moments
