@@ -221,6 +221,7 @@ class Runtime:
     groups: ParallelGroups = field(default_factory=ParallelGroups.single)
     dp_mesh: Optional[object] = None  # 1-D DeviceMesh ("dp",) over every rank: FSDP2 for dense weights
     mesh: Optional[object] = None  # 2-D DeviceMesh ("edp", "ep"): the expert layout, by name
+    edp_mesh: Optional[object] = None  # mesh["edp"]: FSDP2's mesh for the experts (sliced with the mesh)
     owns_process_group: bool = False
     socket_interface: Optional[SocketInterface] = None  # this host's, on a job over several hosts
 
@@ -253,7 +254,10 @@ def _meshes(groups: ParallelGroups, device: torch.device, world: int):
         dp_mesh = DeviceMesh.from_group(dist.group.WORLD, device.type, mesh_dim_names=("dp",))
         layout = torch.arange(world).view(world // groups.ep_size, groups.ep_size)
         mesh = DeviceMesh.from_group([groups.edp, groups.ep], device.type, mesh=layout, mesh_dim_names=("edp", "ep"))
-    return dp_mesh, mesh
+        # sliced here, once: slicing reads the rank table with tensor ops, which under fake tensors
+        # (moe-dist plan --dry-run) would have no values
+        edp_mesh = mesh["edp"]
+    return dp_mesh, mesh, edp_mesh
 
 
 def init_distributed(ep: Union[int, Callable[[list[str]], int]] = 1, num_experts: Optional[int] = None, *,
@@ -290,14 +294,15 @@ def init_distributed(ep: Union[int, Callable[[list[str]], int]] = 1, num_experts
                                     device_id=dev if dev.type == "cuda" else None)
             owns = True
     try:
-        groups, dp_mesh, mesh = _layout(launch, dev, ep, num_experts, ranks_per_node, dispatch, owns)
+        groups, dp_mesh, mesh, edp_mesh = _layout(launch, dev, ep, num_experts, ranks_per_node, dispatch, owns)
     except BaseException:
         # a layout refused (parallel.ep against the world size, found only once every host is known):
         # the group made here goes now, not in interpreter teardown (after the one-line error)
         if owns and dist.is_initialized():
             _destroy_groups()
         raise
-    return Runtime(launch=launch, device=dev, backend=be, groups=groups, dp_mesh=dp_mesh, mesh=mesh, owns_process_group=owns,
+    return Runtime(launch=launch, device=dev, backend=be, groups=groups, dp_mesh=dp_mesh, mesh=mesh, edp_mesh=edp_mesh,
+                   owns_process_group=owns,
                    socket_interface=iface)
 
 
@@ -317,7 +322,7 @@ def _layout(launch: LaunchInfo, dev: torch.device, ep, num_experts: Optional[int
         return (groups, *_meshes(groups, dev, launch.world_size))
     if callable(ep):
         ep = ep([socket.gethostname()])
-    return build_parallel_groups(ep, num_experts, dispatch=dispatch), None, None  # raises for ep > 1 on one process
+    return build_parallel_groups(ep, num_experts, dispatch=dispatch), None, None, None  # raises for ep > 1 on one process
 
 
 def shutdown(rt: Runtime) -> None:
@@ -335,7 +340,7 @@ def shutdown(rt: Runtime) -> None:
         return
     if sys.exc_info()[0] is None and dist.get_world_size() > 1:
         dist.barrier()
-    rt.dp_mesh = rt.mesh = None
+    rt.dp_mesh = rt.mesh = rt.edp_mesh = None
     _destroy_groups()
 
 

@@ -29,6 +29,10 @@ def add_arguments(parser) -> None:
                      help="the dispatch's counts: balanced, skew:F (the busiest expert F x the mean), or a run's "
                           "metrics.jsonl / run directory (its last logged expert counts)")
     dry.add_argument("--steps", type=int, default=2, metavar="K", help="training steps of the dry run (default 2)")
+    dry.add_argument("--check-collectives", action="store_true",
+                     help="dry-run several ranks and check that every group's members agree on each collective "
+                          "(sizes, all-to-all splits): the ranks of the first ep and edp groups, or --all-ranks")
+    dry.add_argument("--all-ranks", action="store_true", help="--check-collectives: every rank of the world")
     from .planner import DEFAULT_ALPHA_US, DEFAULT_COMPUTE_TFLOPS, DEFAULT_INTER_GBPS, DEFAULT_INTRA_GBPS
 
     net = parser.add_argument_group("step time (alpha-beta model; docs/scale.md)")
@@ -60,8 +64,29 @@ def _max_groups(text: str) -> list:
     return [int(v) if v.strip().isdigit() else v.strip() for v in text.split(",") if v.strip()]
 
 
+def _check_collectives(args) -> int:
+    from .collective_check import check_world
+
+    ranks = list(range(args.nodes * args.gpus_per_node)) if args.all_ranks else None
+    result = check_world(args.config, args.overrides, nodes=args.nodes, gpus_per_node=args.gpus_per_node, ranks=ranks,
+                         routing=args.routing, steps=args.steps, micro_batch=args.micro_batch,
+                         log=(lambda _: None) if args.json else print)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    elif result["problems"]:
+        print(f"{len(result['problems'])} disagreement(s) between ranks (a real job would hang or fail):")
+        print("\n".join(result["problems"][:20]))
+    else:
+        n = sum(result["collectives_per_rank"].values())
+        print(f"ranks {result['ranks']} of {result['world_size']} (ep={result['ep']}) agree on all {n} collectives "
+              f"of their steps ({result['seconds']:.0f} s)")
+    return 1 if result["problems"] else 0
+
+
 def run(args) -> int:
     def go() -> int:
+        if args.check_collectives:
+            return _check_collectives(args)
         if args.dry_run:
             from .dry_run import dry_run, format_dry_run, with_planner
 

@@ -47,13 +47,42 @@ CATEGORIES = {"Sharded Param": "weights", "Unsharded Param": "gathered_weights",
 STAND_IN_FLOAT = 0.0  # what a floating-point host read returns: a finite loss and gradient norm, no NaN flag
 
 
+def _group_ranks(pg) -> tuple:
+    """The global ranks of a process group as an op argument carries it (a boxed ``ProcessGroup``)."""
+    try:
+        group = dist.ProcessGroup.unbox(pg) if not isinstance(pg, dist.ProcessGroup) else pg
+        return tuple(dist.get_process_group_ranks(group))
+    except (RuntimeError, ValueError, TypeError, AttributeError):
+        return ()
+
+
+def _collective_entry(func, args) -> dict:
+    """What a peer must agree on for one collective: the op, the group, sizes and split sizes."""
+    name = func.name().split("::")[-1].split(".")[0]
+    tensors = [a for a in args if torch.is_tensor(a)]
+    lists = [a for a in args if isinstance(a, list) and all(isinstance(v, int) for v in a)]
+    group = next((_group_ranks(a) for a in args if type(a).__name__ in ("ScriptObject", "ProcessGroup")), ())
+    entry = {"op": name, "group": group, "numel": [int(t.numel()) for t in tensors],
+             "row": [int(t[0].numel()) if t.dim() > 0 and t.shape[0] else 0 for t in tensors]}
+    if name.startswith("alltoall_base") and len(lists) >= 2:
+        entry["out_splits"], entry["in_splits"] = lists[0], lists[1]
+    return entry
+
+
 class _StandInReads(TorchDispatchMode):
     """Host reads of fake tensors (``item``, ``float(t)``, ``tolist``): the value of a fake tensor that
     still knows it (a constant such as AdamW's step count), else 0: a finite loss and gradient norm
     and no non-finite flag, so the step is applied. The reads that size tensors never come here (the
-    routing model answers them)."""
+    routing model answers them). Each collective this rank starts is logged (``collectives``): what
+    its peers must agree on (:mod:`moe_dist.plan.collective_check`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.collectives: list[dict] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            self.collectives.append(_collective_entry(func, args))
         if func is torch.ops.aten._local_scalar_dense.default:
             t = args[0]
             if getattr(t, "constant", None) is not None:
@@ -77,7 +106,7 @@ def _fake_world(world: int, rank: int):
 
 
 @contextlib.contextmanager
-def _fake_tensors():
+def _fake_tensors(reads: "_StandInReads"):
     """Fake tensors whose parameters a module may move (``to_empty``): torch's converter memo holds
     weak references that forbid the tensor swap ``nn.Module._apply`` does on fake parameters, so this
     mode's memo keeps strong ones (a few per parameter; the mode lives for one dry run)."""
@@ -85,7 +114,7 @@ def _fake_tensors():
 
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         mode.fake_tensor_converter.meta_converter.tensor_memo = {}
-        with _StandInReads():
+        with reads:
             yield mode
 
 
@@ -118,8 +147,10 @@ def _load(config: str, overrides: Iterable[str], world: int, gpus_per_node: int,
         cfg.train.global_batch = micro_batch * world * cfg.train.grad_accum
     if cfg.train.engine != "native":
         raise ConfigError(f"train.engine={cfg.train.engine!r}: the dry run runs the native engine (FSDP2); allowed: native")
-    if not cfg.model.vocab_size:
-        raise ConfigError("model.vocab_size: the dry run needs it set (it does not train a tokenizer)")
+    if not cfg.model.vocab_size:  # the tokenizer's size, as the planner reads it (data.tokenizer or data.vocab_size)
+        from .planner import _vocab_of
+
+        cfg.model.vocab_size = _vocab_of(cfg)
     return cfg
 
 
@@ -136,6 +167,18 @@ def _track_plain_parameters(tracker, model) -> None:
             tracker._update_and_maybe_create_winfos(param.grad, _FSDPRefType.SHARDED_GRAD)
 
         p.register_post_accumulate_grad_hook(as_grad)
+
+
+def _record_routing(model) -> list:
+    """Each MoE layer forward's routed pairs per expert on this rank, in call order (a real run)."""
+    calls = []
+
+    def record(layer, args, output):
+        calls.append(torch.bincount(layer.last_routing.expert_ids.reshape(-1).cpu(), minlength=layer.num_experts))
+
+    for layer in moe_layers(model):
+        layer.register_forward_hook(record)
+    return calls
 
 
 def _tracker(model, optimizer, batch):
@@ -204,13 +247,19 @@ def save_plan(model, optimizer, rank: int) -> dict:
 
 
 def dry_run(config: str, overrides: Iterable[str] = (), *, nodes: int = 1, gpus_per_node: int = 8,
-            rank: Optional[int] = None, routing: str = "balanced", steps: int = 2,
-            micro_batch: Optional[int] = None, observe=None, fake: bool = True) -> dict:
+            rank: Optional[int] = None, routing="balanced", steps: int = 2,
+            micro_batch: Optional[int] = None, observe=None, fake: bool = True,
+            log_collectives: bool = False) -> dict:
     """One rank's training memory at ``nodes x gpus_per_node`` ranks (module docstring); a dict
     (JSON): ``peak_bytes``, ``categories_bytes``, ``layout``, ``save_plan``, ``seconds``.
     ``observe(model, rt)``: called after the steps (a test's look at what the rank built).
+    ``log_collectives``: the result's ``collectives`` lists every collective of the steps (op, group,
+    sizes, split sizes) for :mod:`moe_dist.plan.collective_check`.
+    ``routing``: a :class:`RoutingModel` or its text (:func:`parse_routing_model`).
     ``fake=False``: the same measurement on real tensors in the process group that exists (the
-    dry run's own validation: every rank of a real gloo world calls it; the routing is real)."""
+    dry run's own validation: every rank of a real gloo world calls it; the routing is real, and
+    ``routed_calls`` lists this rank's pairs per expert of each layer forward, in call order, for
+    a :class:`~moe_dist.moe.routing_model.RecordedRouting`)."""
     from ..train.engines import create_engine
     from ..train.metrics import MoEStepStats
     from ..train.model_setup import build_meta_model, weights_filler
@@ -221,8 +270,10 @@ def dry_run(config: str, overrides: Iterable[str] = (), *, nodes: int = 1, gpus_
         if not isinstance(value, int) or value < 1:
             raise ConfigError(f"{key}: {value!r}; allowed: an integer >= 1")
     world = nodes * gpus_per_node
-    model_of_routing = parse_routing_model(routing)
+    model_of_routing = routing if isinstance(routing, RoutingModel) else parse_routing_model(routing)
     cfg = _load(config, overrides, world, gpus_per_node, micro_batch)
+    if not fake:
+        rank = dist.get_rank() if dist.is_initialized() else 0
     if rank is None:
         rank = busiest_rank(cfg, model_of_routing, world, gpus_per_node)
     if not 0 <= rank < world:
@@ -233,19 +284,21 @@ def dry_run(config: str, overrides: Iterable[str] = (), *, nodes: int = 1, gpus_
         rt = setup_runtime(cfg)  # the world-size rules of the config, the groups, the meshes
         groups = rt.groups
         per_rank = cfg.train.global_batch // cfg.train.grad_accum // groups.dp_size
-        with (_fake_tensors() if fake else contextlib.nullcontext()), \
+        reads = _StandInReads()
+        with (_fake_tensors(reads) if fake else contextlib.nullcontext()), \
                 (stand_in(model_of_routing) if fake else contextlib.nullcontext()):
             model = build_meta_model(cfg, vocab)
             model.set_activation_checkpointing(cfg.train.activation_checkpointing)
             engine = create_engine(cfg, rt, log=lambda _: None)
             engine.prepare(model, fill=_no_fill if fake else weights_filler(cfg, None))
-            if fake:  # the parameters are placed: the converter's usual weak memo again (frees are seen)
+            if fake and torch._guards.active_fake_mode() is not None:  # the parameters are placed: the converter's usual weak memo again (frees are seen)
                 import weakref
 
                 torch._guards.active_fake_mode().fake_tensor_converter.meta_converter.tensor_memo = \
                     weakref.WeakValueDictionary()
             step = TrainStep(cfg.train, rt, engine, model, MoEStepStats(model))
             batch = torch.randint(0, vocab, (per_rank, cfg.train.seq_len + 1))
+            routed_calls = [] if fake else _record_routing(model)
             tracker = _tracker(model, engine.optimizer, batch)
             _forward_per_micro_batch(engine, tracker)
             with tracker:
@@ -266,7 +319,9 @@ def dry_run(config: str, overrides: Iterable[str] = (), *, nodes: int = 1, gpus_
     total = categories.pop("total", sum(categories.values()))
     return {"config": config, "overrides": list(overrides), "routing": model_of_routing.describe(), "steps": steps,
             "layout": layout, "peak_bytes": total, "categories_bytes": categories, "save_plan": saved,
-            "seconds": round(time.perf_counter() - start, 2)}
+            "seconds": round(time.perf_counter() - start, 2),
+            **({} if fake else {"routed_calls": [c.tolist() for c in routed_calls]}),
+            **({"collectives": reads.collectives} if log_collectives else {})}
 
 
 def with_planner(result: dict, gpu_mem_gib: float = 80.0) -> dict:

@@ -106,7 +106,7 @@ def _fully_shard(model: nn.Module, rt: Runtime, reshard_after_forward: bool, dty
         if dtype != "fp32" and any(p.requires_grad for p in layer.router.parameters()):
             fully_shard(layer.router, mesh=rt.dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=fp32)
         if sharded_experts:
-            fully_shard(layer.experts, mesh=rt.mesh["edp"], reshard_after_forward=reshard_after_forward,
+            fully_shard(layer.experts, mesh=rt.edp_mesh, reshard_after_forward=reshard_after_forward,
                         mp_policy=policy)
     experts = set() if sharded_experts else set(expert_parameters(model))  # else left out of the dense units
     units = list(getattr(model, "blocks", []))
