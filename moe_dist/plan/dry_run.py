@@ -142,7 +142,21 @@ def _load(config: str, overrides: Iterable[str], world: int, gpus_per_node: int,
     """The config as the trainer of that world would run it, on fake CPU tensors: the world's nodes
     declared, bf16 kept as bf16 (this CPU's speed says nothing of the target's)."""
     extra = ["run.device=cpu", f"parallel.ranks_per_node={gpus_per_node}", "train.bf16_on_slow_cpu=bf16"]
-    cfg = load_config(config, list(overrides) + extra)
+    if config.endswith(".json"):  # a Hugging Face config: its model, trained as the planner assumes
+        import json
+
+        from ..config import apply_overrides, config_from_dict
+        from ..hf.config import hf_model_spec
+        from .planner import DEFAULT_HF_SEQ_LEN
+
+        with open(config, encoding="utf-8") as f:
+            spec = hf_model_spec(json.load(f), where=config)
+        base = {"model": json.loads(json.dumps(spec.model)),
+                "train": {"dtype": "bf16", "seq_len": DEFAULT_HF_SEQ_LEN, "global_batch": world, "grad_accum": 1},
+                "eval": {"batch": world}}
+        cfg = config_from_dict(apply_overrides(base, list(overrides) + extra))
+    else:
+        cfg = load_config(config, list(overrides) + extra)
     if micro_batch is not None:
         cfg.train.global_batch = micro_batch * world * cfg.train.grad_accum
     if cfg.train.engine != "native":

@@ -42,7 +42,9 @@ allocator caching and fragmentation, communication library buffers, and the data
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Optional
 
 from ..model.params import BlockShape
 from .dispatch_rows import flat_rows_per_token, transfers_per_layer
@@ -90,14 +92,28 @@ def uses_fsdp(dense_mode: str, world: int) -> bool:
     return dense_mode == "fsdp" and world > 1
 
 
+def expert_shard_fraction(local_experts: int, edp: int) -> float:
+    """The largest share of a layer's local experts one of its ``edp`` replicas holds under FSDP2,
+    which shards the ``[experts, ...]`` weights on the expert dimension in chunks of
+    ``ceil(local_experts / edp)``: an even ``1 / edp`` only when ``edp`` divides ``local_experts``
+    (one local expert over 8 replicas: the first holds it whole, the others nothing)."""
+    if edp <= 1 or local_experts < 1:
+        return 1.0
+    return math.ceil(local_experts / edp) / local_experts
+
+
 def engine_state_bytes(dense_params: int, expert_params_local: int, world: int, ep: int, dense_mode: str,
-                       grad_accum: int = 1) -> dict[str, float]:
+                       grad_accum: int = 1, local_experts: Optional[int] = None) -> dict[str, float]:
     """moe_dist's trainer: with FSDP2, dense weights sharded over all ranks and experts over
     their ``edp = world / ep`` replicas (whole when edp = 1); replicated otherwise.
-    ``grad_accum > 1`` under FSDP2: unsharded gradients are kept between micro-batches."""
+    ``grad_accum > 1`` under FSDP2: unsharded gradients are kept between micro-batches.
+    ``local_experts``: experts per layer on this rank (``E / ep``): the busiest replica's share
+    (:func:`expert_shard_fraction`); None: an even split."""
     fsdp = uses_fsdp(dense_mode, world)
     dense_shard = world if fsdp else 1
     expert_shard = world // ep if fsdp else 1
+    if fsdp and local_experts:
+        expert_shard = 1 / expert_shard_fraction(local_experts, world // ep)
 
     def part(bytes_per_param: int, dense_shard: int, expert_shard: int) -> float:
         return dense_params * bytes_per_param / dense_shard + expert_params_local * bytes_per_param / expert_shard

@@ -21,7 +21,7 @@ from ..config.layout import ep_sizes
 from ..hf.config import HFModelSpec, config_path, hf_model_spec, is_hf_config
 from ..model.params import block_shape, count_params
 from .memory import (GIB, STAGES, Units, Workload, activation_bytes, all_to_all_bytes, autocast_copy_bytes,
-                     engine_state_bytes, fsdp_gathered_bytes, fsdp_head_grad_bytes, fsdp_reduce_peak_bytes,
+                     engine_state_bytes, expert_shard_fraction, fsdp_gathered_bytes, fsdp_head_grad_bytes, fsdp_reduce_peak_bytes,
                      gathered_bytes_per_param, grad_sync_bytes, optimizer_step_bytes, state_bytes, uses_fsdp)
 from .timing import Cluster, Links, StepWork, flops_per_token, passes, step_time, sync_time
 from .dispatch_rows import DISPATCHES, dispatch_bytes, group_shape
@@ -131,13 +131,15 @@ def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int
     units = Units(root=counts["embedding"] + counts["lm_head"] + s.d_model, block=counts["largest_dense_block"],
                   experts=experts_per_layer if sharded_experts else 0,
                   output_head=counts["lm_head"] or counts["embedding"])
-    engine = engine_state_bytes(dense, experts_local, world, ep, inp.dense_mode, inp.grad_accum)
+    engine = engine_state_bytes(dense, experts_local, world, ep, inp.dense_mode, inp.grad_accum,
+                                local_experts=s.num_experts // ep if n_moe else None)
     gathered = fsdp_gathered_bytes(units, world, inp.dtype) if fsdp else 0.0
     head_grad = fsdp_head_grad_bytes(units, world, inp.dtype) if fsdp else 0.0
     reduce = fsdp_reduce_peak_bytes(units, world, inp.dtype, inp.backend, inp.grad_accum > 1) if fsdp else 0.0
     whole = (0 if sharded_experts else experts_local) + (0 if fsdp else dense)  # weights FSDP2 does not gather
     autocast = autocast_copy_bytes(whole, inp.dtype)
-    largest_group = max(dense / (world if fsdp else 1), experts_local / (world // ep if sharded_experts else 1))
+    largest_group = max(dense / (world if fsdp else 1),
+                        experts_local * (expert_shard_fraction(s.num_experts // ep, world // ep) if sharded_experts else 1))
     opt_step = optimizer_step_bytes(largest_group)
     states = sum(engine.values())
 
@@ -326,9 +328,15 @@ def _floor(inp: PlanInput, counts: dict, nodes: int, gpus_per_node: int, usable:
             f"activation checkpointing), more than the {usable:.1f} usable; ")
     if uses_fsdp(inp.dense_mode, world):
         experts = ", one MoE layer's experts" if far["experts_sharded_over_edp"] else ""
+        local = E // far["ep"]
+        whole = ""
+        if far["experts_sharded_over_edp"] and expert_shard_fraction(local, far["edp"]) * far["edp"] > 1:
+            whole = (f", and the busiest of the {far['edp']} replicas of each layer's {local} expert(s) holds "
+                     f"{math.ceil(local / far['edp'])} whole (FSDP2 shards the experts on the expert dimension) with "
+                     f"their gradients and AdamW state")
         return text + (f"what does not shrink with more GPUs is what FSDP2 gathers ({g['fsdp_gather']:.1f} GiB: the root "
                        f"unit, two blocks{experts}) and the activations of one micro-batch "
-                       f"({g['activations_checkpointed']:.1f} GiB)")
+                       f"({g['activations_checkpointed']:.1f} GiB){whole}")
     return text + (f"parallel.dense={inp.dense_mode} replicates the dense weights, their gradients and AdamW state "
                    f"({g['weights'] + g['grads'] + g['optimizer']:.1f} GiB with the experts); parallel.dense=fsdp shards them")
 
