@@ -138,3 +138,13 @@ def test_every_rank_of_a_real_gloo_world_equals_its_dry_run(world, layout):
         for key, value in want.items():
             assert got[key] == pytest.approx(value, rel=1e-3, abs=4096), (rank, key)
         assert fake["peak_bytes"] == pytest.approx(real[rank]["peak_bytes"], rel=1e-3)
+
+
+def test_two_micro_batches_give_the_peak_of_all_of_them():
+    from moe_dist.plan.dry_run import dry_run
+
+    overrides = TINY + ["parallel.ep=2", "train.global_batch=32", "train.grad_accum=4"]
+    short = dry_run("configs/tiny.yaml", overrides, nodes=1, gpus_per_node=4, rank=1)
+    full = dry_run("configs/tiny.yaml", overrides, nodes=1, gpus_per_node=4, rank=1, all_micro_batches=True)
+    assert short["layout"]["micro_batches_run"] == 2 and full["layout"]["micro_batches_run"] == 4
+    assert short["peak_bytes"] == full["peak_bytes"] and short["categories_bytes"] == full["categories_bytes"]

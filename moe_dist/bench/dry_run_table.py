@@ -38,13 +38,36 @@ def case(name: str, gpus: int, gpus_per_node: int) -> dict:
             "recommended_ep": result["planner"]["recommended_ep"], "seconds": round(time.perf_counter() - start, 1)}
 
 
+def markdown(cases: list[dict]) -> str:
+    """The table for bench/results.md: peak and the categories that differ, dry run / planner (GiB)."""
+    keys = [("weights (this rank's shards)", "weights"), ("optimizer state", "optimizer"),
+            ("activations", "activations"), ("peak", "peak")]
+    head = "| preset | GPUs | ep/edp | " + " | ".join(f"{k} dry run / planner" for _, k in keys) + " | dry run s |"
+    lines = [head, "|" + "---|" * (len(keys) + 4)]
+    for c in cases:
+        if "error" in c:
+            lines.append(f"| {c['preset']} | {c['gpus']} | {c['error'][:80]} |" + " |" * (len(keys) + 1))
+            continue
+        rows = {r["category"]: r for r in c["rows"]}
+        cells = [f"{rows[k]['dry_run_gib']:.2f} / {rows[k]['planner_gib']:.2f}" for k, _ in keys]
+        lay = c["layout"]
+        lines.append(f"| {c['preset']} | {c['gpus']} | {lay['ep']}/{lay['edp']} | " + " | ".join(cells)
+                     + f" | {c['seconds']:.0f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gpus", default="8,16,64")
     p.add_argument("--presets", default=",".join(PRESETS))
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--out", default="bench/data/dry_run_table.json")
+    p.add_argument("--markdown", metavar="JSON", help="print the table of an earlier run's JSON and stop")
     a = p.parse_args(argv)
+    if a.markdown:
+        with open(a.markdown, encoding="utf-8") as f:
+            print(markdown(json.load(f)))
+        return 0
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores", flush=True)
     done = []
     for name in a.presets.split(","):

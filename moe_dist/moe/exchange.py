@@ -173,6 +173,8 @@ class PipelinedLoop(torch.autograd.Function):
         work = _start(gx[:away], gx_remote, send, recv_splits, ex.group)
         own(own_second)
         work.wait()
+        if reuse:  # the graph is freed after this backward: so are the activations kept outside saved tensors
+            ctx.acts = ctx.received = None
         g1, g3, g2 = grads.finish()
         return (gx if need_x else None), None, g1, g3, g2
 

@@ -162,5 +162,7 @@ class LoopFFN(torch.autograd.Function):
         gx = (torch.zeros_like(x) if not ctx.spans else torch.empty_like(x)) if need_x else None
         for (e, s, t), acts in zip(ctx.spans, ctx.acts):
             span_backward(gy[s:t], x[s:t], acts, e, *w, None if gx is None else gx[s:t], grads, reuse)
+        if reuse:  # the graph is freed after this backward: the activations kept as attributes go with it now,
+            ctx.acts = None  # not when whatever still refers to the node lets go
         g1, g3, g2 = grads.finish()
         return gx, None, g1, g3, g2

@@ -13,9 +13,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 from moe_dist.config import load_config  # noqa: E402
+from moe_dist.train import step as step_module  # noqa: E402
 from moe_dist.train import trainer as trainer_module  # noqa: E402
 
-real = trainer_module.F
+real = step_module.F
 
 
 class PoisonedOnce:
@@ -35,7 +36,7 @@ class PoisonedOnce:
 if __name__ == "__main__":
     run, cache, poison, *extra = sys.argv[1:]
     PoisonedOnce.factor = {"nan": float("nan"), "spike": 10.0}[poison]
-    trainer_module.F = PoisonedOnce()
+    step_module.F = PoisonedOnce()  # the training step's loss (moe_dist/train/step.py)
     cfg = load_config(os.path.join(ROOT, "configs/test.yaml"), [
         f"run.dir={run}", f"data.cache_dir={cache}", "parallel.ep=1", "run.progress=false", "run.plots=false",
         "run.tensorboard=false", "ckpt.every=2", "train.max_nonfinite_steps=1", "train.on_divergence=rollback",
