@@ -334,12 +334,9 @@ def section_tests(ctx: Context) -> dict:
 def read_run(run_dir: str, skip_steps: int) -> dict:
     """tokens/s of the steps after the first ``skip_steps`` (median per step, and over all of them
     together), and what summary.json says of memory and loss."""
-    rows = []
-    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
-        for line in f:
-            row = json.loads(line) if line.strip() else {}
-            if "tokens_per_s" in row and "step" in row:
-                rows.append(row)
+    from ..train.metrics import read_metrics
+
+    rows = [r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "tokens_per_s" in r and "step" in r]
     if not rows:
         raise RuntimeError(f"{run_dir}/metrics.jsonl has no training step")
     kept = rows[min(skip_steps, len(rows) - 1):]

@@ -47,18 +47,26 @@ def all_gather_tensor(t: torch.Tensor, group: Optional[dist.ProcessGroup]) -> to
     return out.view((group_size(group),) + tuple(t.shape))
 
 
+def subgroup_positions(group: Optional[dist.ProcessGroup], subgroup: Optional[dist.ProcessGroup]) -> Optional[list[int]]:
+    """The rank in ``group`` of each member of ``subgroup``, in ``subgroup`` rank order (this rank's
+    alone without a subgroup); None when a member of ``subgroup`` is not in ``group``."""
+    if not _active(subgroup):
+        return [group_rank(group)]
+    if not _active(group):
+        return None
+    try:
+        return [dist.get_group_rank(group, dist.get_global_rank(subgroup, i)) for i in range(group_size(subgroup))]
+    except (ValueError, RuntimeError):
+        return None
+
+
 def subgroup_rows(gathered: torch.Tensor, group: Optional[dist.ProcessGroup],
                   subgroup: Optional[dist.ProcessGroup]) -> Optional[torch.Tensor]:
     """The rows of ``gathered`` (``[R, ...]`` from :func:`all_gather_tensor` over ``group``) that
     belong to the members of ``subgroup``, in ``subgroup`` rank order; None when a member of
     ``subgroup`` is not in ``group``."""
-    if not _active(subgroup):
-        return gathered[group_rank(group) : group_rank(group) + 1]
-    if not _active(group):
-        return None
-    try:
-        idx = [dist.get_group_rank(group, dist.get_global_rank(subgroup, i)) for i in range(group_size(subgroup))]
-    except (ValueError, RuntimeError):
+    idx = subgroup_positions(group, subgroup)
+    if idx is None:
         return None
     if idx == list(range(idx[0], idx[0] + len(idx))):  # consecutive ranks: a view, no index tensor to copy over
         return gathered[idx[0] : idx[0] + len(idx)]

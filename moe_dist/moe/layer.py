@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import ConfigError
-from ..distributed.collectives import subgroup_rows
+from ..distributed.collectives import subgroup_positions, subgroup_rows
 from ..distributed.groups import ParallelGroups
 from .args import MoEArgs
 from .capacity import apply_capacity
@@ -241,8 +241,7 @@ class MoELayer(nn.Module):
                          args.capacity_factor_for(self.training), args.capacity_scope, args.drop_policy,
                          args.min_capacity)
         kept = kept_counts(model.routed(call), call)
-        first = g.dp_rank - g.ep_rank  # expert-parallel groups are blocks of consecutive ranks
-        return kept[first:first + g.ep_size]
+        return [kept[r] for r in subgroup_positions(self.context.stats_group, g.ep)]
 
     def _count_for_expert_bias(self, stats: GatheredStats) -> None:
         """Add this forward's per-expert counts to the optimizer step's (expert bias, training only)."""

@@ -19,9 +19,11 @@ factor then caps what each rank keeps, as :func:`~moe_dist.moe.capacity.apply_ca
 """
 from __future__ import annotations
 
+import abc
 import json
 import math
 import os
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from ..errors import ConfigError
@@ -39,13 +41,14 @@ def apportion(total: int, shares: Sequence[float]) -> list[int]:
     return out
 
 
-class RoutingModel:
+class RoutingModel(abc.ABC):
     """Per-expert shares of the routed pairs, the same on every rank (per MoE layer)."""
 
     name = "model"
 
+    @abc.abstractmethod
     def shares(self, layer_idx: int, num_experts: int) -> list[float]:
-        raise NotImplementedError
+        """The relative load of each expert of MoE layer ``layer_idx``."""
 
     def routed(self, call: "LayerCall") -> list[list[int]]:
         """``[R][E]`` pairs each rank of the stats group routes to each expert (before capacity)."""
@@ -105,7 +108,8 @@ class Histogram(RoutingModel):
 
 class RecordedRouting(RoutingModel):
     """Every rank's routed pairs per expert (``[R][E]``) of each layer forward, in call order, as a
-    real run measured them (``stats.per_rank.counts``): the dry run then sees the same shapes."""
+    real run measured them (``dry_run(..., fake=False)``'s ``routed_calls`` of every rank): the dry
+    run then sees the same shapes."""
 
     name = "recorded"
 
@@ -124,16 +128,21 @@ class RecordedRouting(RoutingModel):
         return [float(sum(r[e] for c in self.calls for r in c)) for e in range(num_experts)]
 
 
+@dataclass(frozen=True)
 class LayerCall:
-    """What a layer forward asks of the routing model: its tokens and layout, and its capacity."""
+    """What a layer forward asks of the routing model: its tokens and layout (``ranks`` of the stats
+    group, this one ``rank``), and its capacity (``capacity_factor`` None: dropless)."""
 
-    def __init__(self, layer_idx: int, tokens: int, top_k: int, num_experts: int, ranks: int, rank: int,
-                 capacity_factor: Optional[float] = None, scope: str = "global", drop_policy: str = "position",
-                 min_capacity: int = 0):
-        self.layer_idx, self.tokens, self.top_k, self.num_experts = layer_idx, tokens, top_k, num_experts
-        self.ranks, self.rank = ranks, rank
-        self.capacity_factor, self.scope, self.drop_policy, self.min_capacity = (capacity_factor, scope,
-                                                                                 drop_policy, min_capacity)
+    layer_idx: int
+    tokens: int
+    top_k: int
+    num_experts: int
+    ranks: int
+    rank: int
+    capacity_factor: Optional[float] = None
+    scope: str = "global"
+    drop_policy: str = "position"
+    min_capacity: int = 0
 
 
 def kept_counts(routed: list[list[int]], call: LayerCall) -> list[list[int]]:
@@ -184,7 +193,7 @@ def parse_routing_model(spec: str) -> RoutingModel:
 
 def histogram_from_metrics(path: str) -> Histogram:
     """The per-expert counts of each MoE layer in the last row of ``metrics.jsonl`` that has them
-    (``moe.layer<i>.expert_counts``, as the trainer logs them)."""
+    (``row["moe"][<block index>]["expert_counts"]``, as the trainer logs them)."""
     found: dict[int, list[float]] = {}
     with open(path, encoding="utf-8") as f:
         for line in f:

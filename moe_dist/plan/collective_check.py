@@ -62,8 +62,8 @@ def _compare(group: tuple, k: int, calls: dict[int, dict], complete: bool) -> li
                 got, sent = c["out_splits"][pos[s]], d["in_splits"][pos[r]]
                 if got != sent:
                     out.append(f"{where} ({op}): rank {r} expects {got} rows from rank {s}, which sends {sent}")
-            if len({c["row"][0] for c in calls.values() if c["row"][0]}) > 1:
-                out.append(f"{where} ({op}): the ranks' rows differ in width")
+        if len({c["row"][0] for c in calls.values() if c["row"][0]}) > 1:
+            out.append(f"{where} ({op}): the ranks' rows differ in width")
         return out
     sizes = {r: tuple(c["numel"]) for r, c in calls.items()}  # an even all-to-all: equal sizes too
     if len(set(sizes.values())) > 1:

@@ -24,6 +24,7 @@ the allocator's rounding and caching, and communication library buffers, none of
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import Iterable, Optional
 
@@ -36,8 +37,8 @@ from ..moe import moe_layers
 from ..moe.routing_model import RoutingModel, parse_routing_model
 from ..moe.stand_in import stand_in
 from ..parallel import expert_parameters
+from .memory import GIB
 
-GIB = float(1 << 30)
 # tracker category -> the name the dry run reports it under
 CATEGORIES = {"Sharded Param": "weights", "Unsharded Param": "gathered_weights", "Buffer": "buffers",
               "Sharded Grad": "grads", "Unsharded Grad": "grads", "Activation": "activations", "Temp": "temporaries",
@@ -107,15 +108,28 @@ def _fake_world(world: int, rank: int):
 
 @contextlib.contextmanager
 def _fake_tensors(reads: "_StandInReads"):
-    """Fake tensors whose parameters a module may move (``to_empty``): torch's converter memo holds
-    weak references that forbid the tensor swap ``nn.Module._apply`` does on fake parameters, so this
-    mode's memo keeps strong ones (a few per parameter; the mode lives for one dry run)."""
+    """Fake tensors, with ``reads`` answering their host reads."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        mode.fake_tensor_converter.meta_converter.tensor_memo = {}
-        with reads:
-            yield mode
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, reads:
+        yield mode
+
+
+@contextlib.contextmanager
+def _placing_parameters(mode):
+    """While the model is built and its parameters placed (``to_empty``): torch's converter memo holds
+    weak references, which forbid the tensor swap ``nn.Module._apply`` does on fake parameters, so
+    the memo keeps strong ones; afterwards torch's weak memo again, else no tensor converted during
+    the steps is ever freed (every free missed). ``mode`` None: real tensors, nothing to do."""
+    if mode is None:
+        yield
+        return
+    converter = mode.fake_tensor_converter.meta_converter
+    weak, converter.tensor_memo = converter.tensor_memo, {}
+    try:
+        yield
+    finally:
+        converter.tensor_memo = weak
 
 
 def _no_fill(model) -> None:
@@ -141,22 +155,16 @@ def busiest_rank(cfg, routing: RoutingModel, world: int, gpus_per_node: int) -> 
 def _load(config: str, overrides: Iterable[str], world: int, gpus_per_node: int, micro_batch: Optional[int]):
     """The config as the trainer of that world would run it, on fake CPU tensors: the world's nodes
     declared, bf16 kept as bf16 (this CPU's speed says nothing of the target's)."""
+    from .planner import hf_config, hf_seq_len, read_source
+
     extra = ["run.device=cpu", f"parallel.ranks_per_node={gpus_per_node}", "train.bf16_on_slow_cpu=bf16"]
-    if config.endswith(".json"):  # a Hugging Face config: its model, trained as the planner assumes
-        import json
-
-        from ..config import apply_overrides, config_from_dict
-        from ..hf.config import hf_model_spec
-        from .planner import DEFAULT_HF_SEQ_LEN
-
-        with open(config, encoding="utf-8") as f:
-            spec = hf_model_spec(json.load(f), where=config)
-        base = {"model": json.loads(json.dumps(spec.model)),
-                "train": {"dtype": "bf16", "seq_len": DEFAULT_HF_SEQ_LEN, "global_batch": world, "grad_accum": 1},
-                "eval": {"batch": world}}
-        cfg = config_from_dict(apply_overrides(base, list(overrides) + extra))
+    path, raw, hf = read_source(config)
+    if hf:  # a Hugging Face config: its model, trained as the planner assumes
+        sections = {"train": {"dtype": "bf16", "seq_len": hf_seq_len(raw), "global_batch": world, "grad_accum": 1},
+                    "eval": {"batch": world}}
+        cfg = hf_config(raw, path, list(overrides) + extra, sections)[1]
     else:
-        cfg = load_config(config, list(overrides) + extra)
+        cfg = load_config(path, list(overrides) + extra)
     if micro_batch is not None:
         cfg.train.global_batch = micro_batch * world * cfg.train.grad_accum
     if cfg.train.engine != "native":
@@ -253,10 +261,7 @@ def save_plan(model, optimizer, rank: int) -> dict:
         if data is None or isinstance(data, BytesStorageMetadata):
             other += 1
             continue
-        n = 1
-        for s in data.chunk.sizes:
-            n *= int(s)
-        tensor_bytes += n * torch.empty((), dtype=data.properties.dtype).element_size()
+        tensor_bytes += math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
     return {"items": len(plan.items), "tensor_bytes": tensor_bytes, "byte_items": other}
 
 
@@ -304,17 +309,13 @@ def dry_run(config: str, overrides: Iterable[str] = (), *, nodes: int = 1, gpus_
         per_rank = cfg.train.global_batch // cfg.train.grad_accum // groups.dp_size
         micro = cfg.train.grad_accum if all_micro_batches else min(cfg.train.grad_accum, 2)
         reads = _StandInReads()
-        with (_fake_tensors(reads) if fake else contextlib.nullcontext()), \
+        with (_fake_tensors(reads) if fake else contextlib.nullcontext()) as mode, \
                 (stand_in(model_of_routing) if fake else contextlib.nullcontext()):
-            model = build_meta_model(cfg, vocab)
-            model.set_activation_checkpointing(cfg.train.activation_checkpointing)
-            engine = create_engine(cfg, rt, log=lambda _: None)
-            engine.prepare(model, fill=_no_fill if fake else weights_filler(cfg, None))
-            if fake and torch._guards.active_fake_mode() is not None:  # the parameters are placed: the converter's usual weak memo again (frees are seen)
-                import weakref
-
-                torch._guards.active_fake_mode().fake_tensor_converter.meta_converter.tensor_memo = \
-                    weakref.WeakValueDictionary()
+            with _placing_parameters(mode):
+                model = build_meta_model(cfg, vocab)
+                model.set_activation_checkpointing(cfg.train.activation_checkpointing)
+                engine = create_engine(cfg, rt, log=lambda _: None)
+                engine.prepare(model, fill=_no_fill if fake else weights_filler(cfg, None))
             step = TrainStep(cfg.train, rt, engine, model, MoEStepStats(model))
             batch = torch.randint(0, vocab, (per_rank, cfg.train.seq_len + 1))
             routed_calls = [] if fake else _record_routing(model)
@@ -364,8 +365,8 @@ def comparison_rows(result: dict) -> list[tuple[str, float, Optional[float]]]:
     c = {k: v / GIB for k, v in result["categories_bytes"].items()}
     p = (result.get("planner") or {}).get("memory_gib") or {}
 
-    def planned(*keys: str) -> Optional[float]:
-        return sum(p[k] for k in keys) if p and all(k in p for k in keys) else None
+    def planned(key: str) -> Optional[float]:
+        return p.get(key)
 
     rows = [("weights (this rank's shards)", c.get("weights", 0.0), planned("weights")),
             ("gradients", c.get("grads", 0.0), planned("grads")),

@@ -74,23 +74,40 @@ def _vocab_of(cfg) -> int:
     return cfg.data.vocab_size  # the tokenizer the trainer would train
 
 
-def load_plan_input(path: str, overrides: Iterable[str] = (), seq_len: Optional[int] = None) -> PlanInput:
-    overrides = list(overrides)
-    if os.path.isdir(path):  # a Hugging Face checkpoint directory
+def read_source(path: str) -> tuple[str, dict, bool]:
+    """``--config`` as given: (the file read, its mapping, whether it is a Hugging Face config); a
+    Hugging Face checkpoint directory is read through its ``config.json``."""
+    if os.path.isdir(path):
         path = config_path(path)
     raw = _read_mapping(path)
-    if path.endswith(".json") or is_hf_config(raw):
-        spec: HFModelSpec = hf_model_spec(raw, where=path)
+    return path, raw, path.endswith(".json") or is_hf_config(raw)
+
+
+def hf_seq_len(raw: dict) -> int:
+    """Tokens per sequence planned for a Hugging Face model: 4096, or its context if shorter."""
+    return min(DEFAULT_HF_SEQ_LEN, int(raw.get("max_position_embeddings") or DEFAULT_HF_SEQ_LEN))
+
+
+def hf_config(raw: dict, where: str, overrides: Iterable[str], sections: Optional[dict] = None):
+    """(the model's :class:`HFModelSpec`, our Config of it): its model (granular upcycling expanded,
+    as `moe-dist upcycle` would write it) with ``sections`` (e.g. ``train``) and the overrides."""
+    spec: HFModelSpec = hf_model_spec(raw, where=where)
+    ours = apply_overrides({**(sections or {}), "model": json.loads(json.dumps(spec.model))}, list(overrides))
+    moe = ours["model"].setdefault("moe", {}) if isinstance(ours.get("model"), dict) else None
+    if isinstance(moe, dict):  # granular upcycling: what `moe-dist upcycle` would write
+        expand_granularity(moe, spec.model["d_ff"])
+    return spec, config_from_dict(ours)
+
+
+def load_plan_input(path: str, overrides: Iterable[str] = (), seq_len: Optional[int] = None) -> PlanInput:
+    overrides = list(overrides)
+    path, raw, hf = read_source(path)
+    if hf:
+        spec, cfg = hf_config(raw, path, overrides)
         plans_moe = spec.is_moe or any(o.split("=", 1)[0].strip().startswith("model.moe.") for o in overrides)
-        ours = apply_overrides({"model": json.loads(json.dumps(spec.model))}, overrides)
-        moe = ours["model"].setdefault("moe", {}) if isinstance(ours.get("model"), dict) else None
-        if isinstance(moe, dict):  # granular upcycling: what `moe-dist upcycle` would write
-            expand_granularity(moe, spec.model["d_ff"])
-        cfg = config_from_dict(ours)
         moe_blocks = cfg.model.moe.layer_indices(cfg.model.n_layers) if plans_moe else []
-        max_pos = int(raw.get("max_position_embeddings") or DEFAULT_HF_SEQ_LEN)
         return PlanInput(source=path, kind=f"hf:{spec.family}", model=cfg.model, moe_blocks=moe_blocks,
-                         seq_len=seq_len or min(DEFAULT_HF_SEQ_LEN, max_pos), global_batch=None, grad_accum=1,
+                         seq_len=seq_len or hf_seq_len(raw), global_batch=None, grad_accum=1,
                          dtype="bf16", dense_mode="fsdp", configured_ep=None, notes=list(spec.notes))
     cfg = load_config(path, overrides)
     cfg.model.vocab_size = _vocab_of(cfg)

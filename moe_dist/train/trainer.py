@@ -1,10 +1,8 @@
 """The training loop.
 
 One optimizer step = ``train.grad_accum`` micro-batches of ``global_batch / grad_accum``
-sequences spread over the data-parallel ranks. Each rank's loss is its *share* of the
-step's global loss (sum of its token losses / tokens in the global step, plus its share of
-the MoE auxiliary losses / grad_accum), gradients are summed over ranks, so any number of
-ranks computes what one process computes on the whole batch.
+sequences spread over the data-parallel ranks; the step itself, and why any number of ranks
+computes what one process computes on the whole batch, is :mod:`moe_dist.train.step`.
 """
 from __future__ import annotations
 
