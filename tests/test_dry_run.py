@@ -151,3 +151,20 @@ def test_two_micro_batches_give_the_peak_of_all_of_them():
     full = dry_run("configs/tiny.yaml", overrides, nodes=1, gpus_per_node=4, rank=1, all_micro_batches=True)
     assert short["layout"]["micro_batches_run"] == 2 and full["layout"]["micro_batches_run"] == 4
     assert short["peak_bytes"] == full["peak_bytes"] and short["categories_bytes"] == full["categories_bytes"]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("ep,reshard", [(8, "true"), (2, "false")])
+def test_the_planner_equals_the_dry_run_category_by_category(dtype, ep, reshard):
+    """The planner's activation model (what each block keeps, the loss's fp32 rows) and its phases:
+    at 8 ranks, dense and MoE blocks, with and without resharding after forward, each category at
+    the peak within 2% of the dry run's (GiB rounded to 3 decimals: sizes of a GiB or more)."""
+    from moe_dist.plan.dry_run import comparison_rows, dry_run, with_planner
+
+    overrides = ["model.n_layers=2", "model.moe.layers=every_other", "train.seq_len=2048", "train.global_batch=16",
+                 "model.d_model=1024", "model.d_ff=2816", "model.moe.d_ff=1024", "data.vocab_size=32000",
+                 f"train.dtype={dtype}", f"parallel.ep={ep}", f"parallel.reshard_after_forward={reshard}"]
+    result = with_planner(dry_run("configs/tiny.yaml", overrides, nodes=1, gpus_per_node=8))
+    assert result["planner"]["memory_gib"]["at_peak"]["phase"] == "backward start"
+    for name, got, want in comparison_rows(result):
+        assert want == pytest.approx(got, rel=0.02, abs=2e-3), name

@@ -220,16 +220,33 @@ def _tracker(model, optimizer, batch):
     return tracker
 
 
-def _forward_per_micro_batch(engine, tracker) -> None:
+def _per_micro_batch(engine, model, tracker) -> None:
     """The tracker keeps per-module figures of one forward and refuses a second one: each
-    micro-batch's forward starts with those cleared (the peak over the whole run is kept)."""
-    forward = engine.forward
+    micro-batch's forward starts with those cleared (the peak over the whole run is kept). After
+    each backward, the unsharded gradients FSDP2 keeps between micro-batches (no reduction until
+    the last one) are filed as gradients: the tracker saw them made in backward and calls them
+    temporaries."""
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+    from torch.distributed.fsdp import FSDPModule
+
+    forward, backward = engine.forward, engine.backward
+    fsdp_params = [fp for m in model.modules() if isinstance(m, FSDPModule)
+                   for group in [m._get_fsdp_state()._fsdp_param_group] if group is not None
+                   for fp in group.fsdp_params]
 
     def tracked_forward(tokens):
         tracker.reset_mod_stats()
         return forward(tokens)
 
-    engine.forward = tracked_forward
+    def tracked_backward(loss):
+        backward(loss)
+        for fp in fsdp_params:
+            for grad in (fp.unsharded_accumulated_grad, getattr(fp._unsharded_param, "grad", None)
+                         if hasattr(fp, "_unsharded_param") else None):
+                if grad is not None:
+                    tracker._update_and_maybe_create_winfos(grad, _FSDPRefType.UNSHARDED_GRAD)
+
+    engine.forward, engine.backward = tracked_forward, tracked_backward
 
 
 def _snapshot(tracker, which: str = "peak") -> dict[str, int]:
@@ -320,7 +337,7 @@ def dry_run(config: str, overrides: Iterable[str] = (), *, nodes: int = 1, gpus_
             batch = torch.randint(0, vocab, (per_rank, cfg.train.seq_len + 1))
             routed_calls = [] if fake else _record_routing(model)
             tracker = _tracker(model, engine.optimizer, batch)
-            _forward_per_micro_batch(engine, tracker)
+            _per_micro_batch(engine, model, tracker)
             with tracker:
                 for s in range(steps):
                     step(s, [batch] * micro)
@@ -356,7 +373,8 @@ def with_planner(result: dict, gpu_mem_gib: float = 80.0) -> dict:
     memory = same[0]["memory_gib"] if same else None
     if memory is not None and lay["activation_checkpointing"]:
         memory = dict(memory, total=memory["total_with_activation_checkpointing"],
-                      activations=memory["activations_checkpointed"])
+                      activations=memory["activations_checkpointed"],
+                      at_peak=memory["at_peak_with_activation_checkpointing"])
     return dict(result, planner={"memory_gib": memory, "recommended_ep": (planned["recommended"] or {}).get("ep")})
 
 
@@ -368,13 +386,17 @@ def comparison_rows(result: dict) -> list[tuple[str, float, Optional[float]]]:
     def planned(key: str) -> Optional[float]:
         return p.get(key)
 
+    def at_peak(key: str) -> Optional[float]:  # the planner's figure at its predicted peak
+        return (p.get("at_peak") or {}).get(key)
+
     rows = [("weights (this rank's shards)", c.get("weights", 0.0), planned("weights")),
-            ("gradients", c.get("grads", 0.0), planned("grads")),
+            ("gradients", c.get("grads", 0.0), at_peak("grads")),
             ("optimizer state", c.get("optimizer", 0.0), planned("optimizer")),
-            ("activations", c.get("activations", 0.0), planned("activations")),
-            ("FSDP2 gathered weights", c.get("gathered_weights", 0.0) + c.get("all_gather", 0.0), planned("fsdp_gather")),
-            ("FSDP2 reduce-scatter", c.get("reduce_scatter", 0.0), planned("fsdp_reduce")),
-            ("temporaries", c.get("temporaries", 0.0), None),
+            # the tracker files bf16 autocast copies of weights FSDP2 does not gather as activations
+            ("activations", c.get("activations", 0.0), at_peak("activations")),
+            ("FSDP2 gathered weights", c.get("gathered_weights", 0.0) + c.get("all_gather", 0.0), at_peak("fsdp_gather")),
+            ("FSDP2 reduce-scatter", c.get("reduce_scatter", 0.0), at_peak("fsdp_reduce")),
+            ("temporaries", c.get("temporaries", 0.0), at_peak("temporaries")),
             ("peak", result["peak_bytes"] / GIB, planned("total"))]
     return rows
 
@@ -390,6 +412,9 @@ def format_dry_run(result: dict) -> str:
     for name, got, want in comparison_rows(result):
         ratio = f"{want / got:.2f}" if want is not None and got > 0 else ""
         lines.append(f"{name:<32}{got:>10.3f}{'' if want is None else f'{want:10.3f}':>10}{ratio:>8}")
+    phase = (((result.get("planner") or {}).get("memory_gib") or {}).get("at_peak") or {}).get("phase")
+    if phase:
+        lines.append(f"the planner's figures are those at its predicted peak: {phase}")
     sp = result["save_plan"]
     lines.append(f"checkpoint: this rank writes {sp['items']} items, {sp['tensor_bytes'] / GIB:.3f} GiB of tensors")
     return "\n".join(lines)

@@ -29,13 +29,21 @@ Transients on top of those states (the peak is the largest of them):
 * the optimizer step: foreach AdamW makes one fp32 temporary (sqrt of the second moment) the
   size of its largest parameter group on this rank.
 
-Activations are estimated from the tensors each block keeps for backward (elements per
-token, activation dtype of ``e`` bytes): attention ``2d + (2H + 3KV) hd`` (norm in/out, q, k,
-v, rotated q, k, output; fused attention keeps no S x S matrix), dense SwiGLU ``2d + 3 ff``,
-MoE ``2d + k (2d + 3 ff_e)`` plus fp32 router scores, and ``V (e + 8)`` for logits with an fp32
-cross-entropy. Routers that read attention probabilities add an fp32 ``H x S`` row per token.
-With activation checkpointing each block keeps only its input (``d`` per token) and one block
-is recomputed at a time.
+Activations are what the step keeps for backward, per token, as the dry run measures them
+(:mod:`moe_dist.plan.dry_run`, torch's CPU kernels; ``e`` = activation bytes, 2 under bf16 autocast):
+each RMSNorm ``8d`` (its input and the normalised input in fp32; torch's composite kernel) plus
+its output as the next matmul keeps it (``e d``; fp32 for a router); attention ``e (2H + 2KV) hd``
+(rotated q and k, v, the output) and the fused kernel's fp32 log-sum-exp (``4H``); dense SwiGLU
+``4 e ff`` (both projections, their SiLU, the product); an MoE layer ``k e (2d + 3 ff_e)`` (the
+dispatched rows in and out, each expert's two projections and product) plus, with the ``loop``
+kernel's pipelined exchange over ``ep`` ranks, the ``(ep - 1) / ep`` of those rows that came from
+peers, and its fp32 router state; the loss keeps the fp32 log-softmax (``4 V``) and its backward
+starts with two more fp32 ``V`` rows (:func:`loss_backward_bytes`), the step's peak when nothing
+larger is gathered. Routers that read attention probabilities add
+an fp32 ``H x S`` row per token. With activation checkpointing each block keeps only its input
+(``e d`` per token) and one block is recomputed at a time. CUDA's fused RMSNorm keeps only the
+input (``4d`` less per norm than the CPU kernel the dry run runs): the planner stays on the side of
+the measured figure.
 
 Not modelled: the framework's own memory (CUDA context / the CPU runtime and libraries),
 allocator caching and fragmentation, communication library buffers, and the data pipeline.
@@ -64,6 +72,7 @@ class Workload:
     moe_blocks: list[int]
     graph_values: float = 0.0  # fp32 values per token a token-graph router keeps (its mixing weights)
     attention_probs: bool = False  # the model hands the router [H, S, S] attention probabilities
+    received_fraction: float = 0.0  # dispatched rows the loop kernel's pipelined exchange keeps again: (ep - 1) / ep
 
     @property
     def tokens(self) -> int:
@@ -123,36 +132,51 @@ def engine_state_bytes(dense_params: int, expert_params_local: int, world: int, 
             "optimizer": part(8, dense_shard, expert_shard)}
 
 
-def block_activation_elems(s: BlockShape, is_moe: bool, act_bytes: int, seq_len: int, attention_probs: bool,
-                           graph_values: float = 0.0) -> float:
-    """Elements (in activation dtype units) kept per token by one block for backward: with a
-    token-graph router also its mixing weights (``graph_values`` fp32 per token) and, for the
-    ``probs`` attention form, every head's [S, S] probabilities."""
-    attn = 2 * s.d_model + (2 * s.n_heads + 3 * s.n_kv_heads) * s.head_dim
-    if is_moe:
-        ffn = 2 * s.d_model + s.top_k * (2 * s.d_model + 3 * s.expert_d_ff) + 2 * s.num_experts * 4 / act_bytes
-        if s.shared_d_ff:  # the shared expert's hidden activations and output (and its gate)
-            ffn += 3 * s.shared_d_ff + s.d_model + (2 if s.shared_gate else 0)
-        ffn += graph_values * 4 / act_bytes
-        if attention_probs:
-            ffn += s.n_heads * seq_len * 4 / act_bytes
-    else:
-        ffn = 2 * s.d_model + 3 * s.d_ff
+def norm_bytes(d: int, consumer_bytes: int) -> int:
+    """Bytes per token one RMSNorm leaves for backward: its fp32 input and normalised input
+    (torch's composite kernel) and its output as the matmul after it keeps it."""
+    return 8 * d + consumer_bytes * d + 4
+
+
+def block_activation_bytes(s: BlockShape, is_moe: bool, act_bytes: int, seq_len: int, attention_probs: bool,
+                           graph_values: float = 0.0, received_fraction: float = 0.0) -> float:
+    """Bytes kept per token by one block for backward (module docstring): with a token-graph router
+    also its mixing weights (``graph_values`` fp32 per token), for the ``probs`` attention form every
+    head's [S, S] probabilities, and ``received_fraction`` of the dispatched rows kept a second time
+    (the pipelined exchange's rows from peers)."""
+    e = act_bytes
+    attn = norm_bytes(s.d_model, e) + e * (2 * s.n_heads + 2 * s.n_kv_heads) * s.head_dim + 4 * s.n_heads
+    if not is_moe:
+        return attn + norm_bytes(s.d_model, e) + 4 * e * s.d_ff
+    k = s.top_k
+    ffn = (norm_bytes(s.d_model, 4) + k * e * (2 * s.d_model + 3 * s.expert_d_ff)
+           + received_fraction * k * e * s.d_model + 8 * s.num_experts + 29 * k + 8)
+    if s.shared_d_ff:  # the shared expert's hidden activations and output (and its gate)
+        ffn += e * (3 * s.shared_d_ff + s.d_model + (2 if s.shared_gate else 0))
+    ffn += graph_values * 4
+    if attention_probs:
+        ffn += s.n_heads * seq_len * 4
     return attn + ffn
 
 
 def activation_bytes(s: BlockShape, w: Workload, checkpointing: bool) -> float:
-    """Peak activation bytes of one micro-batch on one GPU."""
+    """Activation bytes of one micro-batch on one GPU at the start of backward: what the blocks
+    keep, and the loss's fp32 log-softmax."""
     moe = set(w.moe_blocks)
-    per_block = [block_activation_elems(s, i in moe, w.act_bytes, w.seq_len, w.attention_probs, w.graph_values)
-                 for i in range(w.n_layers)]
-    logits = w.vocab_size * (w.act_bytes + 8) / w.act_bytes
-    edges = 3 * s.d_model  # embedding output, final norm in/out
+    per_block = [block_activation_bytes(s, i in moe, w.act_bytes, w.seq_len, w.attention_probs, w.graph_values,
+                                        w.received_fraction) for i in range(w.n_layers)]
+    edges = norm_bytes(s.d_model, w.act_bytes) + 4 * w.vocab_size  # the final norm; the loss's fp32 log-softmax
     if checkpointing:
-        elems = w.n_layers * s.d_model + max(per_block) + logits + edges
+        per_token = w.n_layers * s.d_model * w.act_bytes + max(per_block) + edges
     else:
-        elems = sum(per_block) + logits + edges
-    return elems * w.tokens * w.act_bytes
+        per_token = sum(per_block) + edges
+    return per_token * w.tokens
+
+
+def loss_backward_bytes(w: Workload) -> float:
+    """The loss's backward, its first transient: two fp32 ``[tokens, vocab]`` gradients (of the
+    log-softmax and of the logits) beside the activations."""
+    return 8.0 * w.vocab_size * w.tokens
 
 
 @dataclass

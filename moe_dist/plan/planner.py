@@ -22,7 +22,7 @@ from ..hf.config import HFModelSpec, config_path, hf_model_spec, is_hf_config
 from ..model.params import block_shape, count_params
 from .memory import (GIB, STAGES, Units, Workload, activation_bytes, all_to_all_bytes, autocast_copy_bytes,
                      engine_state_bytes, expert_shard_fraction, fsdp_gathered_bytes, fsdp_head_grad_bytes, fsdp_reduce_peak_bytes,
-                     gathered_bytes_per_param, grad_sync_bytes, optimizer_step_bytes, state_bytes, uses_fsdp)
+                     gathered_bytes_per_param, loss_backward_bytes, grad_sync_bytes, optimizer_step_bytes, state_bytes, uses_fsdp)
 from .timing import Cluster, Links, StepWork, flops_per_token, passes, step_time, sync_time
 from .dispatch_rows import DISPATCHES, dispatch_bytes, group_shape
 
@@ -139,7 +139,8 @@ def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int
                     act_bytes=gathered_bytes_per_param(inp.dtype), vocab_size=m.vocab_size, n_layers=m.n_layers,
                     moe_blocks=inp.moe_blocks,
                     graph_values=graph_values,
-                    attention_probs=bool(n_moe and router_cls is not None and router_cls.attention_needs == "probs"))
+                    attention_probs=bool(n_moe and router_cls is not None and router_cls.attention_needs == "probs"),
+                    received_fraction=(ep - 1) / ep if m.moe.expert_kernel == "loop" else 0.0)
     act = activation_bytes(s, work, checkpointing=False)
     act_ckpt = activation_bytes(s, work, checkpointing=True)
     fsdp = uses_fsdp(inp.dense_mode, world)
@@ -158,10 +159,34 @@ def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int
     largest_group = max(dense / (world if fsdp else 1),
                         experts_local * (expert_shard_fraction(s.num_experts // ep, world // ep) if sharded_experts else 1))
     opt_step = optimizer_step_bytes(largest_group)
-    states = sum(engine.values())
+    held = engine["weights"] + engine["optimizer"]
+    grads = engine["grads"]
+    # with one micro-batch the gradients are made in backward as the activations are freed; with
+    # more, the earlier micro-batches' are there from the start
+    grads_from_start = grads if inp.grad_accum > 1 else 0.0
+    loss_bw = loss_backward_bytes(work)
 
-    def peak(activations: float) -> float:  # forward/backward, a gradient reduction, or the optimizer step
-        return states + max(activations + gathered + head_grad + autocast, reduce, opt_step)
+    # without resharding after forward every FSDP2 unit stays gathered until its backward
+    at_rest = 0.0 if inp.reshard_after_forward or not fsdp or world == 1 else \
+        (dense + (experts_local if sharded_experts else 0)) * gathered_bytes_per_param(inp.dtype)
+
+    def phases(activations: float) -> dict[str, float]:
+        during = grads_from_start + activations + autocast
+        return {"backward start": during + at_rest + loss_bw, "backward": during + max(gathered, at_rest) + head_grad,
+                "gradient reduction": grads + reduce, "optimizer step": grads + opt_step}
+
+    def peak(activations: float) -> float:
+        return held + max(phases(activations).values())
+
+    def at_peak(activations: float) -> dict:
+        """Each category at the predicted peak (what the dry run reports), and which phase it is in."""
+        phase = max((v, k) for k, v in phases(activations).items())[1]
+        backward = phase.startswith("backward")
+        return {"phase": phase, "grads": _gib(grads_from_start if backward else grads),
+                "activations": _gib(activations + autocast if backward else 0.0),
+                "fsdp_gather": _gib({"backward start": at_rest, "backward": max(gathered, at_rest)}.get(phase, 0.0)),
+                "fsdp_reduce": _gib(reduce if phase == "gradient reduction" else 0.0),
+                "temporaries": _gib(loss_bw if phase == "backward start" else 0.0)}
 
     stages = {}
     for stage in STAGES:
@@ -178,9 +203,10 @@ def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int
         "memory_gib": {
             "weights": _gib(engine["weights"]), "grads": _gib(engine["grads"]), "optimizer": _gib(engine["optimizer"]),
             "fsdp_gather": _gib(gathered), "fsdp_head_grad": _gib(head_grad), "fsdp_reduce": _gib(reduce),
-            "autocast_copies": _gib(autocast), "optimizer_step": _gib(opt_step),
+            "autocast_copies": _gib(autocast), "optimizer_step": _gib(opt_step), "loss_backward": _gib(loss_bw),
             "activations": _gib(act), "activations_checkpointed": _gib(act_ckpt),
             "total": _gib(peak(act)), "total_with_activation_checkpointing": _gib(peak(act_ckpt)),
+            "at_peak": at_peak(act), "at_peak_with_activation_checkpointing": at_peak(act_ckpt),
         },
         "zero_stages_gib": stages,
         "all_to_all": {"bytes_per_gpu_per_step": int(a2a["per_gpu"]),

@@ -62,6 +62,7 @@ class TrainStep:
             with autocast(dev, cfg.dtype):
                 logits = self.engine.forward(x[:, :-1])
             lm_sum = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten(), reduction="sum")
+            del logits  # backward does not read them: [tokens, vocab] freed before it, not after the next forward
             aux = collect_aux_loss(self.model).to(dev) / len(micro_batches)
             self.engine.backward(lm_sum / step_tokens + aux)
             self.moe_stats.add()
