@@ -108,11 +108,31 @@ def _fake_world(world: int, rank: int):
 
 @contextlib.contextmanager
 def _fake_tensors(reads: "_StandInReads"):
-    """Fake tensors, with ``reads`` answering their host reads."""
+    """Fake tensors, with ``reads`` answering their host reads, and DTensor's sharding propagation
+    in a fake mode of its own (:func:`_own_propagation_mode`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode, reads:
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, reads, _own_propagation_mode():
         yield mode
+
+
+@contextlib.contextmanager
+def _own_propagation_mode():
+    """DTensor works out each op's output shapes by running it on global-shape fake tensors in the
+    active fake mode, or a fresh one when there is none (a real run). In a dry run the active mode is
+    the dry run's, so those whole-size tensors, never allocated on a GPU, would count as this rank's
+    memory (an AdamW step over sharded experts: about 3x their size); torch's tracker leaves out what
+    runs in another fake mode, so propagation gets one, as in a real run."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor import _sharding_prop
+
+    propagation = FakeTensorMode(allow_non_fake_inputs=True)
+    detect = _sharding_prop.detect_fake_mode
+    _sharding_prop.detect_fake_mode = lambda *args: propagation
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = detect
 
 
 @contextlib.contextmanager
