@@ -160,11 +160,15 @@ def test_fsdp_shards_experts_over_their_replicas():
         assert mem[key] == pytest.approx((dense / 4 + experts / 2 / 2) * per_param / 2**30, abs=1e-3)
     # the expert state per rank is the same at ep=1, 2 and 4 (1/4 of it either way) ...
     assert four[1]["memory_gib"]["weights"] == four[2]["memory_gib"]["weights"] == four[4]["memory_gib"]["weights"]
-    # ... but the running layer's experts unit is gathered whole (E / ep experts, fp32) on top of root + 2 blocks
+    # ... but two layers' experts units (the running one, the prefetched one) are gathered whole (E / ep
+    # experts each, fp32) on top of root + 2 blocks
     per_layer = experts / 2
     base = four[4]["memory_gib"]["fsdp_gather"]  # no expert unit at edp = 1
-    assert four[2]["memory_gib"]["fsdp_gather"] == pytest.approx(base + per_layer / 2 * 4 / 2**30, abs=2e-3)
-    assert four[1]["memory_gib"]["fsdp_gather"] == pytest.approx(base + per_layer * 4 / 2**30, abs=2e-3)
+    assert four[2]["memory_gib"]["fsdp_gather"] == pytest.approx(base + 2 * per_layer / 2 * 4 / 2**30, abs=2e-3)
+    assert four[1]["memory_gib"]["fsdp_gather"] == pytest.approx(base + 2 * per_layer * 4 / 2**30, abs=2e-3)
+    # an uneven split is padded: 4 experts per layer at ep=2 over 3 replicas gather as 3 x ceil(4 / 3) = 6
+    _, six = _layouts(["train.dtype=fp32", "train.global_batch=6"], 6)
+    assert six[2]["memory_gib"]["fsdp_gather"] == pytest.approx(base + 2 * per_layer * 6 / 8 * 4 / 2**30, abs=2e-3)
     # replicated dense weights: no FSDP2, experts whole on their ranks
     _, rep = _layouts(["train.dtype=fp32", "parallel.dense=replicate"], 4)
     assert rep[2]["memory_gib"]["weights"] == pytest.approx((dense + experts / 2) * 4 / 2**30, abs=1e-3)
@@ -207,15 +211,16 @@ def test_gradient_reduction_transient():
 
     units = Units(root=100, block=10, experts=60, output_head=50)
     # fp32: the experts unit's reduction (flat fp32 buffer + its fp32 grads or gloo's copy of the buffer) next to
-    # root + 2 blocks gathered and the head's gradient waiting, which is above the root's own reduction (100 x 8)
+    # root + 2 blocks + the prefetched experts unit gathered and the head's gradient waiting, which is above the
+    # root's own reduction (100 x 8)
     for backend in ("nccl", "gloo"):
-        assert fsdp_reduce_peak_bytes(units, 2, "fp32", backend, False) == (100 + 2 * 10) * 4 + 50 * 4 + 60 * 8
+        assert fsdp_reduce_peak_bytes(units, 2, "fp32", backend, False) == (100 + 2 * 10 + 60) * 4 + 50 * 4 + 60 * 8
     # bf16: 2-byte grads and gathers; gloo's 4-byte copy of the buffer outweighs the bf16 grads it replaces
-    assert fsdp_reduce_peak_bytes(units, 2, "bf16", "nccl", False) == (100 + 2 * 10) * 2 + 50 * 2 + 60 * 6
-    assert fsdp_reduce_peak_bytes(units, 2, "bf16", "gloo", False) == (100 + 2 * 10) * 2 + 50 * 2 + 60 * 8
+    assert fsdp_reduce_peak_bytes(units, 2, "bf16", "nccl", False) == (100 + 2 * 10 + 60) * 2 + 50 * 2 + 60 * 6
+    assert fsdp_reduce_peak_bytes(units, 2, "bf16", "gloo", False) == (100 + 2 * 10 + 60) * 2 + 50 * 2 + 60 * 8
     # grad_accum > 1: the unsharded grads are the state's gradients already, only the buffers are extra
-    assert fsdp_reduce_peak_bytes(units, 2, "fp32", "nccl", True) == (100 + 2 * 10) * 4 + 50 * 4 + 60 * 4
-    assert fsdp_reduce_peak_bytes(units, 2, "fp32", "gloo", True) == (100 + 2 * 10) * 4 + 50 * 4 + 60 * 8
+    assert fsdp_reduce_peak_bytes(units, 2, "fp32", "nccl", True) == (100 + 2 * 10 + 60) * 4 + 50 * 4 + 60 * 4
+    assert fsdp_reduce_peak_bytes(units, 2, "fp32", "gloo", True) == (100 + 2 * 10 + 60) * 4 + 50 * 4 + 60 * 8
     # a large root: its reduction at the end of backward is the peak
     big_root = Units(root=1000, block=10, experts=60, output_head=500)
     assert fsdp_reduce_peak_bytes(big_root, 2, "fp32", "gloo", False) == 1000 * 8

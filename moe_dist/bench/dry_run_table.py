@@ -3,7 +3,7 @@
     python -m moe_dist.bench.dry_run_table [--gpus 8,16,64] [--presets tinyllama,phi3,olmoe,mixtral]
         [--gpus-per-node 8] [--out bench/data/dry_run_table.json]
 
-For each preset and GPU count: the dry run of the busiest rank (balanced routing, 2 steps) at one
+For each preset and GPU count: the dry run of the busiest rank (balanced routing, one step) at one
 sequence per GPU per micro-batch, its memory per category at the peak next to the planner's, and
 the dry run's wall time. Results are written after every case (a long table can be stopped).
 """

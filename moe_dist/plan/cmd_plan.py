@@ -28,7 +28,8 @@ def add_arguments(parser) -> None:
     dry.add_argument("--routing", default="balanced", metavar="MODEL",
                      help="the dispatch's counts: balanced, skew:F (the busiest expert F x the mean), or a run's "
                           "metrics.jsonl / run directory (its last logged expert counts)")
-    dry.add_argument("--steps", type=int, default=2, metavar="K", help="training steps of the dry run (default 2)")
+    dry.add_argument("--steps", type=int, default=1, metavar="K",
+                     help="training steps of the dry run (default 1: the optimizer state is made before it)")
     dry.add_argument("--check-collectives", action="store_true",
                      help="dry-run several ranks and check that every group's members agree on each collective "
                           "(sizes, all-to-all splits): the ranks of the first ep and edp groups, or --all-ranks")

@@ -17,7 +17,8 @@ last one), so gradients take their unsharded size.
 Transients on top of those states (the peak is the largest of them):
 
 * forward and backward: activations, plus what FSDP2 holds gathered (:func:`fsdp_gathered_bytes`:
-  the root unit, two blocks, the running layer's experts unit when experts are sharded; 2
+  the root unit, two blocks, two layers' experts units when experts are sharded, each the whole
+  padded all-gather output of ``edp x ceil(E_local / edp)`` experts; 2
   bytes per parameter under bf16, whose MixedPrecisionPolicy gathers bf16 copies, else 4) and
   the output head's unsharded gradient (computed first, reduced with the root unit, last);
   replicated weights under bf16 autocast keep a bf16 copy of every weight for backward (2
@@ -185,16 +186,17 @@ class Units:
 
     root: int  # embeddings, output head, final norm: gathered for the whole forward and backward
     block: int  # the largest block's dense part (attention, norms, dense FFN or router)
-    experts: int  # one MoE layer's experts on this rank (ep-local) when they are an FSDP2 unit, else 0
+    experts: int  # one MoE layer's experts on this rank (ep-local, padded: see the planner) when an FSDP2 unit, else 0
     output_head: int  # the head's weight: its gradient exists from the start of backward
 
 
 def fsdp_gathered_bytes(units: Units, world: int, dtype: str) -> float:
     """Weights FSDP2 holds gathered at once: the root unit, two blocks (the running one and the
-    one prefetched in backward) and, with experts sharded, the running MoE layer's experts."""
+    one prefetched in backward) and, with experts sharded, two MoE layers' experts (likewise; the
+    dry run's peak in backward holds both)."""
     if world == 1:
         return 0.0
-    return (units.root + 2 * units.block + units.experts) * gathered_bytes_per_param(dtype)
+    return (units.root + 2 * units.block + 2 * units.experts) * gathered_bytes_per_param(dtype)
 
 
 def fsdp_head_grad_bytes(units: Units, world: int, dtype: str) -> float:

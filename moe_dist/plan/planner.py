@@ -145,9 +145,11 @@ def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int
     act_ckpt = activation_bytes(s, work, checkpointing=True)
     fsdp = uses_fsdp(inp.dense_mode, world)
     sharded_experts = fsdp and world // ep > 1
-    experts_per_layer = (s.num_experts // ep) * counts["per_expert"] if n_moe else 0
+    # FSDP2 pads each replica's share of the experts to ceil(E_local / edp) experts, and the gathered
+    # experts live in the whole padded all-gather output: edp x that many experts
+    padded_experts = math.ceil(s.num_experts // ep / (world // ep)) * (world // ep) if n_moe else 0
     units = Units(root=counts["embedding"] + counts["lm_head"] + s.d_model, block=counts["largest_dense_block"],
-                  experts=experts_per_layer if sharded_experts else 0,
+                  experts=padded_experts * counts["per_expert"] if sharded_experts else 0,
                   output_head=counts["lm_head"] or counts["embedding"])
     engine = engine_state_bytes(dense, experts_local, world, ep, inp.dense_mode, inp.grad_accum,
                                 local_experts=s.num_experts // ep if n_moe else None)
@@ -170,9 +172,12 @@ def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int
     at_rest = 0.0 if inp.reshard_after_forward or not fsdp or world == 1 else \
         (dense + (experts_local if sharded_experts else 0)) * gathered_bytes_per_param(inp.dtype)
 
+    log_softmax = 4.0 * m.vocab_size * work.tokens  # the loss's, part of the activations until its backward
+
     def phases(activations: float) -> dict[str, float]:
         during = grads_from_start + activations + autocast
-        return {"backward start": during + at_rest + loss_bw, "backward": during + max(gathered, at_rest) + head_grad,
+        return {"backward start": during + at_rest + loss_bw,
+                "backward": during - log_softmax + max(gathered, at_rest) + head_grad,
                 "gradient reduction": grads + reduce, "optimizer step": grads + opt_step}
 
     def peak(activations: float) -> float:
@@ -183,10 +188,11 @@ def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int
         phase = max((v, k) for k, v in phases(activations).items())[1]
         backward = phase.startswith("backward")
         return {"phase": phase, "grads": _gib(grads_from_start if backward else grads),
-                "activations": _gib(activations + autocast if backward else 0.0),
+                "activations": _gib(activations + autocast - (log_softmax if phase == "backward" else 0.0)
+                                    if backward else 0.0),
                 "fsdp_gather": _gib({"backward start": at_rest, "backward": max(gathered, at_rest)}.get(phase, 0.0)),
                 "fsdp_reduce": _gib(reduce if phase == "gradient reduction" else 0.0),
-                "temporaries": _gib(loss_bw if phase == "backward start" else 0.0)}
+                "temporaries": _gib({"backward start": loss_bw, "backward": head_grad}.get(phase, 0.0))}
 
     stages = {}
     for stage in STAGES:
