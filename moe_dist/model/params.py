@@ -28,6 +28,7 @@ class BlockShape:
     gated: bool  # SwiGLU experts (3 matrices) or GELU (2)
     shared_d_ff: int = 0  # hidden size of the always-active shared expert of an MoE layer (0: none)
     shared_gate: bool = False
+    qk_norm: bool = False  # RMSNorm over the whole query and key projections (OLMoE)
 
 
 def block_shape(model_cfg) -> BlockShape:
@@ -35,7 +36,8 @@ def block_shape(model_cfg) -> BlockShape:
     return BlockShape(d_model=m.d_model, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads or m.n_heads,
                       head_dim=m.d_model // m.n_heads, d_ff=m.d_ff, expert_d_ff=m.moe.d_ff or m.d_ff,
                       num_experts=m.moe.num_experts, top_k=m.moe.top_k, gated=m.moe.activation == "swiglu",
-                      shared_d_ff=m.moe.shared_d_ff or 0, shared_gate=bool(m.moe.shared_gate and m.moe.shared_d_ff))
+                      shared_d_ff=m.moe.shared_d_ff or 0, shared_gate=bool(m.moe.shared_gate and m.moe.shared_d_ff),
+                      qk_norm=m.qk_norm == "projection")
 
 
 def _meta_router(model_cfg):

@@ -31,20 +31,21 @@ Transients on top of those states (the peak is the largest of them):
   size of its largest parameter group on this rank.
 
 Activations are what the step keeps for backward, per token, as the dry run measures them
-(:mod:`moe_dist.plan.dry_run`, torch's CPU kernels; ``e`` = activation bytes, 2 under bf16 autocast):
-each RMSNorm ``8d`` (its input and the normalised input in fp32; torch's composite kernel) plus
-its output as the next matmul keeps it (``e d``; fp32 for a router); attention ``e (2H + 2KV) hd``
-(rotated q and k, v, the output) and the fused kernel's fp32 log-sum-exp (``4H``); dense SwiGLU
-``4 e ff`` (both projections, their SiLU, the product); an MoE layer ``k e (2d + 3 ff_e)`` (the
-dispatched rows in and out, each expert's two projections and product) plus, with the ``loop``
-kernel's pipelined exchange over ``ep`` ranks, the ``(ep - 1) / ep`` of those rows that came from
-peers, and its fp32 router state; the loss keeps the fp32 log-softmax (``4 V``) and its backward
-starts with two more fp32 ``V`` rows (:func:`loss_backward_bytes`), the step's peak when nothing
-larger is gathered. Routers that read attention probabilities add
-an fp32 ``H x S`` row per token. With activation checkpointing each block keeps only its input
-(``e d`` per token) and one block is recomputed at a time. CUDA's fused RMSNorm keeps only the
-input (``4d`` less per norm than the CPU kernel the dry run runs): the planner stays on the side of
-the measured figure.
+(:mod:`moe_dist.plan.dry_run`, torch's CPU kernels; ``e`` = activation bytes, 2 under bf16
+autocast): each RMSNorm ``8d`` (its input and the normalised input in fp32; torch's composite
+kernel) plus its output as the next matmul keeps it (``e d``; fp32 for a router); attention
+``e (2H + 2KV) hd`` (rotated q and k, v, the output) and the fused kernel's fp32 log-sum-exp
+(``4H``), with OLMoE's q/k norm also ``8 (H + KV) hd`` (those norms' fp32 inputs and normalised
+inputs); dense SwiGLU ``4 e ff`` (both projections, their SiLU, the product); an MoE layer
+``k e (2d + 3 ff_e)`` (the dispatched rows in and out, each expert's two projections and product;
+``2 ff_e`` for a GELU expert) plus, with the ``loop`` kernel's pipelined exchange over ``ep``
+ranks, the ``(ep - 1) / ep`` of those rows that came from peers, and its fp32 router state; the
+loss keeps the fp32 log-softmax (``4 V``) and its backward starts with two more fp32 ``V`` rows
+(:func:`loss_backward_bytes`), the step's peak when nothing larger is gathered. Routers that read
+attention probabilities add an fp32 ``H x S`` row per token. With activation checkpointing each
+block keeps only its input (``e d`` per token) and one block is recomputed at a time. CUDA's fused
+RMSNorm keeps only the input (``4d`` less per norm than the CPU kernel the dry run runs): the
+planner stays on the side of the measured figure.
 
 Not modelled: the framework's own memory (CUDA context / the CPU runtime and libraries),
 allocator caching and fragmentation, communication library buffers, and the data pipeline.
@@ -147,10 +148,12 @@ def block_activation_bytes(s: BlockShape, is_moe: bool, act_bytes: int, seq_len:
     (the pipelined exchange's rows from peers)."""
     e = act_bytes
     attn = norm_bytes(s.d_model, e) + e * (2 * s.n_heads + 2 * s.n_kv_heads) * s.head_dim + 4 * s.n_heads
+    if s.qk_norm:  # their fp32 inputs and normalised inputs (the rotary embedding keeps no input)
+        attn += 8 * (s.n_heads + s.n_kv_heads) * s.head_dim + 8
     if not is_moe:
         return attn + norm_bytes(s.d_model, e) + 4 * e * s.d_ff
     k = s.top_k
-    ffn = (norm_bytes(s.d_model, 4) + k * e * (2 * s.d_model + 3 * s.expert_d_ff)
+    ffn = (norm_bytes(s.d_model, 4) + k * e * (2 * s.d_model + (3 if s.gated else 2) * s.expert_d_ff)
            + received_fraction * k * e * s.d_model + 8 * s.num_experts + 29 * k + 8)
     if s.shared_d_ff:  # the shared expert's hidden activations and output (and its gate)
         ffn += e * (3 * s.shared_d_ff + s.d_model + (2 if s.shared_gate else 0))
