@@ -168,3 +168,14 @@ def test_the_planner_equals_the_dry_run_category_by_category(dtype, ep, reshard)
     assert result["planner"]["memory_gib"]["at_peak"]["phase"] == "backward start"
     for name, got, want in comparison_rows(result):
         assert want == pytest.approx(got, rel=0.02, abs=2e-3), name
+
+
+def test_one_tracked_step_gives_the_peak_of_two():
+    """AdamW's moments are made before the tracked step, so the first step is a steady one."""
+    from moe_dist.plan.dry_run import dry_run
+
+    overrides = TINY + ["parallel.ep=2", "train.global_batch=8", "train.grad_accum=2"]
+    one = dry_run("configs/tiny.yaml", overrides, nodes=1, gpus_per_node=4, steps=1)
+    two = dry_run("configs/tiny.yaml", overrides, nodes=1, gpus_per_node=4, steps=2)
+    assert one["categories_bytes"]["optimizer"] > 0
+    assert one["peak_bytes"] == two["peak_bytes"] and one["categories_bytes"] == two["categories_bytes"]
