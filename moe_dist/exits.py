@@ -132,9 +132,30 @@ def exit_code_of(exc: Optional[BaseException]) -> int:
     return EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else EXIT_FAILED
 
 
+_command = "run"  # the command this process runs (run_process): the prefix of end_process's line
+
+
+def end_process(line: str, kind: str) -> None:
+    """End this process now with one line ``moe-dist COMMAND: LINE`` (printed, and reported to the
+    launcher as :func:`run_process` would) and exit code 1, from any thread: for a rank whose main
+    thread may be blocked in a collective that nothing in Python interrupts."""
+    report_dir, rank = os.environ.get(REPORT_DIR_ENV), process_rank()
+    status_dir = report_dir or os.environ.get(STATUS_DIR_ENV)
+    full = f"moe-dist {_command}: {line}"
+    if not report_dir:
+        print(full, file=sys.stderr, flush=True)
+    if status_dir:
+        write_report(status_dir, rank, {"rank": rank, "pid": os.getpid(), "code": EXIT_FAILED, "kind": kind,
+                                        "line": full, "traceback": ""})
+    sys.stdout.flush()
+    os._exit(EXIT_FAILED)
+
+
 def run_process(command: str, fn: Callable[[], int]) -> int:
     """Run one process's command ``fn`` and return its exit code (``SystemExit`` passes through
     with its code). Reports to the local launcher when ``MOE_DIST_REPORT_DIR`` is set."""
+    global _command
+    _command = command
     report_dir, rank = os.environ.get(REPORT_DIR_ENV), process_rank()
     status_dir = report_dir or os.environ.get(STATUS_DIR_ENV)
     code, kind, line, trace = EXIT_FAILED, "error", "", ""

@@ -287,3 +287,35 @@ def test_an_unplugged_node_is_named_after_the_collective_timeout(cluster, tmp_pa
     assert line1.startswith("moe-dist train: rank 1: the collective ") and re.search(
         r"; the job's rendezvous store at node0:\d+ cannot be reached either: this node \(node1\) is cut off "
         r"from the others, or node0 is lost$", line1), line1
+
+
+def test_an_unplugged_node_is_named_within_the_heartbeat_timeout(cluster, tmp_path):
+    """The link cut with the collective timeout at its default (600 s): the heartbeat ends both sides
+    within seconds, the survivor naming the lost node, the cut-off node saying that it is cut off."""
+    c = cluster
+    heartbeat_s = 8
+    procs = start_nodes(c, tmp_path, "silent", 2, 1, *LOST, f"train.steps={LOST_STEPS}",
+                        f"parallel.heartbeat_timeout_s={heartbeat_s}")
+    _wait_for_step(tmp_path / "silent", 3, procs)
+    t0 = time.monotonic()
+    c.set_link(c.nodes[1], False)
+    rc, out, err = finish(procs[0], 120)
+    seconds = time.monotonic() - t0
+    assert rc == 1, out[-2000:] + err[-4000:]
+    line = _one_rank_line(err)
+    assert line == (f"moe-dist train: rank 0: no heartbeat from node node1 (rank 1) for {heartbeat_s} s "
+                    "(parallel.heartbeat_timeout_s): the job was stopped (resume=auto continues from the last "
+                    "checkpoint)"), line
+    assert heartbeat_s <= seconds < heartbeat_s + 30, seconds
+    print(f"unplugged node, heartbeat {heartbeat_s} s: the survivor ended {seconds:.1f} s after the unplug")
+    _checkpoints_complete(tmp_path / "silent")
+    err1, deadline = "", time.monotonic() + 60
+    while "moe-dist train:" not in err1 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        err1 = open(tmp_path / "silent.node1.err").read()
+    line1 = _one_rank_line(err1)
+    assert re.fullmatch(rf"moe-dist train: rank 1: the job's rendezvous store at node0:\d+ has not answered for "
+                        rf"{heartbeat_s} s \(parallel.heartbeat_timeout_s\): this node \(node1\) is cut off from the "
+                        r"others, or node0 is lost; the job was stopped \(resume=auto continues from the last "
+                        r"checkpoint\)", line1), line1
+    print(f"the cut-off node's rank ended {time.monotonic() - t0:.1f} s after the unplug")

@@ -165,6 +165,8 @@ class ParallelConfig:
     reshard_after_forward: bool = knob(True, "FSDP2: free gathered dense weights after forward (ZeRO-3) or keep them (ZeRO-2)")
     backend: Literal["auto", "gloo", "nccl"] = knob("auto", "process-group backend (auto = nccl with CUDA, else gloo)")
     timeout_s: int = knob(600, "collective timeout in seconds", min=1)
+    heartbeat_timeout_s: int = knob(30, "end every rank when a rank's heartbeat through the rendezvous store is "
+                                        "missing this long, in seconds (0: no heartbeat)", min=0)
     ranks_per_node: Optional[int] = knob(None, "nodes as blocks of this many consecutive ranks (null = the ranks' host "
                                          "names); what node-aware dispatch and its byte counts call a node", min=1)
     dispatch: Literal["flat", "hierarchical"] = knob("flat", "how routed tokens reach the expert-parallel ranks: flat "

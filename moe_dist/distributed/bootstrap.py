@@ -26,6 +26,7 @@ from typing import Callable, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
+from . import heartbeat
 from .groups import ParallelGroups, build_parallel_groups, set_group_timeout
 from .interfaces import SocketInterface, pick_socket_interface
 from .roll_call import hosts, remember_hosts
@@ -263,7 +264,7 @@ def _meshes(groups: ParallelGroups, device: torch.device, world: int):
 def init_distributed(ep: Union[int, Callable[[list[str]], int]] = 1, num_experts: Optional[int] = None, *,
                      backend: str = "auto", device: str = "auto", timeout_s: float = 600,
                      ranks_per_node: Optional[int] = None, dispatch: str = "flat",
-                     environ: Optional[Mapping[str, str]] = None) -> Runtime:
+                     environ: Optional[Mapping[str, str]] = None, heartbeat_timeout_s: float = 0) -> Runtime:
     """Initialise the default process group (unless one exists) and build the parallel groups.
 
     Expert-parallel size ``ep`` must divide the world size and ``num_experts``. It may be given as
@@ -271,6 +272,8 @@ def init_distributed(ep: Union[int, Callable[[list[str]], int]] = 1, num_experts
     with the same list once the process group exists, before the groups are made.
     ``ranks_per_node``: nodes are blocks of this many consecutive ranks (None: the ranks' host names;
     :mod:`~moe_dist.distributed.topology`). ``dispatch``: ``parallel.dispatch``, carried by the groups.
+    ``heartbeat_timeout_s``: each rank's heartbeat (:mod:`~moe_dist.distributed.heartbeat`) when this
+    function makes the process group over several ranks (0: none).
     """
     if dist.is_available() and dist.is_initialized():  # started by someone else (tests, a notebook)
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -295,6 +298,8 @@ def init_distributed(ep: Union[int, Callable[[list[str]], int]] = 1, num_experts
             owns = True
     try:
         groups, dp_mesh, mesh, edp_mesh = _layout(launch, dev, ep, num_experts, ranks_per_node, dispatch, owns)
+        if owns:
+            heartbeat.start(heartbeat_timeout_s)
     except BaseException:
         # a layout refused (parallel.ep against the world size, found only once every host is known):
         # the group made here goes now, not in interpreter teardown (after the one-line error)
@@ -340,6 +345,7 @@ def shutdown(rt: Runtime) -> None:
         return
     if sys.exc_info()[0] is None and dist.get_world_size() > 1:
         dist.barrier()
+    heartbeat.stop()
     rt.dp_mesh = rt.mesh = rt.edp_mesh = None
     _destroy_groups()
 

@@ -47,7 +47,16 @@ def hosts() -> list[str]:
     return list(_hosts)
 
 
-def _attempt() -> str:
+def store_at() -> Optional[tuple[str, int]]:
+    """The job's TCP store as (host, port), once recorded (None: not recorded, or no TCP store)."""
+    return _store_at
+
+
+def rank() -> int:
+    return _rank
+
+
+def attempt() -> str:
     # a torchrun restart reuses the store: answers of an earlier attempt must not count
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
@@ -57,16 +66,16 @@ def roll_call(wait_s: float) -> Optional[set[int]]:
     or None when the store cannot be reached (or was never recorded)."""
     if _store_at is None or not _hosts:
         return None
-    prefix = f"{_KEY}/{_attempt()}"
+    prefix = f"{_KEY}/{attempt()}"
     try:
-        with _quiet_stderr():
+        with quiet_stderr():
             return _answer_and_wait(prefix, wait_s)
     except (RuntimeError, OSError):  # DistStoreError, a refused or timed-out connection
         return None
 
 
 @contextlib.contextmanager
-def _quiet_stderr():
+def quiet_stderr():
     """File descriptor 2 to /dev/null: torch's store logs a failed connection with a C++ stack trace,
     which would bury the one line this roll call is for."""
     sys.stderr.flush()
@@ -112,9 +121,7 @@ def lost_nodes_line(wait_s: float) -> str:
         host, port = _store_at
         return (f"the job's rendezvous store at {host}:{port} cannot be reached either: this node ({me}) is cut off "
                 f"from the others, or {host} is lost")
-    by_host: dict[str, list[int]] = {}
-    for r, h in enumerate(_hosts):
-        by_host.setdefault(h, []).append(r)
+    by_host = _by_host(_hosts)
     lost = [h for h, ranks in by_host.items() if not answered & set(ranks)]
     silent = sorted(set(range(len(_hosts))) - answered)
     if lost:
@@ -124,6 +131,26 @@ def lost_nodes_line(wait_s: float) -> str:
     if silent:
         return f"{_ranks(silent)} did not answer a roll call within {wait_s:g} s (every node has ranks that did)"
     return "every rank answered a roll call: no node is lost"
+
+
+def _by_host(hosts: list[str]) -> dict[str, list[int]]:
+    by_host: dict[str, list[int]] = {}
+    for r, h in enumerate(hosts):
+        by_host.setdefault(h, []).append(r)
+    return by_host
+
+
+def name_ranks(hosts: list[str], missing: list[int]) -> str:
+    """``missing`` ranks of a job whose ranks run on ``hosts`` (host name by rank), by node: "node
+    node1 (ranks 2, 3)" for a node all of whose ranks are missing, the others as ranks ("rank 2 on
+    node0" when the job runs on one host)."""
+    by_host, gone = _by_host(hosts), set(missing)
+    whole = [h for h, ranks in by_host.items() if set(ranks) <= gone] if len(by_host) > 1 else []
+    parts = [f"node {h} ({_ranks(by_host[h])})" for h in whole]
+    rest = sorted(gone - {r for h in whole for r in by_host[h]})
+    if rest:
+        parts.append(_ranks(rest) + (f" on {hosts[rest[0]]}" if len(by_host) == 1 else ""))
+    return "; ".join(parts)
 
 
 def roll_call_wait(timeout_s: Optional[float]) -> float:

@@ -99,7 +99,8 @@ def setup_runtime(cfg: Config, rt: Optional[Runtime] = None) -> Runtime:
     if owns:
         rt = init_distributed(cfg.expert_parallel_size, cfg.model.moe.num_experts, backend=cfg.parallel.backend,
                               device=cfg.run.device, timeout_s=cfg.parallel.timeout_s,
-                              ranks_per_node=cfg.parallel.ranks_per_node, dispatch=cfg.parallel.dispatch)
+                              ranks_per_node=cfg.parallel.ranks_per_node, dispatch=cfg.parallel.dispatch,
+                              heartbeat_timeout_s=cfg.parallel.heartbeat_timeout_s)
     try:
         cfg.check_world(rt.world_size)
         torch.set_num_threads(thread_choice(cfg.run.threads, rt.launch.local_world_size)[0])

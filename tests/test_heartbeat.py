@@ -1,0 +1,114 @@
+"""A silent rank noticed in seconds (moe_dist/distributed/heartbeat.py): real gloo ranks started
+through the project's bootstrap with a real TCP store, one of them frozen with SIGSTOP (its
+connections stay open, as with a hung machine or a cut link: no collective fails by itself before
+parallel.timeout_s, 600 s here)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers.dist_harness import free_port
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CASE = os.path.join(HERE, "helpers", "heartbeat_case.py")
+HEARTBEAT_S = 2
+
+
+def _start(world: int, mode: str) -> list[subprocess.Popen]:
+    port, procs = free_port(), []
+    for r in range(world):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, CASE, mode, str(HEARTBEAT_S)], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    return procs
+
+
+def _ready(procs) -> None:
+    for p in procs:
+        line = p.stdout.readline().strip()
+        assert line == "ready", (line, p.stderr.read() if p.poll() is not None else "")
+
+
+def _ended(p, timeout: float) -> tuple[int, list[str]]:
+    try:
+        rc = p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise AssertionError(f"rank still running after {timeout} s")
+    return rc, p.stderr.read().strip().splitlines()
+
+
+def _cleanup(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.parametrize("frozen", [1, 2])
+def test_a_frozen_rank_ends_the_others_in_seconds_with_its_name(frozen):
+    procs = _start(3, "loop")
+    try:
+        _ready(procs)
+        os.kill(procs[frozen].pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        for r, p in enumerate(procs):
+            if r == frozen:
+                continue
+            rc, lines = _ended(p, 60)
+            seconds = time.monotonic() - t0
+            assert rc == 1 and len(lines) == 1, (rc, lines)  # one line, no traceback
+            assert lines[0] == (f"moe-dist train: rank {r}: no heartbeat from rank {frozen} on {os.uname().nodename} "
+                                f"for {HEARTBEAT_S} s (parallel.heartbeat_timeout_s): the job was stopped "
+                                "(resume=auto continues from the last checkpoint)"), lines
+            assert HEARTBEAT_S <= seconds < HEARTBEAT_S + 20, seconds
+    finally:
+        _cleanup(procs)
+
+
+def test_a_lost_store_ends_every_rank_that_cannot_reach_it():
+    """Rank 0's process holds the job's TCP store: frozen, the others can reach neither it nor the store."""
+    procs = _start(3, "loop")
+    try:
+        _ready(procs)
+        os.kill(procs[0].pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        for r, p in enumerate(procs[1:], start=1):
+            rc, lines = _ended(p, 60)
+            assert rc == 1 and len(lines) == 1, (rc, lines)
+            assert lines[0].startswith(f"moe-dist train: rank {r}: the job's rendezvous store at 127.0.0.1:") and \
+                lines[0].endswith(f"has not answered for {HEARTBEAT_S} s (parallel.heartbeat_timeout_s): this node "
+                                  f"({os.uname().nodename}) is cut off from the others, or 127.0.0.1 is lost; the "
+                                  "job was stopped (resume=auto continues from the last checkpoint)"), lines
+            assert time.monotonic() - t0 < HEARTBEAT_S + 20
+    finally:
+        _cleanup(procs)
+
+
+def test_ranks_that_wait_for_a_slow_peer_or_finish_first_are_not_taken_for_lost():
+    """Rank 0 stays away from the shutdown barrier for twice the heartbeat timeout while the others
+    wait in it, then all end normally: waiting is not silence, and a rank that is done is not lost."""
+    procs = _start(3, "finish:3")
+    try:
+        for p in procs:
+            rc, lines = _ended(p, 120)
+            assert rc == 0 and lines == [], (rc, lines)
+            assert p.stdout.read().split() == ["ready", "done"]
+    finally:
+        _cleanup(procs)
+
+
+def test_silent_ranks_are_named_by_node():
+    from moe_dist.distributed.roll_call import name_ranks
+
+    hosts = ["node0", "node0", "node1", "node1"]
+    assert name_ranks(hosts, [2, 3]) == "node node1 (ranks 2, 3)"
+    assert name_ranks(hosts, [3]) == "rank 3"
+    assert name_ranks(hosts, [1, 2, 3]) == "node node1 (ranks 2, 3); rank 1"
+    assert name_ranks(["vm"] * 3, [1, 2]) == "ranks 1, 2 on vm"
