@@ -6,15 +6,21 @@
 #   NPROC_PER_NODE=2 launch/torchrun.sh configs/test.yaml train.steps=20          # 2 CPU processes
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node1 launch/torchrun.sh configs/tiny.yaml   # on node1, and
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=node1 launch/torchrun.sh configs/tiny.yaml   # on node2
+#   NNODES=1:2 MASTER_ADDR=node1 launch/torchrun.sh configs/tiny.yaml parallel.ep=auto   # elastic, on each node
 #
 # Environment (all optional):
 #   NPROC_PER_NODE  processes on this node (default: visible GPUs, or 1 without CUDA)
-#   NNODES          nodes in the job (default: SLURM_NNODES or 1)
+#   NNODES          nodes in the job (default: SLURM_NNODES or 1); MIN:MAX: elastic (below)
 #   NODE_RANK       this node's index (default: SLURM_NODEID or 0)
 #   MASTER_ADDR     host of the rendezvous, the first node (default 127.0.0.1); MASTER_PORT (default 29500)
 #   RDZV_ID         rendezvous id shared by the nodes (default: SLURM_JOB_ID.SLURM_RESTART_COUNT or moe-dist)
 #   PYTHON          interpreter with moe_dist installed (default: .venv/bin/python of this checkout, or python3)
 #   MOE_DIST_COMMAND  train (default) or eval;  TORCHRUN_ARGS  extra torchrun flags
+# Elastic (NNODES=MIN:MAX): when a node is lost the other nodes' torchrun agents meet again and
+# restart their ranks with the new world size (MAX_RESTARTS times, default 3), which continue from
+# the last complete checkpoint (resume=auto is added; use parallel.ep=auto); a node that starts
+# later joins at the next restart. RDZV_LAST_CALL_S (default 5): how long a meeting that has
+# MIN nodes waits for more. The node at MASTER_ADDR holds the rendezvous: the job cannot outlive it.
 # SIGUSR1 / SIGTERM sent to this script reach the training processes as SIGUSR1: they save a
 # checkpoint at the next step boundary and stop; the script then exits with 75 ("requeue me").
 set -uo pipefail
@@ -24,7 +30,7 @@ REPO=$(dirname "$HERE")
 . "$HERE/lib.sh"
 
 if [ $# -lt 1 ] || [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then
-  sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 CONFIG=$1
@@ -36,7 +42,17 @@ if [ -z "${NPROC_PER_NODE:-}" ]; then
 fi
 NNODES=${NNODES:-${SLURM_NNODES:-1}}
 NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}
-if [ "$NNODES" -gt 1 ]; then
+ELASTIC=()
+if [[ "$NNODES" == *:* ]]; then
+  # elastic: MIN:MAX nodes; when a node is lost the others meet again and restart their workers
+  # with the new world size, which continue from the last complete checkpoint
+  : "${MASTER_ADDR:?set MASTER_ADDR to the node that holds the rendezvous}"
+  export MOE_DIST_RENDEZVOUS="$MASTER_ADDR:${MASTER_PORT:-29500}"
+  RDZV=(--nnodes="$NNODES" --rdzv-backend=c10d --rdzv-endpoint="$MOE_DIST_RENDEZVOUS"
+        --rdzv-id="${RDZV_ID:-${SLURM_JOB_ID:-moe-dist}.${SLURM_RESTART_COUNT:-0}}"
+        --max-restarts="${MAX_RESTARTS:-3}" --rdzv-conf="last_call_timeout=${RDZV_LAST_CALL_S:-5}")
+  ELASTIC=(resume=auto)
+elif [ "$NNODES" -gt 1 ]; then
   : "${MASTER_ADDR:?set MASTER_ADDR to the first node of the job}"
   # the rendezvous every node reached: the workers find their interface by the route to it
   # (moe_dist/distributed/interfaces.py); torchrun gives them another MASTER_ADDR, the first rank's host name
@@ -57,5 +73,5 @@ fi
 # torchrun, whose failure report is the job's own (the ranks' one line or traceback; moe_dist/torchrun_launch.py)
 # shellcheck disable=SC2086
 run_forwarding_signals children "$PY" -m moe_dist.torchrun_launch "${RDZV[@]}" --nproc-per-node="$NPROC_PER_NODE" \
-  ${TORCHRUN_ARGS:-} --module moe_dist.cli "${MOE_DIST_COMMAND:-train}" --config "$CONFIG" "$@"
+  ${TORCHRUN_ARGS:-} --module moe_dist.cli "${MOE_DIST_COMMAND:-train}" --config "$CONFIG" "${ELASTIC[@]}" "$@"
 exit "$(preemption_status "$RUN_RC" "$RUN_SIGNALLED")"

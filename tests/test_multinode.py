@@ -319,3 +319,64 @@ def test_an_unplugged_node_is_named_within_the_heartbeat_timeout(cluster, tmp_pa
                         r"others, or node0 is lost; the job was stopped \(resume=auto continues from the last "
                         r"checkpoint\)", line1), line1
     print(f"the cut-off node's rank ended {time.monotonic() - t0:.1f} s after the unplug")
+
+
+ELASTIC = ["parallel.ep=auto", "train.min_lr_ratio=1", "ckpt.every=5", "ckpt.verify=false",
+           "parallel.heartbeat_timeout_s=10", "run.print_every=1"]
+ELASTIC_STEPS = 24
+
+
+def _line_at(path, text: str, since: float, timeout: float, after: str = "") -> float:
+    """When ``text`` first shows in the file at ``path`` (after ``after``), in seconds after ``since``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        content = open(path).read()
+        if after in content and text in content[content.index(after):]:
+            return time.monotonic() - since
+        time.sleep(0.05)
+    raise AssertionError(f"{text!r} not in {path} within {timeout} s")
+
+
+@pytest.mark.parametrize("how", ["killed", "unplugged"])
+def test_elastic_torchrun_goes_on_without_a_lost_node(cluster, tmp_path, how):
+    """NNODES=1:2: node1 lost at step 8 (its processes killed, or its link cut: then the heartbeat
+    notices), node0's torchrun restarts its rank alone (1 rank now, ep=auto gives 1), which resumes
+    from the step-5 checkpoint and finishes: no person involved; the steps after the restart equal a
+    1-node run resumed from the same checkpoint, bit for bit, and those before the loss are within
+    rounding of them; metrics.jsonl counts every step once."""
+    import shutil
+
+    c = cluster
+    procs = start_nodes(c, tmp_path, "elastic", 2, 1, *ELASTIC, f"train.steps={ELASTIC_STEPS}", nnodes="1:2")
+    run = tmp_path / "elastic"
+    _wait_for_step(run, 8, procs)
+    before_kill = metrics_rows(run)
+    ref = tmp_path / "elastic-ref"  # the same checkpoint, for a run that is not interrupted
+    os.makedirs(ref / "checkpoints")
+    shutil.copytree(run / "checkpoints" / "step_000005", ref / "checkpoints" / "step_000005")
+    shutil.copy(run / "config.yaml", ref / "config.yaml")
+    t0 = time.monotonic()
+    if how == "killed":
+        c.kill_node(c.nodes[1])
+    else:
+        c.set_link(c.nodes[1], False)
+    err0, out0 = tmp_path / "elastic.node0.err", tmp_path / "elastic.node0.out"
+    noticed = _line_at(err0, "moe-dist train: rank 0:", t0, 120)
+    reloaded = _line_at(out0, "resumed from", t0, 240, after="parallel: 2 process(es)")
+    first = _line_at(out0, "step 6/", t0, 240, after="resumed from")
+    rc, out, err = finish(procs[0], RUN_TIMEOUT)
+    assert rc == 0, out[-2000:] + err[-4000:]
+    restarted = out.count("parallel: 1 process(es)")
+    print(f"elastic: node1 {how} at step {before_kill[-1]['step']}; node0's rank ended {noticed:.1f} s later, the "
+          f"restarted rank had reloaded the step-5 checkpoint at {reloaded:.1f} s and made step 6 at {first:.1f} s")
+    assert first < 60, first
+    assert restarted == 1 and "parallel: 2 process(es)" in out, out[-3000:]
+    rows = metrics_rows(run)
+    assert [r["step"] for r in rows] == list(range(1, ELASTIC_STEPS + 1))  # every step once
+    (rc_ref, out_ref, err_ref), = launch_nodes(c, tmp_path, "elastic-ref", 1, 1, *ELASTIC, "resume=auto",
+                                              f"train.steps={ELASTIC_STEPS}")
+    assert rc_ref == 0, out_ref[-2000:] + err_ref[-4000:]
+    resumed = [r for r in metrics_rows(ref) if r["step"] > 5]
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in rows[5:]] == \
+        [(r["step"], r["loss"], r["grad_norm"]) for r in resumed]
+    assert_curve_matches(before_kill[5:8], rows[5:8])
