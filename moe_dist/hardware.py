@@ -107,6 +107,26 @@ def cuda_memory_gib(device: torch.device) -> dict[str, float]:
             "cuda_peak_reserved_gib": round(torch.cuda.max_memory_reserved(device) / 2**30, 3)}
 
 
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
+
+def map_large_allocations(threshold: int = 1 << 20) -> bool:
+    """glibc: serve every allocation of ``threshold`` bytes or more with a mapping of its own,
+    unmapped when freed. glibc's default threshold grows to the largest block freed so far (up to
+    32 MiB), so FSDP2's gathered weights and their all-gather buffers (megabytes each) land in the
+    heap, whose fragmentation keeps memory that was freed (bench/results.md: the 3.76B model's
+    evaluation). A fixed threshold also stops that growth. No-op where glibc is absent or
+    ``MALLOC_MMAP_THRESHOLD_`` is set (the user's choice). Returns whether it was applied."""
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_"):
+        return False
+    try:
+        import ctypes
+
+        return bool(ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, int(threshold)))
+    except (OSError, AttributeError):
+        return False
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident memory so far (Linux and macOS; 0 where unknown)."""
     try:

@@ -47,6 +47,21 @@ def _moe_dist(*args: str, log: str) -> None:
         sys.exit(f"scale check: command failed with exit code {code}; see {log}")
 
 
+def _tokenizer_into(dense: str) -> None:
+    """A checkpoint carries its tokenizer (eval refuses one without): a small one trained on the
+    corpus slice (its ids stay below the model's 32000), which upcycle copies along."""
+    from moe_dist.data.tokenizer import train_tokenizer
+
+    corpus = os.path.join(ROOT, "tests", "data", "python-docs")
+    texts = []
+    for base, _, files in os.walk(corpus):
+        for name in sorted(files):
+            with open(os.path.join(base, name), encoding="utf-8", errors="replace") as f:
+                texts.append(f.read())
+    with open(os.path.join(dense, "tokenizer.model"), "wb") as f:
+        f.write(train_tokenizer(texts, 512).proto)
+
+
 def make_dense(work: str) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -62,6 +77,7 @@ def make_dense(work: str) -> str:
     t0 = time.perf_counter()
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(dense, safe_serialization=True)
+    _tokenizer_into(dense)
     print(f"dense TinyLlama-shaped model: {sum(p.numel() for p in model.parameters()):,} parameters, bf16, "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
     del model  # the reference reads the saved bf16 weights back in fp32: converting the model in memory would

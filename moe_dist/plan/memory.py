@@ -187,25 +187,33 @@ def loss_backward_bytes(w: Workload) -> float:
 class Units:
     """Parameter counts of the FSDP2 units a rank gathers (whole, before sharding)."""
 
-    root: int  # embeddings, output head, final norm: gathered for the whole forward and backward
+    root: int  # what the root unit holds, gathered for the whole forward and backward (the final norm; also
+    # the embedding and the output head when they are tied)
     block: int  # the largest block's dense part (attention, norms, dense FFN or router)
     experts: int  # one MoE layer's experts on this rank (ep-local, padded: see the planner) when an FSDP2 unit, else 0
-    output_head: int  # the head's weight: its gradient exists from the start of backward
+    output_head: int  # the head's weight
+    edges_split: bool = True  # the embedding and the output head are units of their own (untied)
+    embedding: int = 0  # the embedding's weight (its unit is the last one backward reduces)
 
 
 def fsdp_gathered_bytes(units: Units, world: int, dtype: str) -> float:
-    """Weights FSDP2 holds gathered at once: the root unit, two blocks (the running one and the
-    one prefetched in backward) and, with experts sharded, two MoE layers' experts (likewise; the
-    dry run's peak in backward holds both)."""
+    """Weights FSDP2 holds gathered at once in backward: the root unit, and two blocks (the running
+    one and the one prefetched) and, with experts sharded, two MoE layers' experts (likewise; the
+    dry run's peak in backward holds both); or, at the start of backward, the output head's own unit
+    with its unsharded gradient and the prefetched last block."""
     if world == 1:
         return 0.0
-    return (units.root + 2 * units.block + 2 * units.experts) * gathered_bytes_per_param(dtype)
+    blocks = 2 * units.block + 2 * units.experts
+    if units.edges_split:
+        blocks = max(blocks, 2 * units.output_head + units.block + units.experts)
+    return (units.root + blocks) * gathered_bytes_per_param(dtype)
 
 
 def fsdp_head_grad_bytes(units: Units, world: int, dtype: str) -> float:
-    """The output head's unsharded gradient: computed first in backward, reduce-scattered only with
-    the root unit, last."""
-    if world == 1:
+    """The output head's unsharded gradient while the rest of backward runs: in the root unit it is
+    reduce-scattered only with the root, last; as a unit of its own, right after its backward (then
+    counted in :func:`fsdp_gathered_bytes`)."""
+    if world == 1 or units.edges_split:
         return 0.0
     return units.output_head * gathered_bytes_per_param(dtype)
 
@@ -230,7 +238,7 @@ def fsdp_reduce_peak_bytes(units: Units, world: int, dtype: str, backend: str, g
     def rs(unit_params: int) -> float:
         return reduce_scatter_bytes(unit_params, dtype, backend, grads_counted)
 
-    at_root = rs(units.root)
+    at_root = rs(max(units.root, units.embedding if units.edges_split else 0))
     at_experts = (fsdp_gathered_bytes(units, world, dtype) - units.experts * gathered_bytes_per_param(dtype)
                   + fsdp_head_grad_bytes(units, world, dtype) + rs(units.experts)) if units.experts else 0.0
     at_block = (fsdp_gathered_bytes(units, world, dtype) - units.block * gathered_bytes_per_param(dtype)

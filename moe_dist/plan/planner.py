@@ -148,9 +148,11 @@ def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int
     # FSDP2 pads each replica's share of the experts to ceil(E_local / edp) experts, and the gathered
     # experts live in the whole padded all-gather output: edp x that many experts
     padded_experts = math.ceil(s.num_experts // ep / (world // ep)) * (world // ep) if n_moe else 0
-    units = Units(root=counts["embedding"] + counts["lm_head"] + s.d_model, block=counts["largest_dense_block"],
+    split = bool(counts["lm_head"])  # untied: the embedding and the head are FSDP2 units of their own
+    units = Units(root=s.d_model if split else counts["embedding"] + s.d_model, block=counts["largest_dense_block"],
                   experts=padded_experts * counts["per_expert"] if sharded_experts else 0,
-                  output_head=counts["lm_head"] or counts["embedding"])
+                  output_head=counts["lm_head"] or counts["embedding"], edges_split=split,
+                  embedding=counts["embedding"])
     engine = engine_state_bytes(dense, experts_local, world, ep, inp.dense_mode, inp.grad_accum,
                                 local_experts=s.num_experts // ep if n_moe else None)
     gathered = fsdp_gathered_bytes(units, world, inp.dtype) if fsdp else 0.0

@@ -97,7 +97,8 @@ def _fully_shard(model: nn.Module, rt: Runtime, reshard_after_forward: bool, dty
     """FSDP2 units: each router alone (its math stays fp32, so it is gathered in fp32 whatever
     ``train.dtype``), each MoE layer's experts over the ``edp`` ranks (the replicas of those
     experts: weights, gradients and optimizer state split edp ways, gradients reduce-scattered
-    during backward), then each block and the root over every data-parallel rank for the rest."""
+    during backward), then each block, the embedding and the output projection (:func:`_edge_units`)
+    and the root over every data-parallel rank for the rest."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     policy, fp32 = mixed_precision(dtype), mixed_precision("fp32")
@@ -109,7 +110,7 @@ def _fully_shard(model: nn.Module, rt: Runtime, reshard_after_forward: bool, dty
             fully_shard(layer.experts, mesh=rt.edp_mesh, reshard_after_forward=reshard_after_forward,
                         mp_policy=policy)
     experts = set() if sharded_experts else set(expert_parameters(model))  # else left out of the dense units
-    units = list(getattr(model, "blocks", []))
+    units = list(getattr(model, "blocks", [])) + _edge_units(model)
     for unit in units:
         fully_shard(unit, mesh=rt.dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
                     ignored_params={p for p in unit.parameters() if p in experts})
@@ -119,6 +120,19 @@ def _fully_shard(model: nn.Module, rt: Runtime, reshard_after_forward: bool, dty
         if isinstance(m, FSDPModule):  # SUM, not mean; gloo has no PREMUL_SUM, so force plain sums
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
+
+
+def _edge_units(model: nn.Module) -> list[nn.Module]:
+    """The input embedding and the output projection, each an FSDP2 unit of its own when they are
+    not tied (as torchtitan does). In the root unit both were gathered at the start of every forward
+    and held to its end, beside FSDP2's all-gather buffer of the same size; now each is gathered only
+    while it runs. Tied, they stay in the root."""
+    embed, head = getattr(model, "embed", None), getattr(model, "lm_head", None)
+    if not (isinstance(embed, nn.Module) and isinstance(head, nn.Module)):
+        return []
+    if any(p is q for p in embed.parameters() for q in head.parameters()):
+        return []
+    return [embed, head]
 
 
 def parallelize(model: nn.Module, rt: Runtime, parallel_cfg,

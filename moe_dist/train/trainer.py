@@ -27,7 +27,7 @@ from ..diagnostics import RoutingDiagnostics, format_routing_summary, routing_su
 from ..distributed.bootstrap import Runtime, init_distributed, shutdown
 from ..errors import CheckpointError, MissingInputError
 from ..exits import JobStopped
-from ..hardware import batch_to_device, bf16_choice, cuda_memory_gib, peak_rss_bytes
+from ..hardware import batch_to_device, bf16_choice, cuda_memory_gib, map_large_allocations, peak_rss_bytes
 from ..model import count_parameters
 from ..parallel.kernel_choice import agree_expert_kernels
 from ..moe import moe_layers
@@ -630,6 +630,8 @@ def evaluate_run(cfg: Config, checkpoint: Optional[str] = None, rt: Optional[Run
     owns = rt is None
     rt = setup_runtime(cfg, rt)
     log = print if rt.is_main else (lambda _msg: None)
+    if rt.device.type == "cpu":
+        map_large_allocations()  # before the weights: freed gather buffers go back to the system
     try:
         path = checkpoint or latest_checkpoint(cfg.run.dir)
         if path is None:

@@ -81,6 +81,22 @@ def save_model_weights(model: nn.Module, directory: str, dtype: Optional[torch.d
     return writer.close()
 
 
+READ_CHUNK_BYTES = 64 << 20
+
+
+def _read_rows_into(ckpt: SafetensorsCheckpoint, name: str, start: int, out: torch.Tensor) -> None:
+    """Rows ``start ..`` of ``name`` (as many as ``out`` has) into ``out``, about
+    :data:`READ_CHUNK_BYTES` at a time: reading the whole slice and then converting it (``.to(fp32)``
+    of bf16 weights) held both copies of the largest tensor at once, the peak of a 1-process load."""
+    rows = out.shape[0]
+    if rows == 0:
+        return
+    step = max(1, READ_CHUNK_BYTES // max(1, out[0].numel() * out.element_size()))
+    for lo in range(0, rows, step):
+        hi = min(rows, lo + step)
+        out[lo:hi].copy_(ckpt.get_rows(name, start + lo, start + hi))
+
+
 @torch.no_grad()
 def load_model_weights(model: nn.Module, directory: str) -> dict:
     """Load weights written by :func:`save_model_weights` (or ``moe-dist upcycle``) into ``model``
@@ -116,7 +132,7 @@ def load_model_weights(model: nn.Module, directory: str) -> dict:
             copy_rows_(target, ckpt.get(name))
         else:  # this rank's rows: its FSDP shard, its experts (a share of them when sharded over edp)
             part, base = local_rows(target), module.offset if module is not None else 0
-            copy_rows_(target, ckpt.get_rows(name, base + part.start, base + part.stop), start=part.start)
+            _read_rows_into(ckpt, name, base + part.start, part.local)
         ckpt.close()  # unmap the file after each tensor: mapped pages read so far count as this process's memory
     ckpt.close()
     return {"loaded": len(wanted)}
