@@ -179,3 +179,20 @@ def test_one_tracked_step_gives_the_peak_of_two():
     two = dry_run("configs/tiny.yaml", overrides, nodes=1, gpus_per_node=4, steps=2)
     assert one["categories_bytes"]["optimizer"] > 0
     assert one["peak_bytes"] == two["peak_bytes"] and one["categories_bytes"] == two["categories_bytes"]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_embedding_and_the_head_are_units_of_their_own_unless_tied(tied):
+    """Untied, each is gathered only while it runs (not with the root for the whole step)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from moe_dist.plan.dry_run import dry_run
+
+    seen = {}
+
+    def observe(model, rt):
+        seen.update(embed=isinstance(model.embed, FSDPModule), head=isinstance(model.lm_head, FSDPModule))
+
+    dry_run("configs/tiny.yaml", TINY + ["parallel.ep=2", "train.global_batch=8", f"model.tie_embeddings={str(tied).lower()}"],
+            nodes=1, gpus_per_node=2, observe=observe)
+    assert seen == {"embed": not tied, "head": not tied}

@@ -161,14 +161,19 @@ def test_fsdp_shards_experts_over_their_replicas():
     # the expert state per rank is the same at ep=1, 2 and 4 (1/4 of it either way) ...
     assert four[1]["memory_gib"]["weights"] == four[2]["memory_gib"]["weights"] == four[4]["memory_gib"]["weights"]
     # ... but two layers' experts units (the running one, the prefetched one) are gathered whole (E / ep
-    # experts each, fp32) on top of root + 2 blocks
-    per_layer = experts / 2
-    base = four[4]["memory_gib"]["fsdp_gather"]  # no expert unit at edp = 1
-    assert four[2]["memory_gib"]["fsdp_gather"] == pytest.approx(base + 2 * per_layer / 2 * 4 / 2**30, abs=2e-3)
-    assert four[1]["memory_gib"]["fsdp_gather"] == pytest.approx(base + 2 * per_layer * 4 / 2**30, abs=2e-3)
+    # experts each, fp32) beside two blocks and the root unit (the final norm), or, at the start of
+    # backward, the output head's own unit with its gradient beside one block and one experts unit
+    per_layer, block, head = experts / 2, counts["largest_dense_block"], counts["lm_head"]
+
+    def gathered(experts_unit: float) -> float:
+        return (2048 + max(2 * block + 2 * experts_unit, 2 * head + block + experts_unit)) * 4 / 2**30
+
+    assert four[4]["memory_gib"]["fsdp_gather"] == pytest.approx(gathered(0), abs=2e-3)  # no experts unit at edp = 1
+    assert four[2]["memory_gib"]["fsdp_gather"] == pytest.approx(gathered(per_layer / 2), abs=2e-3)
+    assert four[1]["memory_gib"]["fsdp_gather"] == pytest.approx(gathered(per_layer), abs=2e-3)
     # an uneven split is padded: 4 experts per layer at ep=2 over 3 replicas gather as 3 x ceil(4 / 3) = 6
     _, six = _layouts(["train.dtype=fp32", "train.global_batch=6"], 6)
-    assert six[2]["memory_gib"]["fsdp_gather"] == pytest.approx(base + 2 * per_layer * 6 / 8 * 4 / 2**30, abs=2e-3)
+    assert six[2]["memory_gib"]["fsdp_gather"] == pytest.approx(gathered(per_layer * 6 / 8), abs=2e-3)
     # replicated dense weights: no FSDP2, experts whole on their ranks
     _, rep = _layouts(["train.dtype=fp32", "parallel.dense=replicate"], 4)
     assert rep[2]["memory_gib"]["weights"] == pytest.approx((dense + experts / 2) * 4 / 2**30, abs=1e-3)
@@ -209,7 +214,7 @@ def test_weight_and_gradient_traffic():
 def test_gradient_reduction_transient():
     from moe_dist.plan.memory import Units, fsdp_reduce_peak_bytes
 
-    units = Units(root=100, block=10, experts=60, output_head=50)
+    units = Units(root=100, block=10, experts=60, output_head=50, edges_split=False)  # head in the root unit
     # fp32: the experts unit's reduction (flat fp32 buffer + its fp32 grads or gloo's copy of the buffer) next to
     # root + 2 blocks + the prefetched experts unit gathered and the head's gradient waiting, which is above the
     # root's own reduction (100 x 8)
@@ -222,7 +227,7 @@ def test_gradient_reduction_transient():
     assert fsdp_reduce_peak_bytes(units, 2, "fp32", "nccl", True) == (100 + 2 * 10 + 60) * 4 + 50 * 4 + 60 * 4
     assert fsdp_reduce_peak_bytes(units, 2, "fp32", "gloo", True) == (100 + 2 * 10 + 60) * 4 + 50 * 4 + 60 * 8
     # a large root: its reduction at the end of backward is the peak
-    big_root = Units(root=1000, block=10, experts=60, output_head=500)
+    big_root = Units(root=1000, block=10, experts=60, output_head=500, edges_split=False)
     assert fsdp_reduce_peak_bytes(big_root, 2, "fp32", "gloo", False) == 1000 * 8
     assert fsdp_reduce_peak_bytes(big_root, 1, "fp32", "gloo", False) == 0  # one process: no FSDP2
     _, nccl = _layouts(["train.dtype=bf16"], 4)

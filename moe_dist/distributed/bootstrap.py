@@ -264,7 +264,8 @@ def _meshes(groups: ParallelGroups, device: torch.device, world: int):
 def init_distributed(ep: Union[int, Callable[[list[str]], int]] = 1, num_experts: Optional[int] = None, *,
                      backend: str = "auto", device: str = "auto", timeout_s: float = 600,
                      ranks_per_node: Optional[int] = None, dispatch: str = "flat",
-                     environ: Optional[Mapping[str, str]] = None, heartbeat_timeout_s: float = 0) -> Runtime:
+                     environ: Optional[Mapping[str, str]] = None, heartbeat_timeout_s: float = 0,
+                     on_lost_peer: Optional[Callable[[str], None]] = None) -> Runtime:
     """Initialise the default process group (unless one exists) and build the parallel groups.
 
     Expert-parallel size ``ep`` must divide the world size and ``num_experts``. It may be given as
@@ -273,7 +274,8 @@ def init_distributed(ep: Union[int, Callable[[list[str]], int]] = 1, num_experts
     ``ranks_per_node``: nodes are blocks of this many consecutive ranks (None: the ranks' host names;
     :mod:`~moe_dist.distributed.topology`). ``dispatch``: ``parallel.dispatch``, carried by the groups.
     ``heartbeat_timeout_s``: each rank's heartbeat (:mod:`~moe_dist.distributed.heartbeat`) when this
-    function makes the process group over several ranks (0: none).
+    function makes the process group over several ranks (0: none); ``on_lost_peer(line)`` ends the
+    rank when it finds a peer silent.
     """
     if dist.is_available() and dist.is_initialized():  # started by someone else (tests, a notebook)
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -299,7 +301,7 @@ def init_distributed(ep: Union[int, Callable[[list[str]], int]] = 1, num_experts
     try:
         groups, dp_mesh, mesh, edp_mesh = _layout(launch, dev, ep, num_experts, ranks_per_node, dispatch, owns)
         if owns:
-            heartbeat.start(heartbeat_timeout_s)
+            heartbeat.start(heartbeat_timeout_s, on_lost_peer)
     except BaseException:
         # a layout refused (parallel.ep against the world size, found only once every host is known):
         # the group made here goes now, not in interpreter teardown (after the one-line error)

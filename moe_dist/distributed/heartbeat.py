@@ -10,8 +10,8 @@ silent: the rank reads every rank's counter once, writes the verdict naming the 
 and ends; every other rank ends when it reads the verdict. A rank that cannot reach the store
 for ``timeout_s`` is cut off from the job itself, or the store's node is lost, and says that.
 
-The process ends from the thread (:func:`moe_dist.exits.end_process`: one line, the launcher's
-report, exit code 1): the main thread may be blocked in a collective that nothing in Python can
+The process ends from the thread (the command's ``on_loss``, :func:`moe_dist.exits.end_process`
+for the trainer: one line, the launcher's report, exit code 1): the main thread may be blocked in a collective that nothing in Python can
 interrupt. A rank that stops normally marks itself done first, so that its watcher does not take
 its silence for a loss. Each rank sends the store five small requests a period.
 
@@ -22,7 +22,9 @@ its silence for a loss. Each rank sends the store five small requests a period.
 from __future__ import annotations
 
 import datetime
+import os
 import socket
+import sys
 import threading
 import time
 from typing import Callable, Optional
@@ -40,7 +42,7 @@ def period_for(timeout_s: float) -> float:
 
 class Heartbeat:
     """One rank's beat and its watch of the next rank (module docstring). ``on_loss(line)`` is what
-    ends the rank (default: :func:`moe_dist.exits.end_process`)."""
+    ends the rank (default: the line on stderr, exit code 1)."""
 
     def __init__(self, store_at: tuple[str, int], rank: int, hosts: list[str], timeout_s: float,
                  on_loss: Optional[Callable[[str], None]] = None, period_s: Optional[float] = None):
@@ -79,10 +81,18 @@ class Heartbeat:
                     f"others, or {host} is lost; the job was stopped (resume=auto continues from the last checkpoint)")
 
     def stop(self) -> None:
-        """Mark this rank done (best effort, on a connection of its own) and end the threads."""
+        """Mark this rank done (best effort, on a connection of its own) and end the threads. Rank 0,
+        whose process holds the store when the job was not started by torchrun, waits (up to the
+        timeout) until every rank is done: leaving first, it would take the store from ranks that
+        still beat and make them think themselves cut off."""
         self._stop.set()
         try:
-            self._client().set(f"{self.prefix}/done/{self.rank}", "1")
+            store = self._client()
+            store.set(f"{self.prefix}/done/{self.rank}", "1")
+            deadline = time.monotonic() + self.timeout_s
+            while self.rank == 0 and time.monotonic() < deadline and not all(
+                    store.check([f"{self.prefix}/done/{r}"]) for r in range(self.world)):
+                time.sleep(0.05)
         except (RuntimeError, OSError):  # the store is gone: nothing is watching any more
             pass
         self._thread.join(timeout=2 * self.period + 1)
@@ -160,20 +170,20 @@ class Heartbeat:
 
 
 def _end_process(line: str) -> None:
-    from ..exits import end_process
+    """The line on stderr, then exit code 1 (a command passes its own ending: moe_dist.exits.end_process)."""
+    print(line, file=sys.stderr, flush=True)
+    os._exit(1)
 
-    end_process(line, kind="lost_peer")
 
-
-def start(timeout_s: float) -> Optional[Heartbeat]:
+def start(timeout_s: float, on_loss: Optional[Callable[[str], None]] = None) -> Optional[Heartbeat]:
     """This rank's heartbeat, when the job has several ranks and a recorded TCP store (else None);
-    ``timeout_s`` 0: none."""
+    ``timeout_s`` 0: none. ``on_loss(line)`` ends the rank (default: the line, then exit code 1)."""
     global _running
     store_at, hosts, rank = roll_call.store_at(), roll_call.hosts(), roll_call.rank()
     if not timeout_s or store_at is None or len(hosts) < 2:
         return None
     stop()
-    _running = Heartbeat(store_at, rank, hosts, timeout_s).start()
+    _running = Heartbeat(store_at, rank, hosts, timeout_s, on_loss=on_loss).start()
     return _running
 
 

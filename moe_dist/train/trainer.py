@@ -26,7 +26,7 @@ from ..data import PreparedData, TrainSampler, load_prepared, prepare_data
 from ..diagnostics import RoutingDiagnostics, format_routing_summary, routing_summary
 from ..distributed.bootstrap import Runtime, init_distributed, shutdown
 from ..errors import CheckpointError, MissingInputError
-from ..exits import JobStopped
+from ..exits import JobStopped, end_process
 from ..hardware import batch_to_device, bf16_choice, cuda_memory_gib, map_large_allocations, peak_rss_bytes
 from ..model import count_parameters
 from ..parallel.kernel_choice import agree_expert_kernels
@@ -100,7 +100,8 @@ def setup_runtime(cfg: Config, rt: Optional[Runtime] = None) -> Runtime:
         rt = init_distributed(cfg.expert_parallel_size, cfg.model.moe.num_experts, backend=cfg.parallel.backend,
                               device=cfg.run.device, timeout_s=cfg.parallel.timeout_s,
                               ranks_per_node=cfg.parallel.ranks_per_node, dispatch=cfg.parallel.dispatch,
-                              heartbeat_timeout_s=cfg.parallel.heartbeat_timeout_s)
+                              heartbeat_timeout_s=cfg.parallel.heartbeat_timeout_s,
+                              on_lost_peer=lambda line: end_process(line, kind="lost_peer"))
     try:
         cfg.check_world(rt.world_size)
         torch.set_num_threads(thread_choice(cfg.run.threads, rt.launch.local_world_size)[0])

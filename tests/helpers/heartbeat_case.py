@@ -16,12 +16,13 @@ import torch
 import torch.distributed as dist
 
 from moe_dist.distributed.bootstrap import init_distributed, shutdown
-from moe_dist.exits import run_process
+from moe_dist.exits import end_process, run_process
 
 
 def main() -> int:
     mode, heartbeat_s = sys.argv[1], float(sys.argv[2])
-    rt = init_distributed(1, backend="gloo", device="cpu", timeout_s=600, heartbeat_timeout_s=heartbeat_s)
+    rt = init_distributed(1, backend="gloo", device="cpu", timeout_s=600, heartbeat_timeout_s=heartbeat_s,
+                          on_lost_peer=lambda line: end_process(line, kind="lost_peer"))  # as the trainer does
     x = torch.ones(4)
     dist.all_reduce(x)
     print("ready", flush=True)
