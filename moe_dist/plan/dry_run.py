@@ -443,7 +443,7 @@ def comparison_rows(result: dict) -> list[tuple[str, float, Optional[float]]]:
 
     rows = [("weights (this rank's shards)", c.get("weights", 0.0), planned("weights")),
             ("gradients", c.get("grads", 0.0), at_peak("grads")),
-            ("optimizer state", c.get("optimizer", 0.0), planned("optimizer")),
+            ("optimizer state", c.get("optimizer", 0.0), at_peak("optimizer")),
             # the tracker files bf16 autocast copies of weights FSDP2 does not gather as activations
             ("activations", c.get("activations", 0.0), at_peak("activations")),
             ("FSDP2 gathered weights", c.get("gathered_weights", 0.0) + c.get("all_gather", 0.0), at_peak("fsdp_gather")),

@@ -190,6 +190,8 @@ def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int
         phase = max((v, k) for k, v in phases(activations).items())[1]
         backward = phase.startswith("backward")
         return {"phase": phase, "grads": _gib(grads_from_start if backward else grads),
+                # AdamW's temporary is made inside its step: torch's tracker files it with its state
+                "optimizer": _gib(engine["optimizer"] + (opt_step if phase == "optimizer step" else 0.0)),
                 "activations": _gib(activations + autocast - (log_softmax if phase == "backward" else 0.0)
                                     if backward else 0.0),
                 "fsdp_gather": _gib({"backward start": at_rest, "backward": max(gathered, at_rest)}.get(phase, 0.0)),
