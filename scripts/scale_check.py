@@ -13,7 +13,7 @@ Steps (each skipped when its output exists in --work, default runs/scale-check):
 
 Passes when each of the 2 ranks peaks at <= 0.6x the single process's resident memory, the
 two perplexities agree to 1e-5 (relative) and the logits to 1e-4 (relative norm). Needs
-about 16 GiB of memory, 12 GB of disk and 10-15 minutes on 2 cores; prints the figures
+about 16 GiB of memory, 12 GB of disk and 5-15 minutes on 2 cores; prints the figures
 (with the CPU's capability) and writes them to WORK/scale_check.json.
 """
 from __future__ import annotations
