@@ -345,9 +345,10 @@ def shutdown(rt: Runtime) -> None:
     """
     if not (rt.owns_process_group and dist.is_initialized()):
         return
-    if sys.exc_info()[0] is None and dist.get_world_size() > 1:
+    normal = sys.exc_info()[0] is None
+    if normal and dist.get_world_size() > 1:
         dist.barrier()
-    heartbeat.stop()
+    heartbeat.stop(wait_for_all=normal)
     rt.dp_mesh = rt.mesh = rt.edp_mesh = None
     _destroy_groups()
 

@@ -10,10 +10,12 @@ silent: the rank reads every rank's counter once, writes the verdict naming the 
 and ends; every other rank ends when it reads the verdict. A rank that cannot reach the store
 for ``timeout_s`` is cut off from the job itself, or the store's node is lost, and says that.
 
-The process ends from the thread (the command's ``on_loss``, :func:`moe_dist.exits.end_process`
-for the trainer: one line, the launcher's report, exit code 1): the main thread may be blocked in a collective that nothing in Python can
-interrupt. A rank that stops normally marks itself done first, so that its watcher does not take
-its silence for a loss. Each rank sends the store five small requests a period.
+The process ends from the thread (the command's ``on_loss``; for the trainer
+:func:`moe_dist.exits.end_process`: one line, the launcher's report, exit code 1): the main thread
+may be blocked in a collective that nothing in Python can interrupt. A rank that stops normally
+marks itself done first, so that its watcher does not take its silence for a loss. Each rank sends
+the store five small requests a period; a second thread without I/O decides when the store has
+been silent too long (a request to a store that stopped answering may block for good).
 
     start(timeout_s=30)     # every rank, once roll_call.remember_hosts has run
     ...
@@ -80,17 +82,18 @@ class Heartbeat:
                     f"{self.timeout_s:g} s (parallel.heartbeat_timeout_s): this node ({me}) is cut off from the "
                     f"others, or {host} is lost; the job was stopped (resume=auto continues from the last checkpoint)")
 
-    def stop(self) -> None:
-        """Mark this rank done (best effort, on a connection of its own) and end the threads. Rank 0,
-        whose process holds the store when the job was not started by torchrun, waits (up to the
-        timeout) until every rank is done: leaving first, it would take the store from ranks that
-        still beat and make them think themselves cut off."""
+    def stop(self, wait_for_all: bool = True) -> None:
+        """Mark this rank done (best effort, on a connection of its own) and end the threads. On a
+        normal end rank 0, whose process holds the store when the job was not started by torchrun,
+        waits (up to the timeout) until every rank is done: leaving first, it would take the store
+        from ranks that still beat and make them think themselves cut off. ``wait_for_all`` False
+        (the job is failing; a peer may be gone): no wait."""
         self._stop.set()
         try:
             store = self._client()
             store.set(f"{self.prefix}/done/{self.rank}", "1")
             deadline = time.monotonic() + self.timeout_s
-            while self.rank == 0 and time.monotonic() < deadline and not all(
+            while wait_for_all and self.rank == 0 and time.monotonic() < deadline and not all(
                     store.check([f"{self.prefix}/done/{r}"]) for r in range(self.world)):
                 time.sleep(0.05)
         except (RuntimeError, OSError):  # the store is gone: nothing is watching any more
@@ -187,9 +190,9 @@ def start(timeout_s: float, on_loss: Optional[Callable[[str], None]] = None) -> 
     return _running
 
 
-def stop() -> None:
-    """Stop this rank's heartbeat, if it runs, marking the rank done."""
+def stop(wait_for_all: bool = True) -> None:
+    """Stop this rank's heartbeat, if it runs, marking the rank done (:meth:`Heartbeat.stop`)."""
     global _running
     if _running is not None:
-        _running.stop()
+        _running.stop(wait_for_all)
         _running = None

@@ -30,7 +30,6 @@ from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..config import ConfigError, load_config
@@ -46,7 +45,6 @@ CATEGORIES = {"Sharded Param": "weights", "Unsharded Param": "gathered_weights",
               "All Gather": "all_gather", "Reduce Scatter": "reduce_scatter", "OptState": "optimizer",
               "Inputs": "inputs", "Parameter": "weights", "Gradient": "grads", "Optstate": "optimizer",
               "Other": "inputs"}
-_DEVICE = torch.ops.prim.device.default
 STAND_IN_FLOAT = 0.0  # what a floating-point host read returns: a finite loss and gradient norm, no NaN flag
 
 
@@ -84,8 +82,6 @@ class _StandInReads(TorchDispatchMode):
         self.collectives: list[dict] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is _DEVICE and isinstance(args[0], FakeTensor):  # most calls by far (the tracker asks per tensor)
-            return args[0].fake_device
         if func.namespace == "c10d":
             self.collectives.append(_collective_entry(func, args))
         if func is torch.ops.aten._local_scalar_dense.default:
@@ -259,7 +255,7 @@ def _allocate_optimizer_state(model, optimizer) -> None:
 
 def _global_peak_only(tracker) -> None:
     """torch's tracker, on every op, walks every module to keep per-module peaks as well; the dry
-    run reads only the overall peak, which alone is kept (a third of the time of a 16-layer model)."""
+    run reads only the overall peak, which alone is kept (the walk was a third of a dry run's time)."""
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 
     def update_peak(peak_state) -> None:
