@@ -82,11 +82,10 @@ def _config(tmp, name, *extra) -> list[str]:
             f"train.steps={STEPS}", *QUIET, *extra]
 
 
-def start_nodes(c: Cluster, tmp, name: str, nodes: int, nproc: int, *overrides, master="node0", nnodes=None,
-                rdzv_id=None):
+def start_nodes(c: Cluster, tmp, name: str, nodes: int, nproc: int, *overrides, master="node0", nnodes=None):
     """Start ``launch/torchrun.sh`` on the first ``nodes`` nodes; [(Popen, stdout file, stderr file)].
     ``nnodes``: the launcher's ``NNODES`` (default ``nodes``; ``"MIN:MAX"``: elastic)."""
-    procs, rdzv_id = [], rdzv_id or f"{name}-{time.time_ns()}"
+    procs, rdzv_id = [], f"{name}-{time.time_ns()}"
     for i in range(nodes):
         env = _env(NPROC_PER_NODE=str(nproc), NNODES=nnodes or str(nodes), NODE_RANK=str(i), MASTER_ADDR=master,
                    RDZV_ID=rdzv_id)
