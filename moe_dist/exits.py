@@ -132,6 +132,12 @@ def exit_code_of(exc: Optional[BaseException]) -> int:
     return EXIT_INTERRUPTED if isinstance(exc, KeyboardInterrupt) else EXIT_FAILED
 
 
+def _report(directory: str, rank: int, code: int, kind: str, line: str, trace: str) -> None:
+    """This process's report to its launcher (:func:`write_report`)."""
+    write_report(directory, rank, {"rank": rank, "pid": os.getpid(), "code": code, "kind": kind, "line": line,
+                                   "traceback": trace})
+
+
 _command = "run"  # the command this process runs (run_process): the prefix of end_process's line
 
 
@@ -145,8 +151,7 @@ def end_process(line: str, kind: str) -> None:
     if not report_dir:
         print(full, file=sys.stderr, flush=True)
     if status_dir:
-        write_report(status_dir, rank, {"rank": rank, "pid": os.getpid(), "code": EXIT_FAILED, "kind": kind,
-                                        "line": full, "traceback": ""})
+        _report(status_dir, rank, EXIT_FAILED, kind, full, "")
     sys.stdout.flush()
     os._exit(EXIT_FAILED)
 
@@ -189,8 +194,7 @@ def run_process(command: str, fn: Callable[[], int]) -> int:
         return EXIT_FAILED
     finally:
         if status_dir:
-            write_report(status_dir, rank, {"rank": rank, "pid": os.getpid(), "code": code, "kind": kind,
-                                            "line": line, "traceback": trace})
+            _report(status_dir, rank, code, kind, line, trace)
 
 
 def killed_line(command: str, rank: int, pid: int, signum: int) -> str:

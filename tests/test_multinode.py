@@ -261,6 +261,15 @@ def test_a_killed_node_is_named_and_the_run_resumes_on_the_other_node(cluster, t
     assert_curve_matches(before_kill[:start] + resumed, uninterrupted)
 
 
+def _rank_line_when_written(path, timeout: float = 60) -> str:
+    """The one line a node's rank prints when it ends, once it is in the file at ``path``."""
+    err, deadline = "", time.monotonic() + timeout
+    while "moe-dist train:" not in err and time.monotonic() < deadline:
+        time.sleep(0.5)
+        err = open(path).read()
+    return _one_rank_line(err)
+
+
 def test_an_unplugged_node_is_named_after_the_collective_timeout(cluster, tmp_path):
     c = cluster
     timeout_s = 12
@@ -279,11 +288,7 @@ def test_an_unplugged_node_is_named_after_the_collective_timeout(cluster, tmp_pa
     print(f"unplugged node: the survivor ended {seconds:.1f} s after the unplug (parallel.timeout_s={timeout_s})")
     _checkpoints_complete(tmp_path / "unplugged")
     # the unplugged node's rank times out as well and knows that it is the one cut off
-    err1, deadline = "", time.monotonic() + 60
-    while "moe-dist train:" not in err1 and time.monotonic() < deadline:
-        time.sleep(0.5)
-        err1 = open(tmp_path / "unplugged.node1.err").read()
-    line1 = _one_rank_line(err1)
+    line1 = _rank_line_when_written(tmp_path / "unplugged.node1.err")
     assert line1.startswith("moe-dist train: rank 1: the collective ") and re.search(
         r"; the job's rendezvous store at node0:\d+ cannot be reached either: this node \(node1\) is cut off "
         r"from the others, or node0 is lost$", line1), line1
@@ -309,11 +314,7 @@ def test_an_unplugged_node_is_named_within_the_heartbeat_timeout(cluster, tmp_pa
     assert heartbeat_s <= seconds < heartbeat_s + 30, seconds
     print(f"unplugged node, heartbeat {heartbeat_s} s: the survivor ended {seconds:.1f} s after the unplug")
     _checkpoints_complete(tmp_path / "silent")
-    err1, deadline = "", time.monotonic() + 60
-    while "moe-dist train:" not in err1 and time.monotonic() < deadline:
-        time.sleep(0.5)
-        err1 = open(tmp_path / "silent.node1.err").read()
-    line1 = _one_rank_line(err1)
+    line1 = _rank_line_when_written(tmp_path / "silent.node1.err")
     assert re.fullmatch(rf"moe-dist train: rank 1: the job's rendezvous store at node0:\d+ has not answered for "
                         rf"{heartbeat_s} s \(parallel.heartbeat_timeout_s\): this node \(node1\) is cut off from the "
                         r"others, or node0 is lost; the job was stopped \(resume=auto continues from the last "

@@ -75,12 +75,11 @@ class Heartbeat:
     def _watch_store(self) -> None:
         while not self._stop.wait(self.period):
             if time.monotonic() - self._reached > self.timeout_s:
-                me = self.hosts[self.rank]
                 host, port = self.store_at
                 return self._end(
                     f"rank {self.rank}: the job's rendezvous store at {host}:{port} has not answered for "
-                    f"{self.timeout_s:g} s (parallel.heartbeat_timeout_s): this node ({me}) is cut off from the "
-                    f"others, or {host} is lost; the job was stopped (resume=auto continues from the last checkpoint)")
+                    f"{self.timeout_s:g} s (parallel.heartbeat_timeout_s): {roll_call.cut_off(self.hosts[self.rank])}; "
+                    "the job was stopped (resume=auto continues from the last checkpoint)")
 
     def stop(self, wait_for_all: bool = True) -> None:
         """Mark this rank done (best effort, on a connection of its own) and end the threads. On a

@@ -68,14 +68,14 @@ def roll_call(wait_s: float) -> Optional[set[int]]:
         return None
     prefix = f"{_KEY}/{attempt()}"
     try:
-        with quiet_stderr():
+        with _quiet_stderr():
             return _answer_and_wait(prefix, wait_s)
     except (RuntimeError, OSError):  # DistStoreError, a refused or timed-out connection
         return None
 
 
 @contextlib.contextmanager
-def quiet_stderr():
+def _quiet_stderr():
     """File descriptor 2 to /dev/null: torch's store logs a failed connection with a C++ stack trace,
     which would bury the one line this roll call is for."""
     sys.stderr.flush()
@@ -119,8 +119,7 @@ def lost_nodes_line(wait_s: float) -> str:
     answered = roll_call(wait_s)
     if answered is None:
         host, port = _store_at
-        return (f"the job's rendezvous store at {host}:{port} cannot be reached either: this node ({me}) is cut off "
-                f"from the others, or {host} is lost")
+        return f"the job's rendezvous store at {host}:{port} cannot be reached either: {cut_off(me)}"
     by_host = _by_host(_hosts)
     lost = [h for h, ranks in by_host.items() if not answered & set(ranks)]
     silent = sorted(set(range(len(_hosts))) - answered)
@@ -131,6 +130,11 @@ def lost_nodes_line(wait_s: float) -> str:
     if silent:
         return f"{_ranks(silent)} did not answer a roll call within {wait_s:g} s (every node has ranks that did)"
     return "every rank answered a roll call: no node is lost"
+
+
+def cut_off(me: str) -> str:
+    """What a rank that cannot reach the job's store concludes (``me``: its host)."""
+    return f"this node ({me}) is cut off from the others, or {_store_at[0] if _store_at else 'the store'} is lost"
 
 
 def _by_host(hosts: list[str]) -> dict[str, list[int]]:

@@ -103,14 +103,20 @@ def uses_fsdp(dense_mode: str, world: int) -> bool:
     return dense_mode == "fsdp" and world > 1
 
 
+def experts_per_replica(local_experts: int, edp: int) -> int:
+    """The experts of a layer's ``local_experts`` that the busiest of its ``edp`` replicas holds
+    under FSDP2, which shards the ``[experts, ...]`` weights on the expert dimension in chunks of
+    ``ceil(local_experts / edp)`` (and pads every replica's chunk to that many for its all-gather)."""
+    return math.ceil(local_experts / edp) if edp > 1 else local_experts
+
+
 def expert_shard_fraction(local_experts: int, edp: int) -> float:
-    """The largest share of a layer's local experts one of its ``edp`` replicas holds under FSDP2,
-    which shards the ``[experts, ...]`` weights on the expert dimension in chunks of
-    ``ceil(local_experts / edp)``: an even ``1 / edp`` only when ``edp`` divides ``local_experts``
-    (one local expert over 8 replicas: the first holds it whole, the others nothing)."""
+    """The largest share of a layer's local experts one of its ``edp`` replicas holds: an even
+    ``1 / edp`` only when ``edp`` divides ``local_experts`` (one local expert over 8 replicas: the
+    first holds it whole, the others nothing)."""
     if edp <= 1 or local_experts < 1:
         return 1.0
-    return math.ceil(local_experts / edp) / local_experts
+    return experts_per_replica(local_experts, edp) / local_experts
 
 
 def engine_state_bytes(dense_params: int, expert_params_local: int, world: int, ep: int, dense_mode: str,

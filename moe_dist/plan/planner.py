@@ -21,7 +21,7 @@ from ..config.layout import ep_sizes
 from ..hf.config import HFModelSpec, config_path, hf_model_spec, is_hf_config
 from ..model.params import block_shape, count_params
 from .memory import (GIB, STAGES, Units, Workload, activation_bytes, all_to_all_bytes, autocast_copy_bytes,
-                     engine_state_bytes, expert_shard_fraction, fsdp_gathered_bytes, fsdp_head_grad_bytes, fsdp_reduce_peak_bytes,
+                     engine_state_bytes, expert_shard_fraction, experts_per_replica, fsdp_gathered_bytes, fsdp_head_grad_bytes, fsdp_reduce_peak_bytes,
                      gathered_bytes_per_param, loss_backward_bytes, grad_sync_bytes, optimizer_step_bytes, state_bytes, uses_fsdp)
 from .timing import Cluster, Links, StepWork, flops_per_token, passes, step_time, sync_time
 from .dispatch_rows import DISPATCHES, dispatch_bytes, group_shape
@@ -145,9 +145,8 @@ def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int
     act_ckpt = activation_bytes(s, work, checkpointing=True)
     fsdp = uses_fsdp(inp.dense_mode, world)
     sharded_experts = fsdp and world // ep > 1
-    # FSDP2 pads each replica's share of the experts to ceil(E_local / edp) experts, and the gathered
-    # experts live in the whole padded all-gather output: edp x that many experts
-    padded_experts = math.ceil(s.num_experts // ep / (world // ep)) * (world // ep) if n_moe else 0
+    # the gathered experts live in the whole padded all-gather output: edp x the busiest replica's share
+    padded_experts = experts_per_replica(s.num_experts // ep, world // ep) * (world // ep) if n_moe else 0
     split = bool(counts["lm_head"])  # untied: the embedding and the head are FSDP2 units of their own
     units = Units(root=s.d_model if split else counts["embedding"] + s.d_model, block=counts["largest_dense_block"],
                   experts=padded_experts * counts["per_expert"] if sharded_experts else 0,
@@ -176,27 +175,30 @@ def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int
 
     log_softmax = 4.0 * m.vocab_size * work.tokens  # the loss's, part of the activations until its backward
 
-    def phases(activations: float) -> dict[str, float]:
-        during = grads_from_start + activations + autocast
-        return {"backward start": during + at_rest + loss_bw,
-                "backward": during - log_softmax + max(gathered, at_rest) + head_grad,
-                "gradient reduction": grads + reduce, "optimizer step": grads + opt_step}
+    def phases(activations: float) -> dict[str, dict[str, float]]:
+        """What each phase of the step holds beside the weights and AdamW state, by category."""
+        during = {"grads": grads_from_start, "activations": activations + autocast}
+        return {"backward start": {**during, "fsdp_gather": at_rest, "temporaries": loss_bw},
+                "backward": {**during, "activations": activations + autocast - log_softmax,
+                             "fsdp_gather": max(gathered, at_rest), "temporaries": head_grad},
+                "gradient reduction": {"grads": grads, "fsdp_reduce": reduce},
+                "optimizer step": {"grads": grads, "optimizer_step": opt_step}}
+
+    def peak_phase(activations: float) -> tuple[float, str, dict[str, float]]:
+        totals = [(sum(held_by.values()), name, held_by) for name, held_by in phases(activations).items()]
+        return max(totals, key=lambda t: t[:2])
 
     def peak(activations: float) -> float:
-        return held + max(phases(activations).values())
+        return held + peak_phase(activations)[0]
 
     def at_peak(activations: float) -> dict:
         """Each category at the predicted peak (what the dry run reports), and which phase it is in."""
-        phase = max((v, k) for k, v in phases(activations).items())[1]
-        backward = phase.startswith("backward")
-        return {"phase": phase, "grads": _gib(grads_from_start if backward else grads),
+        _, phase, held_by = peak_phase(activations)
+        return {"phase": phase, "grads": _gib(held_by["grads"]),
                 # AdamW's temporary is made inside its step: torch's tracker files it with its state
-                "optimizer": _gib(engine["optimizer"] + (opt_step if phase == "optimizer step" else 0.0)),
-                "activations": _gib(activations + autocast - (log_softmax if phase == "backward" else 0.0)
-                                    if backward else 0.0),
-                "fsdp_gather": _gib({"backward start": at_rest, "backward": max(gathered, at_rest)}.get(phase, 0.0)),
-                "fsdp_reduce": _gib(reduce if phase == "gradient reduction" else 0.0),
-                "temporaries": _gib({"backward start": loss_bw, "backward": head_grad}.get(phase, 0.0))}
+                "optimizer": _gib(engine["optimizer"] + held_by.get("optimizer_step", 0.0)),
+                **{key: _gib(held_by.get(key, 0.0))
+                   for key in ("activations", "fsdp_gather", "fsdp_reduce", "temporaries")}}
 
     stages = {}
     for stage in STAGES:
@@ -385,7 +387,7 @@ def _floor(inp: PlanInput, counts: dict, nodes: int, gpus_per_node: int, usable:
         whole = ""
         if far["experts_sharded_over_edp"] and expert_shard_fraction(local, far["edp"]) * far["edp"] > 1:
             whole = (f", and the busiest of the {far['edp']} replicas of each layer's {local} expert(s) holds "
-                     f"{math.ceil(local / far['edp'])} whole (FSDP2 shards the experts on the expert dimension) with "
+                     f"{experts_per_replica(local, far['edp'])} whole (FSDP2 shards the experts on the expert dimension) with "
                      f"their gradients and AdamW state")
         return text + (f"what does not shrink with more GPUs is what FSDP2 gathers ({g['fsdp_gather']:.1f} GiB: the root "
                        f"unit, two blocks{experts}) and the activations of one micro-batch "
