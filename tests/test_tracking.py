@@ -1,6 +1,7 @@
 """Weights & Biases tracking (``log.wandb``) in offline mode, read back with wandb's own reader of
 its run files (``wandb leet inspect --json``): a 2-rank `moe-dist train --nproc 2` run, then a
-resume from an earlier checkpoint that continues the same W&B run without sending a step twice.
+resume from an earlier checkpoint that continues the same W&B run without sending a step twice, and
+whose TensorBoard events, read with TensorBoard's own loader, show every step once.
 Nothing leaves the machine: WANDB_MODE=offline, and wandb's settings, cache and data go to a
 temporary directory."""
 import glob
@@ -107,7 +108,7 @@ def two_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("wandb")
     env, run_dir = offline_env(tmp), tmp / "run"
     common = ["train", "--config", "configs/test.yaml", "--nproc", "2", f"run.dir={run_dir}",
-              f"data.cache_dir={tmp}/cache", "run.progress=false", "run.plots=false", "run.tensorboard=false",
+              f"data.cache_dir={tmp}/cache", "run.progress=false", "run.plots=false", "run.tensorboard=true",
               "log.wandb=true", "log.wandb_project=moe-test", "log.wandb_tags=[ci,offline]",
               "model.moe.expert_bias=true", "eval.probe_every=2", f"ckpt.every={CKPT_AT}", "ckpt.save_final=false"]
     first = moe_dist(env, *common, f"train.steps={STEPS}")
@@ -178,6 +179,23 @@ def test_resume_continues_the_same_run_without_duplicated_steps(two_runs):
     summary = final_summary(second)
     assert summary["steps"] == RESUMED_STEPS
     assert summary["val_loss"] == pytest.approx(json.load(open(d / "summary.json"))["val_loss"])
+
+
+@pytest.mark.slow
+def test_tensorboard_shows_every_step_once_after_a_resume(two_runs):
+    """Run 1 logged steps 1-6, run 2 replayed 5-6 from the step-4 checkpoint: TensorBoard's loader
+    (which applies the resumed writer's purge step) sees steps 1-8 once, 5-8 with the replayed values."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    d = two_runs["dir"]
+    assert len(glob.glob(str(d / "tb" / "events.out.tfevents.*"))) == 2  # one file per run
+    acc = EventAccumulator(str(d / "tb"))
+    acc.Reload()
+    rows = read_metrics(str(d / "metrics.jsonl"))
+    for tag, value in (("train/loss", lambda r: r["loss"]), ("moe_layer0/aux_loss", lambda r: r["moe"]["0"]["aux_loss"])):
+        events = acc.Scalars(tag)
+        assert [e.step for e in events] == list(range(1, RESUMED_STEPS + 1)), tag
+        assert [e.value for e in events] == pytest.approx([value(r) for r in rows], rel=1e-6), tag
 
 
 def test_a_new_timeline_starts_a_new_run_and_a_resume_continues_it(offline, monkeypatch):

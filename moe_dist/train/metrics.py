@@ -190,7 +190,7 @@ class MetricsLogger:
     """metrics.jsonl rows, TensorBoard scalars and, with a ``tracker`` (``log.wandb``), the same rows
     to Weights & Biases (rank 0 only; other ranks get a no-op logger)."""
 
-    def __init__(self, run_dir: Optional[str], tensorboard: bool, tracker=None):
+    def __init__(self, run_dir: Optional[str], tensorboard: bool, tracker=None, first_step: int = 1):
         self.path = os.path.join(run_dir, "metrics.jsonl") if run_dir else None
         self._file = open(self.path, "a", encoding="utf-8") if self.path else None
         self._tb = None
@@ -198,7 +198,9 @@ class MetricsLogger:
         if run_dir and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
+            # a resumed run replays the steps after its checkpoint: purge_step makes TensorBoard drop what
+            # an earlier attempt logged from that step on, so that every step shows once
+            self._tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=first_step if first_step > 1 else None)
 
     def log(self, row: dict) -> None:
         if self._file is None:

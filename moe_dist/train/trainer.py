@@ -222,7 +222,8 @@ class Trainer:
             layer.raise_on_nonfinite_logits = False
         # log.wandb: rank 0's W&B run, continued from run.dir unless resume=none starts a new timeline
         self.tracker = start_tracking(cfg, self.is_main, new_timeline=cfg.resume == "none")
-        self.metrics = MetricsLogger(self.run_dir if self.is_main else None, cfg.run.tensorboard, self.tracker)
+        self.metrics = MetricsLogger(self.run_dir if self.is_main else None, cfg.run.tensorboard, self.tracker,
+                                     first_step=self.step + 1)
         self._take_up_divergence()
         self.preemption = PreemptionHandler(self.rt.device)  # SIGUSR1/SIGTERM/SIGHUP: checkpoint and exit 75
         if self.is_main:
