@@ -21,14 +21,18 @@ moe_dist_python() {
 #                    SIGTERM ignored so that a signal sent to the whole process tree cannot kill the
 #                    launcher before its workers have saved.
 #   Sets RUN_RC (the job's exit status: CMD's, or 2 / 75 when the ranks reported them, see
-#   moe_dist/exits.py; needs $PY) and RUN_SIGNALLED (the signal name, or empty).
+#   moe_dist/exits.py; needs $PY), RUN_SIGNALLED (the signal name, or empty) and RUN_LOST_NODES (the
+#   nodes the ranks' reports name as lost, space-separated, or empty). Under an outer launcher that
+#   collects reports (the Slurm batch script around torchrun.sh) the ranks' reports are passed on to it.
 run_forwarding_signals() {
   local mode=$1
   shift
   RUN_SIGNALLED=""
   RUN_RC=0
+  RUN_LOST_NODES=""
   _RUN_PID=""
   _RUN_MODE=$mode
+  local outer=${MOE_DIST_STATUS_DIR:-}
   # the ranks report their exit codes here (moe_dist/exits.py): the launcher's own status loses them
   MOE_DIST_STATUS_DIR=$(mktemp -d "${TMPDIR:-/tmp}/moe-dist-status.XXXXXX")
   export MOE_DIST_STATUS_DIR
@@ -48,8 +52,13 @@ run_forwarding_signals() {
   trap - USR1 TERM
   if [ -n "${PY:-}" ]; then
     RUN_RC=$("$PY" -m moe_dist.exits "$MOE_DIST_STATUS_DIR" "$RUN_RC" 2>/dev/null || echo "$RUN_RC")
+    RUN_LOST_NODES=$("$PY" -m moe_dist.exits --lost-nodes "$MOE_DIST_STATUS_DIR" 2>/dev/null)
+  fi
+  if [ -n "$outer" ] && [ -d "$outer" ]; then
+    cp "$MOE_DIST_STATUS_DIR"/rank_*.json "$outer"/ 2>/dev/null
   fi
   rm -rf "$MOE_DIST_STATUS_DIR"
+  MOE_DIST_STATUS_DIR=$outer
 }
 
 _forward_signal() {

@@ -216,12 +216,29 @@ def job_exit_code(codes: list[int], launcher_rc: int) -> int:
     return launcher_rc
 
 
+def read_reports(directory: str) -> list[dict]:
+    """Every rank's report in ``directory``, by rank."""
+    names = sorted((n for n in os.listdir(directory) if n.startswith("rank_") and n.endswith(".json")),
+                   key=lambda n: int(n[5:-5]) if n[5:-5].isdigit() else -1)
+    return [r for r in (read_report(directory, int(n[5:-5])) for n in names if n[5:-5].isdigit()) if r]
+
+
+def lost_nodes(reports: list[dict]) -> list[str]:
+    """The nodes the reports' lines name as lost (a roll call after a failed collective, a heartbeat)."""
+    from .distributed.roll_call import named_nodes
+
+    return list(dict.fromkeys(n for r in reports if r.get("code") == EXIT_FAILED
+                              for n in named_nodes(str(r.get("line", "")))))
+
+
 def main(argv: list[str]) -> int:
-    """``python -m moe_dist.exits DIR RC``: print the job's exit code from the reports in DIR."""
+    """``python -m moe_dist.exits DIR RC``: print the job's exit code from the reports in DIR.
+    ``python -m moe_dist.exits --lost-nodes DIR``: print the nodes they name as lost, one line."""
+    if argv[0] == "--lost-nodes":
+        print(" ".join(lost_nodes(read_reports(argv[1]))))
+        return 0
     directory, rc = argv[0], int(argv[1])
-    names = sorted(n for n in os.listdir(directory) if n.startswith("rank_") and n.endswith(".json"))
-    codes = [r["code"] for r in (read_report(directory, int(n[5:-5])) for n in names) if r]
-    print(job_exit_code(codes, rc))
+    print(job_exit_code([r["code"] for r in read_reports(directory)], rc))
     return 0
 
 

@@ -112,3 +112,55 @@ def test_silent_ranks_are_named_by_node():
     assert name_ranks(hosts, [3]) == "rank 3"
     assert name_ranks(hosts, [1, 2, 3]) == "node node1 (ranks 2, 3); rank 1"
     assert name_ranks(["vm"] * 3, [1, 2]) == "ranks 1, 2 on vm"
+
+
+def test_a_launcher_reads_the_lost_nodes_from_the_ranks_reports(tmp_path):
+    """What the Slurm batch script relaunches without (``python -m moe_dist.exits --lost-nodes DIR``):
+    the nodes whose ranks are all gone, from the lines of the ranks that failed; not a node with some
+    ranks left, not a cut-off rank's own node, not a rank that ended well."""
+    from moe_dist.distributed.roll_call import name_ranks, named_nodes
+    from moe_dist.exits import write_report
+
+    hosts = ["node0", "node0", "node1", "node1", "node2", "node2"]
+    assert named_nodes(name_ranks(hosts, [1, 2, 3])) == ["node1"]
+    assert named_nodes(name_ranks(hosts, [2, 3, 4, 5])) == ["node1", "node2"]
+    assert named_nodes("this node (node1) is cut off from the others, or node0 is lost") == []
+    reports = {
+        0: (1, "moe-dist train: rank 0: no heartbeat from node node2 (ranks 4, 5) for 8 s (parallel.heartbeat_timeout_s)"),
+        1: (1, "moe-dist train: rank 1: the collective all_reduce failed: another rank went away; lost node node1 "
+               "(ranks 2, 3): none of its ranks answered a roll call within 10 s"),
+        3: (1, "moe-dist train: rank 3: ...: this node (node1) is cut off from the others, or node0 is lost"),
+        5: (0, "lost node node5 (rank 9)"),  # ended well: names nothing
+    }
+    for rank, (code, line) in reports.items():
+        write_report(str(tmp_path), rank, {"rank": rank, "code": code, "kind": "lost_peer", "line": line})
+    out = subprocess.run([sys.executable, "-m", "moe_dist.exits", "--lost-nodes", str(tmp_path)], capture_output=True,
+                         text=True, timeout=120)
+    assert (out.returncode, out.stdout) == (0, "node2 node1\n"), out
+    assert subprocess.run([sys.executable, "-m", "moe_dist.exits", str(tmp_path), "1"], capture_output=True,
+                          text=True, timeout=120).stdout == "1\n"
+
+
+_ROLL_CALL = """
+import datetime, sys, time
+import torch.distributed as dist
+from moe_dist.distributed import roll_call
+rank, port, delay = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False) if rank == 0 else None
+roll_call._hosts, roll_call._store_at, roll_call._rank = ["a", "a", "b"], ("127.0.0.1", port), rank
+time.sleep(delay)  # rank 1's collective fails later than rank 0's
+print(roll_call.lost_nodes_line(2.0), flush=True)
+"""
+
+
+def test_a_rank_that_fails_later_still_finds_the_store_of_rank_0():
+    """Under srun rank 0's process holds the job's store: its roll call ends after 2 s (rank 2, on host b,
+    never answers), but it keeps the store until rank 1, on its own host, has finished a roll call that
+    starts 3 s later; rank 1 names node b too instead of calling its own node cut off."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", _ROLL_CALL, str(r), str(port), str(d)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r, d in ((0, 0.0), (1, 3.0))]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    lost = "lost node b (rank 2): none of its ranks answered a roll call within 2 s\n"
+    assert [o for o, _ in outs] == [lost, lost], outs

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 import socket
 import sys
 import time
@@ -101,7 +102,24 @@ def _answer_and_wait(prefix: str, wait_s: float) -> set[int]:
             if r not in answered and store.check([f"{prefix}/{r}"]):
                 answered.add(r)
         if len(answered) == len(_hosts) or time.monotonic() >= deadline:
-            return answered
+            break
+        time.sleep(0.2)
+    store.set(f"{prefix}/done/{_rank}", "1")
+    if _rank == 0:
+        _hold_store(store, prefix, answered, wait_s)
+    return answered
+
+
+def _hold_store(store, prefix: str, answered: set[int], wait_s: float) -> None:
+    """Rank 0's process holds the store where no launcher agent does (srun, mpirun): before it ends, it
+    waits (up to twice ``wait_s``) until every rank on a node that answered has finished its own roll
+    call. A rank whose collective failed later than rank 0's would otherwise find the store gone and
+    call its own node cut off."""
+    live = {_hosts[r] for r in answered}
+    others = [r for r, h in enumerate(_hosts) if h in live and r != _rank]
+    deadline = time.monotonic() + 2 * wait_s
+    while others and time.monotonic() < deadline:
+        others = [r for r in others if not store.check([f"{prefix}/done/{r}"])]
         time.sleep(0.2)
 
 
@@ -155,6 +173,15 @@ def name_ranks(hosts: list[str], missing: list[int]) -> str:
     if rest:
         parts.append(_ranks(rest) + (f" on {hosts[rest[0]]}" if len(by_host) == 1 else ""))
     return "; ".join(parts)
+
+
+_WHOLE_NODE = re.compile(r"\bnode (\S+) \(ranks? \d")
+
+
+def named_nodes(line: str) -> list[str]:
+    """The nodes a line of :func:`lost_nodes_line` or :func:`name_ranks` names as lost (all of their
+    ranks gone), in order: what a launcher reads from a rank's report to go on without them."""
+    return list(dict.fromkeys(_WHOLE_NODE.findall(line)))
 
 
 def roll_call_wait(timeout_s: Optional[float]) -> float:
