@@ -52,6 +52,11 @@ if [[ "$NNODES" == *:* ]]; then
         --rdzv-id="${RDZV_ID:-${SLURM_JOB_ID:-moe-dist}.${SLURM_RESTART_COUNT:-0}}"
         --max-restarts="${MAX_RESTARTS:-3}" --rdzv-conf="last_call_timeout=${RDZV_LAST_CALL_S:-5}")
   ELASTIC=(resume=auto)
+  # torchrun's agents share one TCP store across rendezvous rounds by default, and a rank-0 agent of a
+  # later round does not publish its address there again: a node that joins a running job waits for it
+  # until the rendezvous times out. Without the sharing each round publishes its own (the workers'
+  # store then lives in rank 0's process, as under srun)
+  export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 elif [ "$NNODES" -gt 1 ]; then
   : "${MASTER_ADDR:?set MASTER_ADDR to the first node of the job}"
   # the rendezvous every node reached: the workers find their interface by the route to it

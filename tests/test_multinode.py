@@ -28,7 +28,7 @@ import pytest
 from moe_dist.testing.cluster import Cluster, ClusterUnavailable, recorded_clusters, remove_stale, unavailable_reason
 from helpers.run_dir import assert_curve_matches, metrics_rows
 from helpers.multinode_harness import (ROOT, RUN_TIMEOUT, STEPS, _clean_nodes, _config, _env, _one_rank_line,  # noqa: F401 (fixtures)
-                               cluster, finish, start_nodes)
+                               cluster, finish, start_node, start_nodes)
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 
@@ -382,3 +382,58 @@ def test_elastic_torchrun_goes_on_without_a_lost_node(cluster, tmp_path, how):
         [(r["step"], r["loss"], r["grad_norm"]) for r in resumed]
     assert_curve_matches(before_kill[5:8], rows[5:8])
 
+
+
+GROW_STEPS = 160
+
+
+def test_elastic_torchrun_grows_again_when_the_lost_node_comes_back(cluster, tmp_path):
+    """NNODES=1:2: node1 killed at step 8, node0 goes on alone; node1's launcher started again with the
+    same rendezvous id (the node rebooted): node0's agent stops its rank at the membership change, both
+    meet, and 2 ranks continue from the last complete checkpoint to the end. The steps after the growth
+    equal a 2-node run resumed from the same checkpoint, bit for bit; metrics.jsonl has every step once."""
+    import shutil
+
+    c = cluster
+    rdzv_id = f"grow-{time.time_ns()}"
+    common = (*ELASTIC, f"train.steps={GROW_STEPS}")
+    procs = start_nodes(c, tmp_path, "grow", 2, 1, *common, nnodes="1:2", rdzv_id=rdzv_id)
+    run = tmp_path / "grow"
+    _wait_for_step(run, 8, procs)
+    c.kill_node(c.nodes[1])
+    out0 = tmp_path / "grow.node0.out"
+    _line_at(out0, "parallel: 1 process(es)", time.monotonic(), 240)
+    alone = _line_at(out0, "step 12/", time.monotonic(), 240, after="parallel: 1 process(es)")
+    t0 = time.monotonic()
+    again = start_node(c, tmp_path, "grow", 1, 1, *common, master="node0", nnodes="1:2", rdzv_id=rdzv_id,
+                       suffix=".again")
+    grown = _line_at(out0, "parallel: 2 process(es)", t0, 240, after="parallel: 1 process(es)")
+    resumed, first = None, None  # the checkpoint the grown job resumed from, and when it made the step after it
+    deadline = time.monotonic() + 240
+    while first is None and time.monotonic() < deadline:
+        content = open(out0).read()
+        grown_part = content[content.index("parallel: 1 process(es)"):]
+        m = re.search(r"resumed from \S+step_(\d{6})", grown_part)
+        if m and re.search(r"^step %d/" % (int(m.group(1)) + 1), grown_part[m.end():], flags=re.M):
+            resumed, first = int(m.group(1)), time.monotonic() - t0
+        time.sleep(0.05)
+    rc, out, err = finish(procs[0], RUN_TIMEOUT)
+    rc1, out1, err1 = finish(again, 60)
+    assert rc == 0 and rc1 == 0, out[-2000:] + err[-4000:] + err1[-4000:]
+    assert [m.group(1) for m in re.finditer(r"parallel: (\d) process\(es\)", out)] == ["2", "1", "2"], out[-3000:]
+    assert resumed is not None and resumed >= 10, out[-3000:]
+    print(f"elastic growth: node1's launcher started again when node0 alone was past step 12 ({alone:.1f} s after "
+          f"its restart); node0's rank restarted for 2 nodes {grown:.1f} s after that, resumed from step {resumed} "
+          f"and made step {resumed + 1} at {first:.1f} s")
+    rows = metrics_rows(run)
+    assert [r["step"] for r in rows] == list(range(1, GROW_STEPS + 1))  # every step once
+    ref = tmp_path / "grow-ref"  # the same checkpoint, 2 nodes, not interrupted
+    os.makedirs(ref / "checkpoints")
+    name = f"step_{resumed:06d}"
+    shutil.copytree(run / "checkpoints" / name, ref / "checkpoints" / name)
+    shutil.copy(run / "config.yaml", ref / "config.yaml")
+    refs = launch_nodes(c, tmp_path, "grow-ref", 2, 1, *ELASTIC, "resume=auto", f"train.steps={GROW_STEPS}")
+    assert all(r[0] == 0 for r in refs), refs[0][1][-2000:] + refs[0][2][-4000:]
+    replay = [r for r in metrics_rows(ref) if r["step"] > resumed]
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in rows[resumed:]] == \
+        [(r["step"], r["loss"], r["grad_norm"]) for r in replay]

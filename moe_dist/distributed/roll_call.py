@@ -30,17 +30,19 @@ _KEY = "moe_dist/roll_call"
 _hosts: list[str] = []  # host name of every rank, by rank
 _store_at: Optional[tuple[str, int]] = None  # the rendezvous store's (host, port)
 _rank = 0
+_attempt: Optional[str] = None  # rank 0's torchrun restart count (remember_hosts)
 
 
 def remember_hosts(store_host: Optional[str], store_port: Optional[int]) -> None:
     """Collective: record every rank's host name and where the job's TCP store listens (None: the
     group was not made from a TCP address; no roll call then). No-op on one process."""
-    global _hosts, _store_at, _rank
+    global _hosts, _store_at, _rank, _attempt
     if not dist.is_initialized() or dist.get_world_size() < 2:
         return
-    names: list[Optional[str]] = [None] * dist.get_world_size()
-    dist.all_gather_object(names, socket.gethostname())
-    _hosts, _rank = [str(n) for n in names], dist.get_rank()
+    names: list[Optional[tuple[str, str]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(names, (socket.gethostname(), _restart_count()))
+    _hosts, _rank = [str(n[0]) for n in names], dist.get_rank()
+    _attempt = str(names[0][1])  # rank 0's: a node that joined later counts its restarts from 0
     _store_at = (store_host, int(store_port)) if store_host and store_port else None
 
 
@@ -57,9 +59,15 @@ def rank() -> int:
     return _rank
 
 
-def attempt() -> str:
-    # a torchrun restart reuses the store: answers of an earlier attempt must not count
+def _restart_count() -> str:
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def attempt() -> str:
+    """This attempt of the job, the same on every rank: a torchrun restart may reuse the store, where
+    answers and beats of an earlier attempt must not count. torchrun counts restarts per node, so a
+    node that joined a running job counts differently: every rank takes rank 0's count."""
+    return _attempt if _attempt is not None else _restart_count()
 
 
 def roll_call(wait_s: float) -> Optional[set[int]]:

@@ -82,18 +82,25 @@ def _config(tmp, name, *extra) -> list[str]:
             f"train.steps={STEPS}", *QUIET, *extra]
 
 
-def start_nodes(c: Cluster, tmp, name: str, nodes: int, nproc: int, *overrides, master="node0", nnodes=None):
+def start_nodes(c: Cluster, tmp, name: str, nodes: int, nproc: int, *overrides, master="node0", nnodes=None,
+                rdzv_id=None):
     """Start ``launch/torchrun.sh`` on the first ``nodes`` nodes; [(Popen, stdout file, stderr file)].
-    ``nnodes``: the launcher's ``NNODES`` (default ``nodes``; ``"MIN:MAX"``: elastic)."""
-    procs, rdzv_id = [], f"{name}-{time.time_ns()}"
-    for i in range(nodes):
-        env = _env(NPROC_PER_NODE=str(nproc), NNODES=nnodes or str(nodes), NODE_RANK=str(i), MASTER_ADDR=master,
-                   RDZV_ID=rdzv_id)
-        out = open(tmp / f"{name}.node{i}.out", "w+")
-        err = open(tmp / f"{name}.node{i}.err", "w+")
-        procs.append((c.popen(c.nodes[i], ["bash", "launch/torchrun.sh", *_config(tmp, name, *overrides)], env=env,
-                              cwd=ROOT, stdout=out, stderr=err), out, err))
-    return procs
+    ``nnodes``: the launcher's ``NNODES`` (default ``nodes``; ``"MIN:MAX"``: elastic); ``rdzv_id``: the
+    rendezvous id (default: a new one)."""
+    rdzv_id = rdzv_id or f"{name}-{time.time_ns()}"
+    return [start_node(c, tmp, name, i, nproc, *overrides, master=master, nnodes=nnodes or str(nodes), rdzv_id=rdzv_id)
+            for i in range(nodes)]
+
+
+def start_node(c: Cluster, tmp, name: str, i: int, nproc: int, *overrides, master: str, nnodes: str, rdzv_id: str,
+               suffix: str = ""):
+    """Start ``launch/torchrun.sh`` on node ``i`` of a job with rendezvous id ``rdzv_id``; (Popen, stdout
+    file, stderr file), the files ``NAME.nodeI{suffix}.out`` / ``.err``."""
+    env = _env(NPROC_PER_NODE=str(nproc), NNODES=nnodes, NODE_RANK=str(i), MASTER_ADDR=master, RDZV_ID=rdzv_id)
+    out = open(tmp / f"{name}.node{i}{suffix}.out", "w+")
+    err = open(tmp / f"{name}.node{i}{suffix}.err", "w+")
+    return (c.popen(c.nodes[i], ["bash", "launch/torchrun.sh", *_config(tmp, name, *overrides)], env=env,
+                    cwd=ROOT, stdout=out, stderr=err), out, err)
 
 
 def finish(proc, timeout: float):
