@@ -18,9 +18,10 @@
 #   MOE_DIST_COMMAND  train (default) or eval;  TORCHRUN_ARGS  extra torchrun flags
 # Elastic (NNODES=MIN:MAX): when a node is lost the other nodes' torchrun agents meet again and
 # restart their ranks with the new world size (MAX_RESTARTS times, default 3), which continue from
-# the last complete checkpoint (resume=auto is added; use parallel.ep=auto). RDZV_LAST_CALL_S
-# (default 5): how long a meeting that has MIN nodes waits for more. The node at MASTER_ADDR holds
-# the rendezvous: the job cannot outlive it. A node rejoining a running job does not work yet.
+# the last complete checkpoint (resume=auto is added; use parallel.ep=auto). A node started again
+# with the same command joins: the job restarts with it, from the last complete checkpoint.
+# RDZV_LAST_CALL_S (default 5): how long a meeting that has MIN nodes waits for more. The node at
+# MASTER_ADDR holds the rendezvous: the job cannot outlive it.
 # SIGUSR1 / SIGTERM sent to this script reach the training processes as SIGUSR1: they save a
 # checkpoint at the next step boundary and stop; the script then exits with 75 ("requeue me").
 set -uo pipefail
@@ -30,7 +31,7 @@ REPO=$(dirname "$HERE")
 . "$HERE/lib.sh"
 
 if [ $# -lt 1 ] || [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then
-  sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'
+  awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 CONFIG=$1

@@ -437,3 +437,23 @@ def test_elastic_torchrun_grows_again_when_the_lost_node_comes_back(cluster, tmp
     replay = [r for r in metrics_rows(ref) if r["step"] > resumed]
     assert [(r["step"], r["loss"], r["grad_norm"]) for r in rows[resumed:]] == \
         [(r["step"], r["loss"], r["grad_norm"]) for r in replay]
+
+
+def test_elastic_torchrun_stops_when_the_rendezvous_node_is_lost(cluster, tmp_path):
+    """NNODES=1:2 with node0 (MASTER_ADDR: torchrun's rendezvous store) killed at step 8: node1's agent,
+    which cannot meet anyone without that store, stops its rank and ends with one line saying so, in
+    seconds (measured); no restart; the checkpoints stay complete for a resume by hand."""
+    c = cluster
+    procs = start_nodes(c, tmp_path, "host", 2, 1, *ELASTIC, f"train.steps={GROW_STEPS}", nnodes="1:2")
+    run = tmp_path / "host"
+    _wait_for_step(run, 8, procs)
+    c.kill_node(c.nodes[0])
+    t0 = time.monotonic()
+    rc, out, err = finish(procs[1], 300)
+    seconds = time.monotonic() - t0
+    assert rc == 1 and seconds < 120, (rc, seconds, err[-4000:])
+    assert _one_rank_line(err) == ("moe-dist train: this node's torchrun lost the job's rendezvous store at node0:29500 "
+                                   "(the first node ended, or this node cannot reach it any more); the job stopped")
+    assert "parallel: 1 process(es)" not in out, out[-3000:]  # no restart without the store
+    print(f"elastic, the rendezvous node lost at step 8: node1's launcher ended {seconds:.1f} s later")
+    _checkpoints_complete(run)

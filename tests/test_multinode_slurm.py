@@ -8,17 +8,17 @@ on moe_dist/testing/cluster.py): slurmctld and munged on node0, one ``slurmd -N 
   once, the losses are bit for bit those of the same 4 ranks on one host uninterrupted, and those of 1
   process on the whole batch (1e-5) until a near tie of two experts' scores is decided the other way by
   rounding, if it is (tests/helpers/run_dir.py, ``assert_curve_matches``);
-* node1 lost mid-run, unplugged (its link down: no reset reaches anyone) or with every process
-  killed, slurmd included: Slurm sets it DOWN after ``SlurmdTimeout`` and requeues the job itself
-  (node failure, ``#SBATCH --requeue``), before the ranks' collective timeout and before srun
-  gives up on node1's tasks (``--wait``: SlurmdTimeout + 60 s); once node1 has rebooted (its
-  processes gone, link up, slurmd registered) the job resumes from the last complete checkpoint
-  (``resume=auto``) to the end, on the same loss curve, every step's metrics row once;
-* node1's ranks killed (a crash on a node that stays up): the ranks on node0 end with one line
-  naming node1 and its ranks, and the job fails without a requeue (a crash may well repeat).
+* node1 lost mid-run, unplugged (its link down: no reset reaches anyone; the heartbeat notices) or
+  with every process killed, slurmd included: the ranks on node0 end with a line naming node1, and
+  the batch script launches the job again on node0 alone inside its allocation (``#SBATCH
+  --no-kill``), without waiting for Slurm to notice the node; ``parallel.ep=auto``, ``resume=auto``
+  continue from the last complete checkpoint to the end: the relaunched steps bit for bit 2 ranks on
+  one host resumed from that checkpoint, every step's metrics row once;
+* node1's ranks killed (a crash on a node that stays up): the ranks on node0 name node1 lost and the
+  script relaunches on node0, where ``parallel.ep=4`` (kept as given) is refused with its one line.
 
-The unplugged node and the crashed ranks run with ``MOE_DIST_MULTINODE_FULL=1`` only (minutes
-more; the killed node covers Slurm's requeue and the survivors' lines).
+The unplugged node and the crashed ranks run with ``MOE_DIST_MULTINODE_FULL=1`` only (the killed
+node covers the relaunch and the survivors' lines).
 
 Opt-in like every multi-node test (``MOE_DIST_MULTINODE=1``, tests/conftest.py); needs root, ``ip netns``
 (the cluster of tests/helpers/multinode_harness.py) and Slurm (installed from Debian's packages when missing);
@@ -88,15 +88,17 @@ def _plugged_in(request):
         s.cancel_all()  # a job that a failed test left behind
 
 
-def _one_host(root: str, name: str, *args: str) -> list[dict]:
-    """The metrics rows of one uninterrupted run on this host (the root namespace)."""
+def _one_host(root: str, name: str, *args: str, first: int = 1) -> list[dict]:
+    """The metrics rows of one uninterrupted run on this host (the root namespace), from step ``first``
+    (a resumed run) to the end."""
     run_dir = os.path.join(root, name)
     res = subprocess.run([sys.executable, "-m", "moe_dist.cli", "train", "--config", "configs/test.yaml", *args,
                           f"run.dir={run_dir}", f"data.cache_dir={root}/cache", *TRAIN],
                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT)
     assert res.returncode == 0, res.stdout + res.stderr
     rows = metrics_rows(run_dir)
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)) and rows[-1]["loss"] < rows[0]["loss"]
+    rows = [r for r in rows if r["step"] >= first]
+    assert [r["step"] for r in rows] == list(range(first, STEPS + 1)) and rows[-1]["loss"] < rows[0]["loss"]
     return rows
 
 
@@ -196,45 +198,80 @@ def test_one_torchrun_per_node_preempted_requeued_matches_one_process(slurm, ref
     _preempt_requeue_resume(slurm, reference, "torchrun", MOE_DIST_LAUNCH="torchrun")
 
 
+def _seen(job: Job, text: str, t0: float, after: str = "", timeout: float = JOB_TIMEOUT) -> float:
+    """Seconds from ``t0`` until the job's output has ``text`` (after ``after``, when given)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        out = job.output()
+        part = out if not after else out.split(after, 1)[1] if after in out else ""
+        if text in part:
+            return time.monotonic() - t0
+        info = job.info()
+        assert time.monotonic() < deadline and info["JobState"] in ("PENDING", "CONFIGURING", "RUNNING"), \
+            f"job {job.id} {info['JobState']} before {text!r}\n{out[-3000:]}\n{job.s.logs()}"
+        time.sleep(0.2)
+
+
+def _reboot(s: SlurmCluster, node: str) -> None:
+    """The node's processes gone, its link up, its slurmd registered (Slurm returns it to service)."""
+    s.cluster.kill_node(node)
+    s.cluster.set_link(node, True)
+    s.start_slurmd(node)
+
+
 @pytest.mark.parametrize("how", [pytest.param("unplugged", marks=FULL), "killed"])
-def test_a_lost_node_is_set_down_and_slurm_requeues_the_job(slurm, reference, how):
-    """node1 unplugged (no reset reaches anyone), or every process of it killed, slurmd included (the
-    ranks on node0 end at once; srun waits for node1's tasks longer than SlurmdTimeout)."""
+def test_a_lost_node_the_job_goes_on_with_the_nodes_left(slurm, reference, tmp_path, how):
+    """node1 lost after step 6 (every process of it killed, slurmd included, or its link cut: then the
+    heartbeat notices): the ranks on node0 end with a line naming node1, the batch script launches the
+    job again on node0 alone inside the same allocation (#SBATCH --no-kill), which resumes from the last
+    complete checkpoint (parallel.ep=auto: 2 on both layouts) and finishes, long before Slurm would
+    notice the node (SlurmdTimeout) and with no requeue. The steps after the relaunch equal a 2-rank run
+    on one host resumed from the same checkpoint, bit for bit; the whole curve is the 1-process one (up
+    to a routing near tie); metrics.jsonl has every step once."""
     s = slurm
-    # the ranks' collective timeout well above SlurmdTimeout: Slurm notices a silent node first
-    job = Job(s, f"lost-{how}", "parallel.timeout_s=300")
+    job = Job(s, f"lost-{how}", "parallel.ep=auto", "parallel.heartbeat_timeout_s=10", "parallel.timeout_s=300")
     job.wait_for_step(6, checkpoint=True)
     if how == "unplugged":
         s.cluster.set_link("node1", False)
     else:
         s.cluster.kill_node("node1")
     t0 = time.monotonic()
-    # Slurm sets node1 DOWN, requeues the job and ends what is left of it on node0 (SIGTERM, then
-    # SIGKILL after KillWait): the job is PENDING, waiting for two nodes
-    job.wait(lambda i: i["Restarts"] == "1" and i["JobState"] == "PENDING", "Slurm's requeue after node1 was lost",
-             timeout=SLURMD_TIMEOUT + 180)
-    t_requeued = time.monotonic()
-    nodes = s.run("sinfo", "-h", "-N", "-o", "%N %T").stdout.split()
-    assert nodes[nodes.index("node1") + 1].startswith("down"), nodes
+    try:
+        noticed = _seen(job, "moe-dist train: rank 0:", t0)
+        relaunched = _seen(job, "[launch] relaunch 1/3 on 1 node(s): node0", t0)
+        reloaded = _seen(job, "resumed from", t0, after="[launch] relaunch 1/3")
+        resumed = int(re.search(r"resumed from \S+step_(\d{6})", job.output().split("[launch] relaunch 1/3")[1]).group(1))
+        first_step = _seen(job, f"step {resumed + 1}/{STEPS}", t0, after="[launch] relaunch 1/3")
+        info = job.wait(lambda i: i["JobState"] == "COMPLETED", "COMPLETED")
+        finished = time.monotonic() - t0
+    finally:
+        _reboot(s, "node1")
     out = job.output()
-    assert "srun: error: Node failure on node1" in out and "DUE TO NODE FAILURE" in out, out[-3000:]
-    if how == "killed":  # the ranks on node0 ended on their own, each with its line
-        lines = [line for line in out.splitlines() if line.startswith("moe-dist train:")]
-        assert len(lines) == 2 and all(line.endswith("; lost node node1 (ranks 2, 3): none of its ranks answered a "
-                                                     "roll call within 10 s") for line in lines), out[-3000:]
-    saved = complete_checkpoints(job.run_dir)
-    # node1 reboots: its processes are gone, its link is up, its slurmd registers and the job starts
-    s.cluster.kill_node("node1")
-    s.cluster.set_link("node1", True)
-    s.start_slurmd("node1")
-    t_back = time.monotonic()
-    out = job.check_finished(reference, "slurm")
-    second = out.split("(restart 1)", 1)[1]
-    resumed = int(re.search(r"resumed from \S+step_(\d{6}) at step \d+", second).group(1))
-    assert resumed == saved[-1], (resumed, saved)
-    print(f"\nslurm, node1 {how} after step 6: job requeued by Slurm and pending {t_requeued - t0:.1f} s later "
-          f"(SlurmdTimeout={SLURMD_TIMEOUT}, KillWait={KILL_WAIT}); node1 rebooted, the job resumed from step {resumed} "
-          f"and finished {time.monotonic() - t_back:.1f} s later")
+    assert info["ExitCode"] == "0:0" and info["Restarts"] == "0", (info, out[-3000:])
+    before, after = out.split("[launch] relaunch 1/3", 1)
+    assert "[launch] lost node(s): node1; 1 node(s) left" in before, before[-3000:]
+    lines = [line for line in before.splitlines() if line.startswith("moe-dist train: rank")]
+    assert lines and all("node node1 (ranks 2, 3)" in line for line in lines), before[-3000:]
+    m = re.search(r"resumed from \S+step_(\d{6}) at step \d+ \(saved by 4 rank\(s\), ep=2.*now 2 rank\(s\), ep=2\)",
+                  after)
+    assert m and int(m.group(1)) == resumed, after[:3000]
+    steps_run = [int(k) for k in re.findall(r"^step (\d+)/%d  loss" % STEPS, after, flags=re.M)]
+    assert steps_run[0] == resumed + 1 and steps_run[-1] == STEPS, steps_run
+    rows = metrics_rows(job.run_dir)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), [r["step"] for r in rows]  # none missing or twice
+    assert_curve_matches(rows, reference["one"])
+    # the same checkpoint resumed by 2 ranks on one host, uninterrupted
+    ref = tmp_path / "ref"
+    os.makedirs(ref / "checkpoints")
+    name = f"step_{resumed:06d}"
+    shutil.copytree(os.path.join(job.run_dir, "checkpoints", name), ref / "checkpoints" / name)
+    shutil.copy(os.path.join(job.run_dir, "config.yaml"), ref / "config.yaml")
+    again = _one_host(str(tmp_path), "ref", "--nproc", "2", "parallel.ep=auto", "resume=auto", first=resumed + 1)
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in rows[resumed:]] == \
+        [(r["step"], r["loss"], r["grad_norm"]) for r in again]
+    print(f"\nslurm, node1 {how} after step 6: node0's ranks ended {noticed:.1f} s later, the batch script relaunched "
+          f"on node0 at {relaunched:.1f} s, the checkpoint of step {resumed} was loaded at {reloaded:.1f} s, step "
+          f"{resumed + 1} made at {first_step:.1f} s, the job finished at {finished:.1f} s (no requeue)")
 
 
 def _ranks_on(s: SlurmCluster, node: str, run_dir: str) -> list[int]:
@@ -251,22 +288,27 @@ def _ranks_on(s: SlurmCluster, node: str, run_dir: str) -> list[int]:
 
 
 @FULL
-def test_killed_ranks_on_one_node_end_the_job_with_one_line_naming_it(slurm):
+def test_killed_ranks_on_one_node_the_relaunch_keeps_an_explicit_ep(slurm):
+    """node1's ranks killed (a crash, the out-of-memory killer; node1 stays up): node0's ranks name node1
+    lost, and the batch script launches the job again on node0; there ``parallel.ep=4``, kept as given,
+    does not fit 2 ranks: refused with its one line, the job FAILED with exit code 2 (not requeued)."""
     s = slurm
     job = Job(s, "killed", "parallel.timeout_s=300")
     job.wait_for_step(3)
     pids = _ranks_on(s, "node1", job.run_dir)
     assert len(pids) == 2, pids
     for pid in pids:
-        os.kill(pid, signal.SIGKILL)  # a crash, the out-of-memory killer: the node itself stays up
+        os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
     info = job.wait(lambda i: i["JobState"] in ("FAILED", "COMPLETED"), "the end", timeout=240)
     seconds = time.monotonic() - t0
     out = job.output()
-    # srun's status: the highest of its tasks' (137: node1's, killed by SIGKILL; node0's ranks exit 1)
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("FAILED", "137:0", "0"), (info, out[-3000:])
-    lines = [line for line in out.splitlines() if line.startswith("moe-dist train:")]
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("FAILED", "2:0", "0"), (info, out[-3000:])
+    before, after = out.split("[launch] relaunch 1/3 on 1 node(s): node0", 1)
+    lines = [line for line in before.splitlines() if line.startswith("moe-dist train:")]
     assert lines and all(line.endswith("; lost node node1 (ranks 2, 3): none of its ranks answered a roll call "
-                                       "within 10 s") for line in lines), out[-3000:]
+                                       "within 10 s") for line in lines), before[-3000:]
+    assert "moe-dist train: error: parallel.ep: 4 must divide the world size 2; allowed on 2 process(es)" in after, after
     assert "Traceback" not in out, out[-3000:]
-    print(f"\nslurm, node1's ranks killed: the job failed {seconds:.1f} s later (not requeued)")
+    print(f"\nslurm, node1's ranks killed: relaunched on node0, refused there (parallel.ep=4), the job failed "
+          f"{seconds:.1f} s later")
