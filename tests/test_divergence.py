@@ -3,7 +3,9 @@ the last healthy state are set aside and resume=auto continues from before the d
 (optionally skipping its batches), automatic rollbacks, the skipped-step count across resumes,
 NaN router logits as skipped steps, and the DeepSpeed engine skipping non-finite steps."""
 import json
+import math
 import os
+from collections import deque
 import subprocess
 import sys
 
@@ -159,7 +161,7 @@ def test_nan_router_logits_are_skipped_steps_on_two_ranks(tmp_path):
                            "train.max_nonfinite_steps=3")
     assert code == 1, out + err
     assert "Traceback" not in out + err and "FloatingPointError" not in out + err
-    assert err.count("\n") == 1 and err.startswith("moe-dist train: training diverged: steps 2..4 were bad"), err
+    assert err.count("\n") == 1 and err.startswith("moe-dist train: training diverged: steps 2, 3, 4 were bad"), err
     assert "step 2: router logits not finite (layer 0: " in out
     got = [(r["step"], r.get("skipped", False), "router_nonfinite" in r, r["skipped_steps"]) for r in rows(run)]
     assert got[0] == (1, False, False, 0) and got[1:] == [(2, True, True, 1), (3, True, True, 2), (4, True, True, 3)]
@@ -171,7 +173,7 @@ def test_deepspeed_skips_non_finite_steps_and_saves_only_finite_state(tmp_path):
     code, out, err = train(tmp_path, run, "train.engine=deepspeed", "train.lr=1e4", "train.warmup_steps=1",
                            "ckpt.every=2", "train.steps=12", "train.max_nonfinite_steps=3", nproc=1)
     assert code == 1, out + err
-    assert err.strip().splitlines()[-1].startswith("moe-dist train: training diverged: steps 2..4 were bad")
+    assert err.strip().splitlines()[-1].startswith("moe-dist train: training diverged: steps 2, 3, 4 were bad")
     assert [(r["step"], r.get("skipped", False)) for r in rows(run)] == [(1, False), (2, True), (3, True), (4, True)]
     assert listing(run) == ["step_000002.diverged"]  # saved at a skipped step: the state after step 1
     assert all_finite(run / "checkpoints" / "step_000002.diverged", tmp_path)
@@ -209,3 +211,81 @@ def test_checkpoints_a_reader_holds_are_set_aside_at_the_next_start(tmp_path):
     assert event["set_aside"] == ["step_000002.diverged", "step_000004.diverged"] and not event["set_aside_later"]
     assert event["resume_from"] is None and not event["automatic"]  # no checkpoint to roll back to
     assert len(read_record(str(run))["history"]) == 1  # the first event, never resumed from
+
+
+@pytest.mark.parametrize("engine,nproc", [("native", 1), ("native", 2), ("deepspeed", 1)])
+def test_a_collapse_that_stays_finite_is_a_divergence(tmp_path, engine, nproc):
+    """4 sane steps, then train.lr=10000: besides the non-finite steps (skipped) the model collapses
+    while staying finite (a gradient norm orders of magnitude over the recent ones, a zero gradient, a
+    loss back at ln(vocab)); those applied steps are bad too, bad steps that are not consecutive add up
+    within train.bad_step_window, and the run stops with exit code 1 instead of saving the collapsed
+    model. resume=auto with a sane rate then continues from before the divergence and learns."""
+    if engine == "deepspeed":
+        pytest.importorskip("deepspeed")
+    run = tmp_path / "run"
+    common = ["ckpt.every=2", f"train.engine={engine}"]
+    code, out, err = train(tmp_path, run, "train.steps=4", *common, nproc=nproc)
+    assert code == 0, out + err
+    code, out, err = train(tmp_path, run, "train.steps=12", "train.lr=10000", "resume=auto", *common, nproc=nproc)
+    assert code == 1, out + err
+    assert err.strip().splitlines()[-1].startswith("moe-dist train: training diverged: steps "), err
+    bad = [r for r in rows(run) if r.get("bad")]
+    applied = [r for r in bad if not r.get("skipped")]
+    # (DeepSpeed's ZeRO step overflows on every one of these steps: all skipped, none applied)
+    assert len(bad) == 5 and (applied or engine == "deepspeed"), [(r["step"], r.get("skipped"), r.get("bad"), r["grad_norm"], r["loss"]) for r in rows(run)]
+    assert all("spiked over train.grad_spike_factor" in r["bad"] or "collapsed" in r["bad"] for r in applied), applied
+    steps = [r["step"] for r in bad]
+    assert not any(n.startswith("step_") and n[5:].isdigit() and int(n[5:]) >= steps[0] for n in listing(run)), \
+        listing(run)  # nothing saved from the collapse stays a checkpoint resume=auto would take
+    code, out, err = train(tmp_path, run, "train.steps=12", "train.lr=0.01", "resume=auto", *common, nproc=nproc)
+    assert code == 0, out + err
+    last = rows(run)[-1]
+    assert last["step"] == 12 and not last.get("bad") and last["loss"] < 0.95 * math.log(512), last
+
+
+def _health(**train):
+    """The trainer's bad-step bookkeeping alone (Trainer.check_finite and applied_bad_step on a stand-in)."""
+    from types import SimpleNamespace
+
+    from moe_dist.config import load_config
+    from moe_dist.train.trainer import Trainer
+
+    cfg = load_config(os.path.join(ROOT, "configs", "test.yaml"), ["model.vocab_size=512", *(f"train.{k}={v}" for k, v in train.items())])
+    t = SimpleNamespace(cfg=cfg, step=0, skipped_steps=0, rollback_count=0, rollbacks=[], log=lambda msg: None)
+    Trainer._reset_health(t, {})
+    t.applied_bad_step = lambda row: Trainer.applied_bad_step(t, row)
+    t._bad_step_words = lambda row: Trainer._bad_step_words(t, row)
+    return t, lambda row: Trainer.check_finite(t, row)
+
+
+def _step(t, check, loss, grad_norm, skipped=False):
+    t.step += 1
+    row = {"loss": loss, "aux_loss": 0.0, "grad_norm": grad_norm}
+    if skipped:
+        row["skipped"] = True
+    return check(row)
+
+
+def test_bad_steps_add_up_within_the_window_and_applied_ones_count():
+    """Every other step bad (skipped), 5 of them within 20 steps: a divergence from the first one; the
+    same with a window of 4 never adds up. A gradient norm 10x the recent median, a zero gradient and a
+    loss back at ln(vocab) after a median below 0.9 ln(vocab) are bad although applied."""
+    t, check = _health(max_nonfinite_steps=5, bad_step_window=20)
+    got = [_step(t, check, 5.0, 1.0, skipped=(i % 2 == 0)) for i in range(10)]
+    assert got[:8] == [None] * 8 and got[8] is not None, got
+    assert (got[8].first_bad_step, got[8].stopped_at) == (1, 9) and "steps 1, 3, 5, 7, 9 were bad" in got[8].why
+    t, check = _health(max_nonfinite_steps=3, bad_step_window=4)
+    assert [_step(t, check, 5.0, 1.0, skipped=(i % 3 == 0)) for i in range(30)] == [None] * 30
+    uniform = math.log(512)
+    for loss, norm, words in ((4.0, 11.0, "spiked over train.grad_spike_factor=10"), (4.0, 0.0, "exactly 0"),
+                              (uniform, 1.0, "back at ln(vocab)")):
+        t, check = _health()
+        for _ in range(3):
+            assert _step(t, check, 4.0, 1.0) is None
+        assert _step(t, check, loss, norm) is None and t.bad_steps == deque([4]), (words, t.bad_steps)
+        assert words in t.applied_bad_step({"loss": loss, "grad_norm": norm}), words
+        assert list(t.recent_losses) == [4.0] * 3  # not counted healthy
+    t, check = _health(grad_spike_factor="null", detect_collapse="false")
+    for loss, norm in ((4.0, 1.0), (4.0, 1.0), (4.0, 1.0), (uniform, 0.0), (4.0, 50.0)):
+        assert _step(t, check, loss, norm) is None
+    assert not t.bad_steps

@@ -225,15 +225,27 @@ class TrainConfig:
     compile_cache_dir: Optional[str] = knob(None, "train.compile: inductor's cache directory (compiled kernels, FX "
                                             "graph and AOTAutograd caches), reused by restarts and requeues; null = "
                                             "run.dir/compile_cache")
-    max_nonfinite_steps: int = knob(5, "the run has diverged after this many bad steps in a row (a non-finite loss, "
-                                    "gradient norm or router logits, or a loss spike; each is skipped: not applied, "
-                                    "marked in metrics.jsonl); see train.on_divergence", min=1)
+    max_nonfinite_steps: int = knob(5, "the run has diverged after this many bad steps within train.bad_step_window "
+                                    "steps (a non-finite loss, gradient norm or router logits, or a loss spike, each "
+                                    "skipped: not applied; a gradient-norm spike or a collapse, applied; all marked in "
+                                    "metrics.jsonl); see train.on_divergence", min=1)
+    bad_step_window: int = knob(20, "the steps over which bad steps add up toward train.max_nonfinite_steps (they "
+                                "need not be consecutive); at least train.max_nonfinite_steps", min=1)
     spike_factor: Optional[float] = knob(None, "a step whose finite loss exceeds this factor x the median loss of the "
                                          "last train.spike_window healthy steps is a bad step too: skipped and counted "
                                          "like a non-finite one (null = only non-finite steps are bad)", gt=1)
-    spike_window: int = knob(20, "healthy steps whose median loss train.spike_factor compares with (the check starts "
-                             "once this many are seen)", min=1)
-    on_divergence: Literal["stop", "rollback"] = knob("stop", "after train.max_nonfinite_steps bad steps in a row: stop "
+    spike_window: int = knob(20, "healthy steps whose median loss (and gradient norm) train.spike_factor (and "
+                             "train.grad_spike_factor, train.detect_collapse) compare with; the loss spike check starts "
+                             "once this many are seen, the others after 3", min=1)
+    grad_spike_factor: Optional[float] = knob(10.0, "a step whose gradient norm exceeds this factor x the median of the "
+                                              "last train.spike_window healthy steps' is a bad step (its update, "
+                                              "clipped to train.grad_clip, is applied; it counts toward a divergence); "
+                                              "null = off", gt=1)
+    detect_collapse: bool = knob(True, "a step whose loss is back at ln(vocab) (a uniform guess) after the median of "
+                                 "the last train.spike_window healthy losses was below 0.9 ln(vocab), or whose gradient "
+                                 "norm is exactly 0 after non-zero ones, is a bad step (applied; counted)")
+    on_divergence: Literal["stop", "rollback"] = knob("stop", "after train.max_nonfinite_steps bad steps (within "
+                                                      "train.bad_step_window): stop "
                                                       "(exit 1; resume=auto continues from the last checkpoint before "
                                                       "the divergence), or rollback = do that resume in the same job")
     max_rollbacks: int = knob(3, "train.on_divergence=rollback: at most this many rollbacks per run, then stop", min=1)
@@ -246,6 +258,9 @@ class TrainConfig:
     def check(self) -> None:
         if self.global_batch % self.grad_accum:
             _fail("train.grad_accum", f"{self.grad_accum} must divide train.global_batch={self.global_batch}")
+        if self.bad_step_window < self.max_nonfinite_steps:
+            _fail("train.bad_step_window", f"{self.bad_step_window} must be at least train.max_nonfinite_steps="
+                  f"{self.max_nonfinite_steps}")
 
 
 @dataclass

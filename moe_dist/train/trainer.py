@@ -48,8 +48,11 @@ from .step import TrainStep
 from .tracking import check_tracking, start_tracking
 
 
+HEALTHY_BEFORE_CHECKS = 3  # healthy steps seen before a gradient-norm spike or a collapse can be judged
+
+
 class TrainingDiverged(JobStopped):
-    """Too many bad steps in a row (see :meth:`Trainer.check_finite`), or non-finite state about to be saved."""
+    """Too many bad steps (see :meth:`Trainer.check_finite`), or non-finite state about to be saved."""
 
 
 class RollingBack(Exception):
@@ -59,9 +62,9 @@ class RollingBack(Exception):
 
 @dataclasses.dataclass
 class Divergence:
-    """Bad steps ``first_bad_step..stopped_at`` (skipped: non-finite, or a loss spike), never
-    ``train.max_nonfinite_steps`` healthy ones in a row between them; ``why``: the sentence that
-    says what stopped the run."""
+    """Bad steps from ``first_bad_step`` to ``stopped_at`` (non-finite, a loss or gradient-norm spike,
+    a collapse), never a ``train.bad_step_window`` of steps without one between them; ``why``: the
+    sentence that says what stopped the run."""
 
     first_bad_step: int
     stopped_at: int
@@ -258,12 +261,14 @@ class Trainer:
         self.skipped_steps = int(counters.get("skipped_steps", 0))
         self.rollback_count = max(int(counters.get("rollbacks", 0)), len(self.rollbacks))
         self.recent_losses = deque(counters.get("recent_losses", []), maxlen=self.cfg.train.spike_window)
-        self.nonfinite_in_a_row, self.healthy_in_a_row, self.first_bad_step = 0, 0, None
+        self.recent_grad_norms = deque(counters.get("recent_grad_norms", []), maxlen=self.cfg.train.spike_window)
+        self.bad_steps: deque[int] = deque()  # the bad steps within the last train.bad_step_window
+        self.first_bad_step = None
 
     def counters(self) -> dict:
         """What a checkpoint keeps of the run's health (JSON)."""
         return {"skipped_steps": self.skipped_steps, "rollbacks": self.rollback_count,
-                "recent_losses": list(self.recent_losses)}
+                "recent_losses": list(self.recent_losses), "recent_grad_norms": list(self.recent_grad_norms)}
 
     def _take_up_divergence(self) -> None:
         """After ``resume=auto`` from before a divergence (a stop or a rollback): continue its counters,
@@ -338,38 +343,66 @@ class Trainer:
         return row
 
     def check_finite(self, row: dict) -> Optional[Divergence]:
-        """Count a skipped step (non-finite loss, gradient norm or router logits, or a loss spike);
-        after ``train.max_nonfinite_steps`` of them in a row, the divergence that stops (or rolls back)
-        training, raised once the step's metrics row is written. The divergence began at the first
-        bad step not followed by ``train.max_nonfinite_steps`` healthy steps in a row. An engine that
-        did not skip a non-finite step stops at once, before anything is saved."""
-        limit = self.cfg.train.max_nonfinite_steps
+        """Count a bad step: skipped (a non-finite loss, gradient norm or router logits, a loss spike) or
+        applied but a sign of divergence (:meth:`applied_bad_step`). ``train.max_nonfinite_steps`` of them
+        within ``train.bad_step_window`` steps make the divergence that stops (or rolls back) training,
+        raised once the step's metrics row is written; it began at the first bad step not followed by a
+        whole window without one. An engine that did not skip a non-finite step stops at once, before
+        anything is saved."""
+        cfg = self.cfg.train
+        limit, window = cfg.max_nonfinite_steps, cfg.bad_step_window
         finite = math.isfinite(row["loss"]) and math.isfinite(row["aux_loss"]) and math.isfinite(row["grad_norm"])
-        if finite and not row.get("skipped"):
-            self.nonfinite_in_a_row = 0
-            self.healthy_in_a_row += 1
-            if self.healthy_in_a_row >= limit:
+        if not finite and not row.get("skipped"):
+            return Divergence(self.first_bad_step or self.step, self.step,
+                              f"step {self.step}: loss {row['loss']}, gradient norm {row['grad_norm']} are not finite "
+                              f"and train.engine={cfg.engine} did not skip the update; stopped before saving")
+        while self.bad_steps and self.bad_steps[0] <= self.step - window:
+            self.bad_steps.popleft()
+        why = self._bad_step_words(row) if row.get("skipped") else self.applied_bad_step(row)
+        if why is None:
+            if not self.bad_steps:
                 self.first_bad_step = None
             self.recent_losses.append(row["loss"])
+            self.recent_grad_norms.append(row["grad_norm"])
             return None
-        self.healthy_in_a_row = 0
+        row["bad"] = why
+        self.bad_steps.append(self.step)
         if self.first_bad_step is None:
             self.first_bad_step = self.step
-        if not row.get("skipped"):
-            return Divergence(self.first_bad_step, self.step,
-                              f"step {self.step}: loss {row['loss']}, gradient norm {row['grad_norm']} are not finite "
-                              f"and train.engine={self.cfg.train.engine} did not skip the update; stopped before saving")
-        self.nonfinite_in_a_row += 1
-        self.skipped_steps += 1
-        self.log(f"step {self.step}: {self._bad_step_words(row)}: the update was skipped ({self.nonfinite_in_a_row} in "
-                 f"a row, train.max_nonfinite_steps={limit})")
-        if self.nonfinite_in_a_row < limit:
+        if row.get("skipped"):
+            self.skipped_steps += 1
+        done = "the update was skipped" if row.get("skipped") else "the update (clipped) was applied"
+        self.log(f"step {self.step}: {why}: {done} ({len(self.bad_steps)} bad step(s) within {window}, "
+                 f"train.max_nonfinite_steps={limit})")
+        if len(self.bad_steps) < limit:
             return None
-        first = self.step - self.nonfinite_in_a_row + 1
+        steps = ", ".join(map(str, self.bad_steps))
         return Divergence(self.first_bad_step, self.step,
-                          f"training diverged: steps {first}..{self.step} were bad (a non-finite loss, gradient norm "
-                          f"or router logits, or a loss spike; {limit} in a row = train.max_nonfinite_steps), none "
-                          f"was applied; the last applied step is {first - 1}")
+                          f"training diverged: steps {steps} were bad ({limit} within {window} steps = "
+                          f"train.max_nonfinite_steps within train.bad_step_window; a non-finite loss, gradient norm "
+                          f"or router logits, a loss or gradient-norm spike, or a collapse)")
+
+    def applied_bad_step(self, row: dict) -> Optional[str]:
+        """Why an applied step is a sign of divergence, or None: its gradient norm beyond
+        ``train.grad_spike_factor`` x the recent healthy median, or (``train.detect_collapse``) its loss
+        back at ln(vocab) after training had brought it well below, or a gradient of exactly zero after
+        non-zero ones. The same answer on every rank: global figures."""
+        cfg = self.cfg.train
+        if len(self.recent_grad_norms) < min(cfg.spike_window, HEALTHY_BEFORE_CHECKS):
+            return None
+        norm, median_norm = row["grad_norm"], statistics.median(self.recent_grad_norms)
+        if cfg.grad_spike_factor is not None and norm > cfg.grad_spike_factor * median_norm:
+            return (f"gradient norm {norm:.4g} spiked over train.grad_spike_factor={cfg.grad_spike_factor:g} x the "
+                    f"median {median_norm:.4g} of the last {len(self.recent_grad_norms)} healthy steps")
+        if not cfg.detect_collapse:
+            return None
+        uniform, median_loss = math.log(self.cfg.model.vocab_size), statistics.median(self.recent_losses)
+        if median_loss < 0.9 * uniform and row["loss"] >= 0.98 * uniform:
+            return (f"loss {row['loss']:.4f} is back at ln(vocab) = {uniform:.4f} (a uniform guess) after a median of "
+                    f"{median_loss:.4f} over the last {len(self.recent_losses)} healthy steps: the model collapsed")
+        if norm == 0.0 and median_norm > 0.0:
+            return "gradient norm exactly 0 after non-zero ones: the model collapsed"
+        return None
 
     def _bad_step_words(self, row: dict) -> str:
         if row.get("router_nonfinite"):
@@ -512,7 +545,7 @@ class Trainer:
                 if self._probe_due(last, "val_loss" in row):
                     fluct = self.probe_fluctuation()
                 if (self.step % cfg.run.log_every == 0 or last or "val_loss" in row or fluct or self.step == 1
-                        or row.get("skipped")):
+                        or row.get("bad")):
                     row["moe"] = self.moe_stats.summary(self.rt.groups.dp, self.rt.device)
                     for layer, figs in self.diagnostics.update(self.step, row["moe"]).items():
                         row["moe"][layer].update({k: v for k, v in figs.items() if k != "load"}, **fluct.get(layer, {}))
