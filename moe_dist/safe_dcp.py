@@ -3,11 +3,11 @@
 DCP keeps its index (``.metadata``) as a pickle, reads each tensor record with
 ``torch.load(weights_only=True)`` and each *bytes* entry with ``torch.load(weights_only=False)``,
 which runs whatever the pickle asks for. :class:`SafeFileSystemReader` is the reader every
-loader of moe_dist checkpoints uses: the index through an unpickler that accepts only DCP's
-metadata classes, torch sizes, dtypes and a few builtins; then, before a byte of data is read,
-every entry must be a tensor stored in one of the directory's own ``*.distcp`` files, with no
-stream transform; tensor records must unpickle, weights-only, to plain tensors of the declared
-dtype and shape. Anything else raises :class:`~moe_dist.errors.UnsafeCheckpoint` (one line,
+loader of moe_dist checkpoints uses: the index through an unpickler that accepts only the
+classes DCP's metadata consists of (:data:`METADATA_CLASSES`) and dtypes; then, before a byte
+of data is read, every entry must be a tensor stored in one of the directory's own ``*.distcp``
+files, with no stream transform; tensor records must unpickle, weights-only, to plain tensors
+of the declared dtype and shape. Anything else raises :class:`~moe_dist.errors.UnsafeCheckpoint` (one line,
 naming the entry). For directories another framework loads (Megatron-Core keeps module extra
 state as pickled bytes entries), ``allow_objects=True`` admits bytes entries whose pickles need
 nothing beyond the weights-only allowlist (:meth:`SafeFileSystemReader.vet_objects`).
@@ -24,7 +24,39 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from .errors import DamagedCheckpoint, UnsafeCheckpoint
 
-_SAFE_BUILTINS = {"set", "frozenset", "slice", "complex", "tuple", "list", "dict"}
+# Every class a DCP ``.metadata`` pickle refers to, written out. The set was found by saving real
+# checkpoints (moe_dist's checkpointer at 1 and 2 ranks, sync and async, FSDP and DeepSpeed; raw DCP
+# saves of every dtype, bytes entries and nested containers; Megatron-Core's torch_dist format) and
+# recording every (module, name) the unpickler asked for. Naming them one by one matters: DCP's
+# modules also import classes that run code when called (TCPStore, ThreadPoolExecutor, pstats.Stats,
+# multiprocessing connections), and a rule such as "any class found in a DCP module" admits those.
+# tests/test_checkpoint_security.py fails when torch adds a data class to these modules that is
+# neither here nor listed there as never saved.
+METADATA_CLASSES = frozenset({
+    ("torch.distributed.checkpoint.metadata", "Metadata"),
+    ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+    ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+    ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),  # TensorProperties' memory format
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),  # where each entry is: file, offset, length
+    # Megatron-Core keeps the ranks' save plans in the metadata (``all_local_plans``) to reuse them
+    ("torch.distributed.checkpoint.planner", "SavePlan"),
+    ("torch.distributed.checkpoint.planner", "WriteItem"),
+    ("torch.distributed.checkpoint.planner", "WriteItemType"),
+    ("torch.distributed.checkpoint.planner", "TensorWriteData"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # how a torch.layout pickles (TensorProperties.layout)
+    # StorageMeta.checkpoint_id, a path (Python 3.13 moved the classes to pathlib._local); a path
+    # saved on Windows is a WindowsPath
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+    ("pathlib._local", "PosixPath"), ("pathlib._local", "WindowsPath"),
+})
+# values of module ``torch`` a metadata pickle names: dtypes (TensorProperties.dtype); layouts and
+# memory formats as torch versions that pickled them by name did
+_TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
 
 
 class _Refused(pickle.UnpicklingError):
@@ -42,25 +74,16 @@ def _enum_member(cls, name: str):
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles only what DCP metadata holds: its own dataclasses and enums, torch.Size,
-    dtypes, layouts and paths."""
+    """Unpickles only what DCP metadata consists of (:data:`METADATA_CLASSES`), dtypes, and enum
+    members in the form early Python 3.11 releases pickle them."""
 
     def find_class(self, module: str, name: str):
-        if module.startswith("torch.distributed.checkpoint."):
-            obj = getattr(__import__(module, fromlist=[name]), name, None)
-            if isinstance(obj, type) or name == "_MEM_FORMAT_ENCODING":
-                return obj
-        elif module == "torch":
-            obj = getattr(torch, name, None)
-            if name == "Size" or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
-                return obj
-        elif (module, name) in {("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-                                ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
-                                ("pathlib._local", "PosixPath"), ("pathlib._local", "WindowsPath")}:
+        if (module, name) in METADATA_CLASSES:
             return super().find_class(module, name)
-        elif module == "builtins" and name in _SAFE_BUILTINS:
-            return super().find_class(module, name)
-        elif (module, name) == ("builtins", "getattr"):
+        value = vars(torch).get(name) if module == "torch" else None  # (vars: no lazy import of a submodule)
+        if isinstance(value, _TORCH_VALUES):
+            return value
+        if (module, name) == ("builtins", "getattr"):
             return _enum_member
         raise _Refused(f"checkpoint metadata refers to {module}.{name}, which a checkpoint's metadata "
                                      "never holds; refusing to unpickle it")

@@ -331,3 +331,100 @@ def test_trainer_resume_settings_and_refusals(tmp_path):
         assert len(glob.glob(os.path.join(run, "checkpoints.superseded-*", "step_*"))) >= 2
     finally:
         trainer.close()
+
+
+# ---- meta.json and the manifest are checked against their schema when read ----------------------------------
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """A run of configs/test.yaml on one process, trained in process, with its checkpoint of step 2."""
+    from moe_dist.train.trainer import train
+
+    tmp = tmp_path_factory.mktemp("schema")
+    train(config(tmp, "train.steps=2"))
+    return tmp
+
+
+DELETE = object()  # edited(): remove the field
+
+
+def edited(ckpt, name, field, value):
+    """Set (or, with value=DELETE, remove) ``field`` (a dotted path) of the checkpoint's JSON file
+    ``name``; meta.json's checksum in the manifest is recomputed (what a forger does)."""
+    from helpers.checkpoint_payloads import reseal
+
+    path = os.path.join(ckpt, name)
+    with open(path, encoding="utf-8") as f:
+        obj = json.load(f)
+    *parents, last = field.split(".")
+    holder = obj
+    for key in parents:
+        holder = holder[key]
+    if value is DELETE:
+        del holder[last]
+    else:
+        holder[last] = value
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f)
+    if name != "COMPLETE":
+        reseal(ckpt)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resume, name, field, value, words", [
+    ("path", "meta.json", "diagnostics.probe_prev", "x",
+     "field diagnostics.probe_prev: got 'x' (a string); allowed: null or an object"),
+    ("path", "meta.json", "counters.skipped_steps", [1],
+     "field counters.skipped_steps: got [1] (a list); allowed: an integer >= 0"),
+    ("path", "meta.json", "sampler", DELETE,
+     "field sampler is missing; allowed: an object {consumed, seed, seq_len, n_windows}"),
+    ("path", "meta.json", "sampler.consumed", "16",
+     "field sampler.consumed: got '16' (a string); allowed: an integer >= 0"),
+    ("path", "COMPLETE", "layout", "local",
+     "field layout: got 'local' (a string); allowed: an object {world_size"),
+    ("auto", "meta.json", "diagnostics.probe_prev", "x",
+     "field diagnostics.probe_prev: got 'x' (a string)"),
+])
+def test_resume_refuses_a_json_field_of_another_type_by_name(trained_run, tmp_path, resume, name, field, value, words):
+    """A meta.json or manifest field the code reads, of another type (checksums recomputed): the
+    resume stops with exit 2 and one line naming the field and what is allowed; nothing is moved."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run / "run", run)
+    ckpt = step_dir(str(run), 2)
+    edited(ckpt, name, field, value)
+    files = snapshot(os.path.dirname(ckpt))
+    proc = subprocess.run([sys.executable, "-m", "moe_dist.cli", "train", "--config", f"{ROOT}/configs/test.yaml",
+                           "--nproc", "1", f"run.dir={run}", f"data.cache_dir={trained_run}/cache",
+                           f"data.corpus={ROOT}/tests/data/python-docs", "parallel.ep=1", "run.tensorboard=false",
+                           "run.plots=false", "run.progress=false", "train.steps=4",
+                           f"resume={ckpt if resume == 'path' else 'auto'}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert len(errors) == 1 and errors[0].startswith("moe-dist train: error:"), proc.stderr[-3000:]
+    assert words in errors[0] and os.path.join(ckpt, name) in errors[0], errors[0]
+    assert snapshot(os.path.dirname(ckpt)) == files  # the checkpoint is kept as it was (not set aside)
+
+
+def test_meta_json_fields_are_checked_after_the_checksums(tmp_path):
+    """In process: a field of another type is refused by name; a meta.json edited without
+    recomputing its checksum is reported as damaged first."""
+    cfg = config(tmp_path)
+    model, opt = trained(cfg)
+    path = Checkpointer(str(tmp_path / "run")).save(1, model, opt, meta={"counters": {"recent_losses": [1.0, 2.0]}})
+    load_checkpoint(build_model(cfg.model, VOCAB), path)  # as written: accepted
+    with open(os.path.join(path, "meta.json"), "w") as f:
+        json.dump({"step": 1, "counters": {"recent_losses": [1.0, "nan"]}}, f)
+    with pytest.raises(CheckpointError, match=r"is damaged and was not loaded .*meta.json: \d+ bytes, the manifest"):
+        load_checkpoint(build_model(cfg.model, VOCAB), path)
+    from helpers.checkpoint_payloads import reseal
+
+    reseal(path)
+    with pytest.raises(CheckpointError, match=r"meta.json: field counters.recent_losses\[1\]: got 'nan' \(a string\); "
+                                              "allowed: a number; nothing was loaded"):
+        load_checkpoint(build_model(cfg.model, VOCAB), path)
+    edited(path, "COMPLETE", "files", {"meta.json": {"bytes": "12", "sha256": "0" * 64}})
+    with pytest.raises(IncompleteCheckpoint, match=r'field files\["meta.json"\].bytes: got \'12\''):
+        load_checkpoint(build_model(cfg.model, VOCAB), path)

@@ -9,7 +9,8 @@ of the project refuses it in one line (exit 2 for the commands) and the marker n
 the checkpointer in process, ``train resume=PATH`` and ``resume=auto`` (2 ranks, ep=2, and the
 DeepSpeed engine), ``eval --checkpoint`` and ``--run-dir``, ``convert``, ``export``; and the
 readers of model directories (``ckpt.init_from``, ``import``, ``upcycle``) with pickled or
-disguised weight files.
+disguised weight files. The metadata unpickler admits exactly the classes DCP's metadata consists of:
+every data class DCP defines is decided, and classes its modules merely import are refused.
 """
 import os
 import shutil
@@ -145,6 +146,124 @@ def test_rng_entries_of_another_shape_are_refused(saved, tmp_path):
     planted.reseal(ckpt)
     with pytest.raises(CheckpointError, match="another shape or dtype"):
         Checkpointer(str(tmp_path / "run")).load(ckpt, *fresh(cfg), rng_device=torch.device("cpu"))
+
+
+# ---- the metadata unpickler's allowlist -----------------------------------------------------------------------
+DCP_METADATA = "torch.distributed.checkpoint.metadata"
+DCP_PLANNER = "torch.distributed.checkpoint.planner"
+DCP_FILESYSTEM = "torch.distributed.checkpoint.filesystem"
+# DCP's data classes that a .metadata file never holds. With safe_dcp.METADATA_CLASSES they must cover every
+# class of DCP's metadata module and every dataclass and enum of its planner and filesystem modules, so a class
+# torch adds there fails the test below until it is put in one list or the other.
+NOT_IN_METADATA = {
+    # a load's plan: made by the reader from the metadata while it loads, never saved
+    (DCP_PLANNER, "LoadPlan"), (DCP_PLANNER, "ReadItem"), (DCP_PLANNER, "LoadItemType"),
+    # a field of WriteItem that torch never fills (a bytes entry's WriteItem carries no write data)
+    (DCP_PLANNER, "BytesIOWriteData"),
+    # the file-name prefix the writer gives each rank's plan, after the plans were recorded in the metadata
+    (DCP_FILESYSTEM, "_StoragePrefix"),
+    # the writer's setting of the data files' format (torch.save or safetensors records), not saved
+    (DCP_FILESYSTEM, "SerializationFormat"),
+}
+
+
+def dcp_data_classes():
+    """(module, name) of every class defined in DCP's metadata module, and of every dataclass and enum defined
+    in its planner and filesystem modules (their other classes are planners, readers and writers: code)."""
+    import dataclasses
+    import enum
+    import importlib
+    import inspect
+
+    found = set()
+    for module, every_class in ((DCP_METADATA, True), (DCP_PLANNER, False), (DCP_FILESYSTEM, False)):
+        for name, obj in vars(importlib.import_module(module)).items():
+            if inspect.isclass(obj) and obj.__module__ == module and (
+                    every_class or dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)):
+                found.add((module, name))
+    return found
+
+
+def test_the_metadata_allowlist_decides_every_data_class_of_dcp():
+    import importlib
+
+    from moe_dist.safe_dcp import METADATA_CLASSES
+
+    classes = dcp_data_classes()
+    assert (DCP_METADATA, "TensorStorageMetadata") in classes and (DCP_FILESYSTEM, "_StorageInfo") in classes
+    undecided = sorted(classes - METADATA_CLASSES - NOT_IN_METADATA)
+    assert not undecided, (f"torch defines {undecided}: add each to moe_dist.safe_dcp.METADATA_CLASSES if a "
+                           ".metadata file can hold it, else to NOT_IN_METADATA in this test, with the reason")
+    assert not METADATA_CLASSES & NOT_IN_METADATA
+    assert NOT_IN_METADATA <= classes  # no stale entry here
+    for module, name in sorted(METADATA_CLASSES):  # no misspelt name (it would refuse real checkpoints)
+        try:
+            home = importlib.import_module(module)
+        except ImportError:  # pathlib._local: Python 3.13 and later
+            continue
+        assert getattr(home, name, None) is not None, f"{module}.{name}"
+
+
+def test_the_metadata_of_every_kind_of_entry_is_read(tmp_path):
+    """Raw DCP saves of tensors of every dtype and layout, non-tensor (bytes) entries and nested containers:
+    their metadata unpickles with the allowlist."""
+    import collections
+    import pathlib
+
+    from moe_dist.safe_dcp import SafeFileSystemReader
+
+    dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int8,
+              torch.uint8, torch.int64, torch.bool, torch.complex64]
+    state = {f"t.{d}".replace("torch.", ""): torch.zeros(2, 3).to(d) for d in dtypes}
+    state.update({"transposed": torch.arange(6).view(2, 3).t(), "scalar": torch.tensor(1.5), "empty": torch.empty(0, 3),
+                  "channels_last": torch.zeros(1, 2, 3, 3).to(memory_format=torch.channels_last),
+                  "int": 3, "str": "x", "none": None, "bytes": b"raw", "list": [1, "a", torch.ones(2)],
+                  "nested": {"a": {"b": [1, {"c": torch.zeros(1)}]}}, "od": collections.OrderedDict(a=1)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(tmp_path / "str"), no_dist=True)  # StorageMeta.checkpoint_id: a str
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(pathlib.Path(tmp_path / "path")), no_dist=True)  # a Path
+    for directory in ("str", "path"):
+        metadata = SafeFileSystemReader(str(tmp_path / directory), allow_objects=True).read_metadata()
+        assert {"t.bfloat16", "bytes", "nested.a.b.1.c"} <= set(metadata.state_dict_metadata), directory
+
+
+# classes that DCP's modules merely import (they run code when called), each as a DCP module spells it and as
+# its own module does
+IMPORTED_BY_DCP = [
+    ("torch.distributed.checkpoint._async_process_executor", "TCPStore"),
+    ("torch.distributed", "TCPStore"),
+    ("torch.distributed.checkpoint._async_thread_executor", "ThreadPoolExecutor"),
+    ("concurrent.futures", "ThreadPoolExecutor"),
+    ("torch.distributed.checkpoint.utils", "Stats"),
+    ("pstats", "Stats"),
+    ("torch.distributed.checkpoint._experimental.checkpoint_process", "Connection"),
+    (DCP_METADATA, "Enum"),
+    (DCP_FILESYSTEM, "Path"),
+]
+
+
+@pytest.mark.parametrize("module, name", IMPORTED_BY_DCP, ids=[f"{m}.{n}" for m, n in IMPORTED_BY_DCP])
+def test_classes_dcp_modules_import_are_refused(tmp_path, module, name):
+    import importlib
+    import pickle
+
+    from moe_dist.safe_dcp import SafeFileSystemReader
+
+    try:
+        home = importlib.import_module(module)
+    except ImportError:
+        home = None
+    if getattr(home, name, None) is None:
+        pytest.skip(f"this torch has no {module}.{name}")
+    data = f"c{module}\n{name}\n.".encode()  # a pickle of the global module.name
+    found = pickle.loads(data)  # control: the name is there, a class, and a plain unpickler hands it out
+    assert isinstance(found, type), found
+    (tmp_path / ".metadata").write_bytes(data)
+    with pytest.raises(UnsafeCheckpoint) as info:
+        SafeFileSystemReader(str(tmp_path)).read_metadata()
+    assert f"refers to {module}.{name}, which a checkpoint's metadata never holds; refusing to unpickle it" in str(
+        info.value)
 
 
 # ---- the commands, on a real training run --------------------------------------------------------------------

@@ -299,6 +299,46 @@ def test_bad_inputs_are_refused_by_name(tmp_path, capsys):
     assert cli(["import", "--hf", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")]) == 2
 
 
+def _name_twice(path, name):
+    """Rewrite the safetensors file ``path`` so that its header names tensor ``name`` twice: first an
+    entry of another shape, then the real one (the safetensors library keeps the last silently; a
+    reader that keeps the first reads other values)."""
+    raw = open(path, "rb").read()
+    size = int.from_bytes(raw[:8], "little")
+    header = raw[8:8 + size].decode()
+    decoy = json.dumps({name: {**json.loads(header)[name], "shape": [1]}})[1:-1]
+    header = "{" + decoy + "," + header[1:]
+    header += " " * (-len(header) % 8)
+    open(path, "wb").write(len(header).to_bytes(8, "little") + header.encode() + raw[8 + size:])
+
+
+def test_a_name_given_twice_in_a_header_or_index_is_refused(tmp_path, capsys):
+    from safetensors import safe_open
+
+    single, sharded = str(tmp_path / "single"), str(tmp_path / "sharded")
+    build_moe("mixtral", single)
+    build_moe("mixtral", sharded, max_shard_size="40KB")
+    weights = os.path.join(single, "model.safetensors")
+    _name_twice(weights, "model.norm.weight")
+    with safe_open(weights, framework="pt") as f:  # the library reads it: the duplicate must be caught by us
+        assert f.get_slice("model.norm.weight").get_shape() == [32]
+    index_path = os.path.join(sharded, "model.safetensors.index.json")
+    index = json.load(open(index_path))
+    name, shard = next(iter(index["weight_map"].items()))
+    other = next(s for s in index["weight_map"].values() if s != shard)
+    text = json.dumps(index)
+    open(index_path, "w").write(text.replace('"weight_map": {', f'"weight_map": {{"{name}": "{other}", ', 1))
+    for src, words in ((single, f"{weights}: not a readable safetensors file (its header names tensor "
+                                "'model.norm.weight' twice"),
+                       (sharded, f"{index_path}: not a valid safetensors index (it names '{name}' twice in weight_map")):
+        capsys.readouterr()
+        out = str(tmp_path / f"out-{os.path.basename(src)}")
+        assert cli(["import", "--hf", src, "--out", out]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("moe-dist import: error: ") and words in err[0], err
+        assert not os.path.exists(out)
+
+
 def test_olmoe_preset_counts():
     from moe_dist.plan import plan
 

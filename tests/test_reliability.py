@@ -91,6 +91,7 @@ def no_orphans(marker, timeout=10):
 
 
 LONG = ("train.steps=400", "run.print_every=1")
+OUTLASTING_STEPS = 1_000_000  # a run of this many steps is live for the whole test, at any machine's speed
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
@@ -182,12 +183,21 @@ def test_a_second_run_on_a_live_run_directory_is_refused(tmp_path):
     run = tmp_path / "run"
     first = Job(tmp_path, f"run.dir={run}", *LONG, name="first")
     first.wait_for("step 2/400")
-    second = Job(tmp_path, f"run.dir={run}", "train.steps=2", name="second")
-    assert second.wait() == 2, second.output()
-    err = second.err.read_text().strip()
-    assert err.startswith(f"moe-dist train: error: run.dir='{run}' is in use by a live run (pid ") and "\n" not in err
-    assert "step 2/400" in first.out.read_text() and first.proc.poll() is None  # untouched, still training
-    os.kill(first.ranks()[0], signal.SIGKILL)  # the holder dies without cleaning up
+    # the first run stays live while the second starts, however fast it trains: its launcher and ranks are
+    # stopped (a stopped process keeps its flock on run.lock; the kernel drops it only when the process ends)
+    os.killpg(first.proc.pid, signal.SIGSTOP)
+    try:
+        second = Job(tmp_path, f"run.dir={run}", "train.steps=2", name="second")
+        assert second.wait() == 2, second.output()
+        err = second.err.read_text().strip()
+        assert err.startswith(f"moe-dist train: error: run.dir='{run}' is in use by a live run (pid "), err
+        assert "\n" not in err
+        assert "step 2/400" in first.out.read_text() and first.proc.poll() is None  # untouched
+        os.kill(first.ranks()[0], signal.SIGKILL)  # the holder dies without cleaning up
+    except BaseException:
+        os.killpg(first.proc.pid, signal.SIGKILL)  # never leave a stopped job behind
+        raise
+    os.killpg(first.proc.pid, signal.SIGCONT)  # the launcher sees rank 0's end and stops rank 1
     first.wait()
     third = Job(tmp_path, f"run.dir={run}", "train.steps=2", name="third")
     assert third.wait() == 0, third.output()  # a dead run leaves no lock behind
@@ -213,8 +223,11 @@ def test_eval_reads_a_training_run_that_neither_starts_nor_prunes_under_it(tmp_p
     assert set(os.listdir(run)) == {"read.lock", "run.lock"}  # nothing else made, moved or removed
     reader.release()
 
-    job = Job(tmp_path, f"run.dir={run}", *LONG, "ckpt.every=1", "ckpt.keep=1", name="train")
-    job.wait_for("step 3/400")
+    # the training has to outlive the eval (another process, of its own speed) and the prune after it: a million
+    # steps, each with a checkpoint (ckpt.every=1), take far longer than all the waits of this test together
+    job = Job(tmp_path, f"run.dir={run}", f"train.steps={OUTLASTING_STEPS}", "run.print_every=1", "ckpt.every=1",
+              "ckpt.keep=1", name="train")
+    job.wait_for(f"step 3/{OUTLASTING_STEPS}")
     assert reader.acquire(wait_s=30) is None  # readers come in while the run trains
     job.wait_for("older checkpoints kept for now (ckpt.keep=1): `moe-dist eval` is reading the run directory")
     _, env = command()
@@ -243,9 +256,9 @@ def test_non_finite_steps_are_skipped_counted_and_never_saved(tmp_path):
               "train.max_nonfinite_steps=3")
     assert job.wait() == 1, job.output()
     err = job.err.read_text().strip()
-    assert err == ("moe-dist train: training diverged: steps 2..4 were bad (a non-finite loss, gradient norm or router "
-                   "logits, or a loss spike; 3 in a row = train.max_nonfinite_steps), none was applied; the last applied "
-                   "step is 1; the divergence began at step 2, so the last trusted state is step 0's. Lower train.lr (or "
+    assert err == ("moe-dist train: training diverged: steps 2, 3, 4 were bad (3 within 20 steps = "
+                   "train.max_nonfinite_steps within train.bad_step_window; a non-finite loss, gradient norm or router "
+                   "logits, a loss or gradient-norm spike, or a collapse); the divergence began at step 2, so the last trusted state is step 0's. Lower train.lr (or "
                    "raise train.warmup_steps); resume=auto starts from step 0 (no checkpoint of step 0 or before; set "
                    "aside: step_000002.diverged); train.skip_divergent_batches=true also skips the batches of steps "
                    "1..2"), job.output()

@@ -22,6 +22,62 @@ from .records import check_complete
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+_HEADER_SIZE_BYTES = 8  # a file starts with its JSON header's length, a little-endian u64
+_MAX_HEADER_BYTES = 100_000_000  # the safetensors library refuses longer headers itself
+
+
+# ---- JSON that names nothing twice ----------------------------------------------------------
+class DuplicateKey(ValueError):
+    """A JSON object with a key twice: ``json`` (and the safetensors library) keep the last silently
+    where another reader may take the first, so the file would mean two different things."""
+
+    def __init__(self, key: str, where: str):
+        super().__init__(f"{key!r} twice" + (f" in {where}" if where else ""))
+        self.key, self.where = key, where
+
+
+class _Pairs(list):
+    """An object's ``(key, value)`` pairs as parsed, before they become a dict."""
+
+
+def _unique(value, where: str):
+    if isinstance(value, _Pairs):
+        out = {}
+        for key, item in value:
+            if key in out:
+                raise DuplicateKey(key, where)
+            out[key] = _unique(item, f"{where}.{key}" if where else key)
+        return out
+    if isinstance(value, list):
+        return [_unique(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    return value
+
+
+def loads_unique(text):
+    """``json.loads`` that raises :class:`DuplicateKey` (naming the key and the object's path) for
+    an object holding a key twice."""
+    return _unique(json.loads(text, object_pairs_hook=_Pairs), "")
+
+
+def check_header_names(path: str) -> None:
+    """Refuse a safetensors file whose JSON header names a tensor twice, or an entry's field twice.
+    Other defects of the header are left to the safetensors library, which reports them."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(_HEADER_SIZE_BYTES), "little")
+            if size > _MAX_HEADER_BYTES:
+                return
+            raw = f.read(size)
+    except OSError:  # unreadable: the library's message says so
+        return
+    try:
+        loads_unique(raw)
+    except DuplicateKey as e:
+        what = f"names tensor {e.key!r} twice" if not e.where else f"gives {e.where!r} the field {e.key!r} twice"
+        raise HFFormatError(f"{path}: not a readable safetensors file (its header {what}; a name must appear "
+                            "once)") from None
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deep: the library's message says what
+        return
 
 
 class SafetensorsCheckpoint:
@@ -46,10 +102,13 @@ class SafetensorsCheckpoint:
     def _read_index(self, index: str) -> dict[str, str]:
         try:
             with open(index, encoding="utf-8") as f:
-                data = json.load(f)
+                data = loads_unique(f.read())
             weight_map = data["weight_map"]
             self._index_metadata = dict(data.get("metadata") or {})
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except DuplicateKey as e:
+            raise HFFormatError(f"{index}: not a valid safetensors index (it names {e}; a name must appear "
+                                "once)") from None
+        except (ValueError, KeyError, TypeError) as e:  # ValueError: not JSON, not UTF-8
             raise HFFormatError(f"{index}: not a valid safetensors index (expected a JSON object with a "
                                 f"'weight_map'): {e}") from None
         shards = sorted(set(weight_map.values()))
@@ -61,6 +120,7 @@ class SafetensorsCheckpoint:
 
     def _keys_of(self, shard: str) -> list[str]:
         path = os.path.join(self.directory, shard)
+        check_header_names(path)
         try:
             with safe_open(path, framework="pt") as f:
                 return list(f.keys())
@@ -99,6 +159,7 @@ class SafetensorsCheckpoint:
     def _handle(self, shard: str):
         if shard not in self._handles:
             path = os.path.join(self.directory, shard)
+            check_header_names(path)
             try:
                 self._handles[shard] = safe_open(path, framework="pt")
             except Exception as e:

@@ -278,12 +278,10 @@ class Checkpointer:
         checksum, ``before_load(meta, manifest)`` (the caller's checks), and every tensor the
         model needs (all global experts, right shapes). A refusal raises :class:`CheckpointError`
         on every rank and changes nothing on disk."""
-        def read() -> tuple[dict, dict]:
-            manifest = read_manifest(path)
-            return read_meta(path), manifest
-
-        meta, manifest = collectively(read, self.group)
+        manifest = collectively(lambda: read_manifest(path), self.group)
         self.verify_files(path, manifest)
+        # after the checksums: a damaged meta.json is reported as damaged, not as a field of another type
+        meta = collectively(lambda: read_meta(path), self.group)
         if before_load is not None:
             collectively(lambda: before_load(meta, manifest), self.group)
         if optimizer is not None and "optimizer" not in manifest.get("contents", []):

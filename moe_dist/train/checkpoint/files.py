@@ -28,6 +28,7 @@ from typing import Callable, Iterable, Optional
 
 from ...errors import CheckpointError, DamagedCheckpoint, UnsafeCheckpoint  # noqa: F401 - re-exported
 from ...safe_dcp import SafeFileSystemReader  # noqa: F401 - the reader of every checkpoint, re-exported
+from .schema import MANIFEST_FIELDS, META_FIELDS, check_meta, mismatch
 
 MARKER = "COMPLETE"
 META = "meta.json"
@@ -121,6 +122,9 @@ def read_manifest(path: str) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
         raise IncompleteCheckpoint(f"{path} is not a complete checkpoint: its {MARKER} marker is not a "
                                    f"{FORMAT} manifest (written by an older version?)")
+    problem = mismatch(manifest, MANIFEST_FIELDS)
+    if problem is not None:
+        raise IncompleteCheckpoint(f"{path} is not a complete checkpoint: {marker}: {problem}")
     if manifest.get("version", 0) > FORMAT_VERSION:
         raise CheckpointError(f"{path}: checkpoint format version {manifest['version']} is newer than this "
                               f"moe_dist reads ({FORMAT_VERSION}); upgrade moe_dist")
@@ -128,7 +132,9 @@ def read_manifest(path: str) -> dict:
 
 
 def read_meta(path: str) -> dict:
-    """A checkpoint's ``meta.json`` (a JSON object); :class:`DamagedCheckpoint` if it is anything else."""
+    """A checkpoint's ``meta.json``: :class:`DamagedCheckpoint` if it is not a JSON object, a
+    :class:`CheckpointError` naming the field if a field the code reads has another type
+    (:data:`.schema.META_FIELDS`)."""
     full = os.path.join(path, META)
     try:
         with open(full, encoding="utf-8") as f:
@@ -137,6 +143,7 @@ def read_meta(path: str) -> dict:
         raise DamagedCheckpoint(f"{full}: not readable ({type(e).__name__}: {e})") from None
     if not isinstance(meta, dict):
         raise DamagedCheckpoint(f"{full}: holds a JSON {type(meta).__name__}, not an object")
+    check_meta(meta, full, META_FIELDS)
     return meta
 
 

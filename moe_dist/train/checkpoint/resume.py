@@ -21,6 +21,7 @@ from .checkpointer import Checkpointer
 from .collective import barrier, broadcast
 from .divergence import set_aside_pending
 from .files import META, CheckpointError, DamagedCheckpoint, latest_checkpoint, remove_leftovers, scan, set_aside
+from .schema import TRAINER_META_FIELDS, check_meta
 
 if TYPE_CHECKING:
     from ...distributed.bootstrap import Runtime
@@ -138,6 +139,7 @@ class TrainingCheckpoints:
         return resolve_resume(self.config["resume"], self.run_dir)
 
     def _check_compatible(self, path: str, meta: dict, manifest: dict) -> None:
+        check_meta(meta, os.path.join(path, META), TRAINER_META_FIELDS)  # what a resume reads beyond the weights
         saved_model = (meta.get("config") or {}).get("model")
         if saved_model is not None:
             structural, other = model_differences(saved_model, self.config["model"])
@@ -210,7 +212,8 @@ class TrainingCheckpoints:
                  f"{saved.get('ep')}, dense={saved.get('dense')}; now {now['world_size']} rank(s), ep={now['ep']}): "
                  f"model, optimizer state, sampler position ({meta['sampler']['consumed']} windows), step")
         schedule = meta.get("schedule") or {}
-        changed = [f"train.{k}: {schedule[k]} -> {train[k]}" for k in schedule if schedule[k] != train[k]]
+        changed = [f"train.{k}: {schedule[k]} -> {train[k]}" for k in SCHEDULE_KEYS
+                   if k in schedule and schedule[k] != train[k]]
         if changed:
             self.log(f"resume: the learning-rate schedule differs from the checkpoint's ({'; '.join(changed)}); "
                      "it continues on the new schedule")
