@@ -5,6 +5,8 @@ import io
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -136,35 +138,58 @@ def test_checkpoint_keys_are_global_experts_and_round_trip(tmp_path):
 
 
 def test_bf16_on_a_cpu_without_bf16_matmuls_runs_as_fp32(monkeypatch, tmp_path, capsys):
-    """The decision with the capability and the timed probe mocked both ways: a slow probe on a CPU
-    without AVX-512 turns train.dtype=bf16 into fp32 with one line naming the ratio and the key that
-    keeps bf16; a fast probe, an AVX-512 CPU (never probed) and GPUs keep bf16."""
+    """The decision with the timed probe mocked both ways: a slow probe turns train.dtype=bf16 into
+    fp32 with one line naming the ratio, the model-sized shape and the key that keeps bf16; a fast
+    probe and GPUs keep bf16; the runtime probes at the model's size."""
     from moe_dist import hardware
     from moe_dist.train.trainer import setup_runtime
 
     cpu = torch.device("cpu")
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    monkeypatch.setattr(hardware, "bf16_matmul_slowdown", lambda: 87.0)
+    shapes = []
+
+    def slow(*shape):
+        shapes.append(shape)
+        return 87.0
+
+    monkeypatch.setattr(hardware, "bf16_matmul_slowdown", slow)
     dtype, note = hardware.bf16_choice(cpu, "bf16")
-    assert dtype == "fp32" and "87x slower" in note and "AVX2" in note and "train.bf16_on_slow_cpu=bf16" in note
+    assert dtype == "fp32" and "87.0x slower" in note and "(256x512 by 512x512)" in note
+    assert "train.bf16_on_slow_cpu=bf16" in note
     dtype, note = hardware.bf16_choice(cpu, "bf16", "bf16")
     assert dtype == "bf16" and note.startswith("warning:") and "train.dtype=fp32" in note
     assert hardware.bf16_choice(cpu, "fp32") == ("fp32", None)
     assert hardware.bf16_choice(torch.device("cuda"), "bf16") == ("bf16", None)  # GPUs have their own bf16 units
+    assert hardware.bf16_choice(cpu, "bf16", agree=lambda r: 1.0) == ("bf16", None)  # another rank's figure decides
     note = hardware.slow_bf16_note(cpu, "bf16")  # what the benchmarks print (they time the dtype they name)
-    assert note and "87x" in note and hardware.slow_bf16_note(cpu, "fp32") is None
+    assert note and "87.0x" in note and hardware.slow_bf16_note(cpu, "fp32") is None
     # the runtime every command sets up (train, eval, eval --checkpoint) applies it, rank 0 says it once
     cfg = load_config(os.path.join(ROOT, "configs/test.yaml"), [f"run.dir={tmp_path}/run", "parallel.ep=1",
                                                               "train.dtype=bf16"])
+    shapes.clear()
     setup_runtime(cfg)
     assert cfg.train.dtype == "fp32"
     assert capsys.readouterr().out.count("train.dtype=bf16 runs as fp32") == 1
-    monkeypatch.setattr(hardware, "bf16_matmul_slowdown", lambda: 1.3)  # a CPU whose torch has fast bf16 kernels
+    d_ff = cfg.model.moe.d_ff or cfg.model.d_ff
+    assert shapes == [(cfg.train.global_batch * cfg.train.seq_len, cfg.model.d_model, d_ff)]  # one rank's micro-batch
+    assert hardware.probe_shape(10**6, 4096, 14336) == (16, 4096, 2288)  # a 7B model's: the work held near PROBE_FLOPS
+    assert hardware.probe_shape(8192, 256, 512) == (1144, 256, 512)
+    monkeypatch.setattr(hardware, "bf16_matmul_slowdown", lambda *shape: 1.3)  # fast enough: bf16 stays
     assert hardware.bf16_choice(cpu, "bf16") == ("bf16", None)
 
-    def never():
-        raise AssertionError("probed on a CPU with AVX-512")
 
-    monkeypatch.setattr(hardware, "bf16_matmul_slowdown", never)
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    assert hardware.bf16_choice(cpu, "bf16") == ("bf16", None)
+def test_the_bf16_probe_finds_the_fallback_path_under_load():
+    """The trap for real: oneDNN and ATen limited to AVX2 (ATEN_CPU_CAPABILITY=avx2
+    ONEDNN_MAX_CPU_ISA=AVX2 here, or an AVX2-only CPU) send bf16 matmuls to a path tens of times
+    slower than fp32; with two busy processes beside it the model-sized probe still says so."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    code = ("import torch; from moe_dist import hardware; "
+            "print(hardware.bf16_choice(torch.device('cpu'), 'bf16', shape=hardware.probe_shape(4096, 256, 512))[0])")
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=300)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert out.returncode == 0 and out.stdout.strip() == "fp32", out.stdout + out.stderr

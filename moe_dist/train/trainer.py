@@ -27,7 +27,8 @@ from ..diagnostics import RoutingDiagnostics, format_routing_summary, routing_su
 from ..distributed.bootstrap import Runtime, init_distributed, shutdown
 from ..errors import CheckpointError, MissingInputError
 from ..exits import JobStopped, end_process
-from ..hardware import batch_to_device, bf16_choice, cuda_memory_gib, map_large_allocations, peak_rss_bytes
+from ..hardware import (batch_to_device, bf16_choice, cuda_memory_gib, map_large_allocations, peak_rss_bytes,
+                        probe_shape)
 from ..model import count_parameters
 from ..parallel.kernel_choice import agree_expert_kernels
 from ..moe import moe_layers
@@ -95,6 +96,25 @@ def thread_choice(run_threads: Optional[int], local_world_size: int, env=os.envi
     return max(1, cores // local), f"{cores} core(s) / {local} local process(es)"
 
 
+def _probe_shape(cfg, world_size: int) -> tuple[int, int, int]:
+    """A matmul of the model's size for the bf16 probe: one rank's tokens of a micro-batch by the
+    feed-forward weight."""
+    rows = max(1, cfg.train.global_batch // cfg.train.grad_accum // world_size) * cfg.train.seq_len
+    return probe_shape(rows, cfg.model.d_model, cfg.model.moe.d_ff or cfg.model.d_ff)
+
+
+def _largest_over_ranks(rt: Runtime):
+    """The largest of every rank's figure (the same on every rank after it): a choice each rank
+    measures is made once for the job."""
+    def agree(value: float) -> float:
+        if not rt.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+    return agree
+
+
 def setup_runtime(cfg: Config, rt: Optional[Runtime] = None) -> Runtime:
     """The job's runtime (``rt``, or a new one), checked against the config's rules that need the
     number of processes. A new runtime that fails a check is shut down before the error leaves."""
@@ -108,7 +128,8 @@ def setup_runtime(cfg: Config, rt: Optional[Runtime] = None) -> Runtime:
     try:
         cfg.check_world(rt.world_size)
         torch.set_num_threads(thread_choice(cfg.run.threads, rt.launch.local_world_size)[0])
-        cfg.train.dtype, note = bf16_choice(rt.device, cfg.train.dtype, cfg.train.bf16_on_slow_cpu)
+        cfg.train.dtype, note = bf16_choice(rt.device, cfg.train.dtype, cfg.train.bf16_on_slow_cpu,
+                                            _probe_shape(cfg, rt.world_size), _largest_over_ranks(rt))
     except BaseException:
         if owns:
             shutdown(rt)  # while the error propagates: no meeting of the ranks, the group destroyed now
