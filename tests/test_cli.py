@@ -77,8 +77,10 @@ def test_eval_of_the_checkpoint_on_another_layout(run_dir):
 def test_evaluation_ep():
     from moe_dist.train.cmd_eval import evaluation_ep
 
-    assert [evaluation_ep(2, w) for w in (1, 2, 3, 4, 6)] == [1, 2, 1, 2, 2]
-    assert [evaluation_ep(4, w) for w in (1, 2, 4, 6, 8)] == [1, 2, 4, 2, 4]
+    # the training's size where it fits, else the layout rule of a continued training run (auto)
+    assert [evaluation_ep(2, w) for w in (1, 2, 3, 4, 6)] == ["auto", 2, "auto", 2, 2]
+    assert [evaluation_ep(4, w) for w in (1, 2, 4, 6, 8)] == ["auto", "auto", 4, "auto", 4]
+    assert evaluation_ep("auto", 3) == "auto"
 
 
 def test_errors_are_reported_before_launching(tmp_path, capsys):

@@ -57,11 +57,14 @@ def _config_path(args) -> str:
     return path
 
 
-def evaluation_ep(trained_ep: int, world_size: int) -> int:
+def evaluation_ep(trained_ep, world_size: int):
     """The expert-parallel size of an evaluation on ``world_size`` processes: the training's when it
-    divides them, else the largest size that divides both (1 on one process). Checkpoints are keyed
-    by global expert, so they load at any expert-parallel size."""
-    return math.gcd(trained_ep, world_size)
+    divides them, else ``auto``, the rule a training run continued on another layout follows
+    (:mod:`moe_dist.config.layout`). Checkpoints are keyed by global expert, so they load at any
+    expert-parallel size."""
+    from ..config.layout import AUTO
+
+    return trained_ep if trained_ep == AUTO or world_size % trained_ep == 0 else AUTO
 
 
 def _sets_ep(overrides: list[str]) -> bool:
