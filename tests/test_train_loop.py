@@ -126,7 +126,7 @@ def test_checkpoint_keys_are_global_experts_and_round_trip(tmp_path):
     assert "blocks.0.ffn.experts.w1" not in keys
     assert {f"blocks.1.ffn.experts.w2.expert_{e}" for e in range(4)} <= set(keys)
     assert keys["blocks.0.ffn.experts.w1.expert_3"].shape == (64, 64)
-    path = save_checkpoint(model, str(tmp_path / "run"), 7, {"note": "x"}, is_main=True)
+    path = save_checkpoint(model, str(tmp_path / "run"), 7, {"note": "x"})
     other = build_model(cfg.model, data.vocab_size, seed=1)
     assert not torch.equal(other.blocks[0].ffn.experts.w1, model.blocks[0].ffn.experts.w1)
     meta = load_checkpoint(other, path)

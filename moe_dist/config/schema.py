@@ -214,14 +214,14 @@ class TrainConfig:
     grad_clip: Optional[float] = knob(1.0, "clip the global gradient norm to this (null = no clipping)", gt=0)
     dtype: Literal["fp32", "bf16"] = knob("fp32", "bf16 = autocast matmuls to bfloat16 (fp32 master weights; FSDP2 gathers "
                                                  "bf16 copies and reduces gradients in fp32; router math stays fp32)")
-    bf16_on_slow_cpu: Literal["fp32", "bf16"] = knob("fp32", "train.dtype=bf16 on a CPU whose bf16 matmuls are "
-                                                     "measured 4x+ slower than fp32 (no AVX-512 bf16 / AMX): fp32 "
-                                                     "runs it as fp32 (said at start-up), bf16 keeps bf16")
+    bf16_on_slow_cpu: Literal["fp32", "bf16"] = knob("fp32", "train.dtype=bf16 on a CPU whose bf16 matmuls of the "
+                                                     "model's size time 1.5x or more fp32's (moe_dist/hardware.py): "
+                                                     "fp32 runs it as fp32 (said at start-up), bf16 keeps bf16")
     activation_checkpointing: bool = knob(False, "recompute each block in backward (non-reentrant)")
     compile: bool = knob(False, "torch.compile (inductor) each transformer block: a dense block whole; an MoE block's "
                          "norms, attention, router and shared expert, its dispatch / exchange / expert kernel left "
-                         "eager (docs/training.md; off by default: on a 2-core AVX2 CPU, fp32, measured 1.04x for 1-3 min "
-                         "of compiling per cold start, bench/results.md)")
+                         "eager (docs/training.md; off by default: on CPUs it gained little for minutes of compiling "
+                         "per cold start)")
     compile_cache_dir: Optional[str] = knob(None, "train.compile: inductor's cache directory (compiled kernels, FX "
                                             "graph and AOTAutograd caches), reused by restarts and requeues; null = "
                                             "run.dir/compile_cache")

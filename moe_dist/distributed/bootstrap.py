@@ -355,8 +355,8 @@ def shutdown(rt: Runtime) -> None:
 
 def _destroy_groups() -> None:
     """Destroy every process group now and collect what still referred to them: a gloo group first
-    destroyed during interpreter teardown aborts the process ("terminate called without an active
-    exception"; 12 of 20 two-rank runs that kept a device mesh to the end, none once it was released;
-    1 of 80 launches refused before their layout was built, none of 96 once the group went at once)."""
+    destroyed during interpreter teardown can abort the process ("terminate called without an
+    active exception"), as a device mesh kept to the end, or a launch refused before its layout was
+    built, used to show."""
     dist.destroy_process_group()
     gc.collect()

@@ -84,11 +84,11 @@ class PreemptionHandler:
 
 def _has_checkpoint_at(trainer, step: int) -> bool:
     """Rank 0 decides (from the file system) and tells the others, so all ranks agree."""
-    from .checkpoint import COMPLETE, step_dir
+    from .checkpoint import MARKER, step_dir
 
     found = torch.tensor([0], dtype=torch.int64, device=trainer.rt.device)
     if trainer.is_main:
-        found[0] = int(os.path.exists(os.path.join(step_dir(trainer.run_dir, step), COMPLETE)))
+        found[0] = int(os.path.exists(os.path.join(step_dir(trainer.run_dir, step), MARKER)))
     if dist.is_available() and dist.is_initialized():
         dist.broadcast(found, src=0)
     return bool(found.item())

@@ -310,8 +310,7 @@ class TokenGraphRouter(WrappingRouter):
     supports_expert_bias = supports_group_limit = True
     needs_whole_sequences = True
     eager_under_compile = ("its time is the [S, S] token graph's products inside its own autograd functions, "
-                           "which dynamo cannot fuse; compiled it measured slower (bench/results.md, "
-                           "'Compiled training')")
+                           "which dynamo cannot fuse; compiled it ran slower than eager")
 
     @classmethod
     def graph_values_per_token(cls, seq_len: int) -> float:

@@ -19,11 +19,11 @@ and weights-only tensor records (:class:`~.files.SafeFileSystemReader`).
 from .checkpointer import Checkpointer, config_sha256, load_checkpoint, save_checkpoint
 from .files import (META, CheckpointError, DamagedCheckpoint, IncompleteCheckpoint, UnsafeCheckpoint, latest_checkpoint,
                     read_manifest, read_meta, step_dir)
-from .files import MARKER as COMPLETE  # the completion marker's file name (kept for callers of the first version)
+from .files import MARKER  # the completion marker's file name, COMPLETE
 from .resume import TrainingCheckpoints, model_differences
 from .state import expert_keyed_state_dict, optimizer_state_dict
 
-__all__ = ["COMPLETE", "META", "CheckpointError", "DamagedCheckpoint", "IncompleteCheckpoint", "UnsafeCheckpoint",
+__all__ = ["MARKER", "META", "CheckpointError", "DamagedCheckpoint", "IncompleteCheckpoint", "UnsafeCheckpoint",
            "Checkpointer", "TrainingCheckpoints",
            "config_sha256", "expert_keyed_state_dict", "latest_checkpoint", "load_checkpoint", "model_differences",
            "optimizer_state_dict", "read_manifest", "read_meta", "save_checkpoint", "step_dir"]

@@ -372,12 +372,11 @@ def _check_optimizer(path: str, model: nn.Module, saved: dict, wanted: dict[str,
 
 
 # ---- the first version's API (model weights) -------------------------------------------------------
-def save_checkpoint(model: nn.Module, run_dir: str, step: int, meta: dict, is_main: bool = True,
+def save_checkpoint(model: nn.Module, run_dir: str, step: int, meta: dict,
                     optimizer: Optional[torch.optim.Optimizer] = None) -> str:
     """Collective: every rank calls it. Writes ``<run_dir>/checkpoints/step_<step>`` crash-safely
-    (meta.json = ``{"step": step, **meta}``); returns its directory. ``is_main`` is kept for
-    callers of the first version: rank 0 of torch.distributed (or the only process) writes the
-    shared files."""
+    (meta.json = ``{"step": step, **meta}``); returns its directory. Rank 0 of torch.distributed
+    (or the only process) writes the shared files."""
     return Checkpointer(run_dir).save(step, model, optimizer, meta=meta)
 
 
