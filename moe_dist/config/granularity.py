@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from .schema import ConfigError, MoEConfig
 
-GRANULAR_ROUTERS_HINT = "routers whose per-expert scores come from per-expert rows: topk, noisy_topk, xmoe"
-
 
 def expand_granularity(moe: dict, dense_d_ff: int) -> int:
     """Expand ``moe`` (the raw ``model.moe`` mapping, changed in place) and return G."""
@@ -27,8 +25,10 @@ def expand_granularity(moe: dict, dense_d_ff: int) -> int:
     from ..moe.routers import ROUTERS  # registry: routers register on import
 
     if router in ROUTERS and not ROUTERS[router].per_expert_tensors:
+        allowed = ", ".join(sorted(name for name, cls in ROUTERS.items() if cls.per_expert_tensors))
         raise ConfigError(f"model.moe.granularity: {g} is not allowed with router {router!r} (virtual-group "
-                          f"initialisation duplicates per-expert router rows); allowed: {GRANULAR_ROUTERS_HINT}")
+                          f"initialisation duplicates per-expert router rows); allowed: routers whose per-expert "
+                          f"scores come from per-expert rows: {allowed}")
     for key in ("num_experts", "top_k"):
         value = moe.get(key, getattr(defaults, key))
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

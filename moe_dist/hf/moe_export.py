@@ -34,7 +34,6 @@ from ..weights import ShardedWriter
 from .architectures import MoEArchitecture
 from .config import HFFormatError
 
-EXPORTABLE_ROUTERS = ("topk", "noisy_topk")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -42,9 +41,12 @@ def check_exportable(model, cfg, arch: MoEArchitecture) -> list[str]:
     """Raise HFFormatError if ``model`` cannot be written in ``arch``'s format; returns notes."""
     m, name = cfg.model, arch.display
     notes = []
-    if m.moe.router not in EXPORTABLE_ROUTERS:
+    from ..moe.routers import ROUTERS  # registry: routers register on import
+
+    exportable = sorted(router for router, cls in ROUTERS.items() if cls.hf_exportable)
+    if m.moe.router not in exportable:
         raise HFFormatError(f"model.moe.router={m.moe.router!r} cannot be exported to {name}, whose router is "
-                            f"softmax(x W) top-k; allowed routers: {list(EXPORTABLE_ROUTERS)}")
+                            f"softmax(x W) top-k; allowed routers: {exportable}")
     if m.moe.activation != "swiglu":
         raise HFFormatError(f"model.moe.activation={m.moe.activation!r} cannot be exported to {name} (SwiGLU experts); "
                             "allowed: 'swiglu'")

@@ -78,6 +78,9 @@ class Router(nn.Module):
     supports_fp64 = False
     # router tensors with one row per expert along dim 0 (granular upcycling duplicates them per virtual group)
     per_expert_tensors: tuple[str, ...] = ()
+    # its gate is softmax(x W) top-k over one [experts, d_model] weight: what a Hugging Face MoE
+    # checkpoint's router holds, so `moe-dist export` can write it
+    hf_exportable = False
     compute_dtype = torch.float32
     # train.compile compiles the router's forward unless this names why it stays eager
     eager_under_compile: Optional[str] = None

@@ -29,6 +29,7 @@ class TopKRouter(Router):
 
     supports_expert_bias = supports_fp64 = supports_group_limit = has_inference_k = True
     per_expert_tensors = ("weight", "noise_weight")
+    hf_exportable = True  # (the noise is a training-time addition; inference is softmax(x W) top-k)
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, *, normalize: bool | None = None,
                  noisy: bool = False, init_std: float = 0.02, eval_k: int | None = None):
