@@ -68,34 +68,28 @@ class _LayerTally:
 
 @contextlib.contextmanager
 def _observing(model: nn.Module):
-    """Tallies per MoE layer while the model runs; yields the list of tallies."""
+    """Tallies per MoE layer while the model runs (each token-graph router's mixing steps, through
+    its observer hook); yields the list of tallies."""
     layers = moe_layers(model)
     tallies = [_LayerTally(layer.num_experts) for layer in layers]
-    current = {"layer": None}
-    hooks = []
+    undo = []
     for index, layer in enumerate(layers):
-        hooks.append(layer.register_forward_pre_hook(lambda _m, _a, index=index: current.update(layer=index)))
-
         def after(module, _args, _out, index=index):
             heads = (module.stats.extras or {}).get("selected_heads") if module.stats is not None else None
             if heads is not None:
                 tallies[index].add_heads(heads)
-            current.update(layer=None)
-        hooks.append(layer.register_forward_hook(after))
+        undo.append(layer.register_forward_hook(after).remove)
 
-    def observe(*, probs, q, k, scale, prior, key_bias, key_mask, causal, mixed, entropy):
-        if current["layer"] is None:
-            return
-        W = token_graph.dense_graph_weights(q, k, scale, prior, key_bias, key_mask, causal, entropy).cpu()
-        tallies[current["layer"]].add(W, probs.detach().float().cpu(), mixed.detach().float().cpu(), key_mask)
-
-    token_graph.GRAPH_OBSERVERS.append(observe)
+        def observe(*, probs, q, k, scale, prior, key_bias, key_mask, causal, mixed, entropy, index=index):
+            W = token_graph.dense_graph_weights(q, k, scale, prior, key_bias, key_mask, causal, entropy).cpu()
+            tallies[index].add(W, probs.detach().float().cpu(), mixed.detach().float().cpu(), key_mask)
+        if isinstance(layer.router, token_graph.TokenGraphRouter):
+            undo.append(layer.router.add_graph_observer(observe))
     try:
         yield tallies
     finally:
-        token_graph.GRAPH_OBSERVERS.remove(observe)
-        for hook in hooks:
-            hook.remove()
+        for remove in undo:
+            remove()
 
 
 @torch.no_grad()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -247,11 +247,6 @@ class _GraphMix(torch.autograd.Function):
         return d_probs, d_q, d_k, d_prior, d_bias, None, None, None, None, None, None
 
 
-# Callables observing every mixing step (diagnostics, e.g. moe_dist.study.graph_probe): each is called
-# as observer(probs=, q=, k=, scale=, prior=, key_bias=, key_mask=, causal=, mixed=) under no_grad.
-GRAPH_OBSERVERS: list = []
-
-
 def dense_graph_weights(q: Optional[torch.Tensor], k: Optional[torch.Tensor], scale: float = 1.0,
                         prior: Optional[torch.Tensor] = None, key_bias: Optional[torch.Tensor] = None,
                         key_mask: Optional[torch.Tensor] = None, causal: bool = True,
@@ -276,7 +271,8 @@ def dense_graph_weights(q: Optional[torch.Tensor], k: Optional[torch.Tensor], sc
 def mix_over_sequence(probs: torch.Tensor, q: Optional[torch.Tensor] = None, k: Optional[torch.Tensor] = None,
                       scale: float = 1.0, prior: Optional[torch.Tensor] = None, key_bias: Optional[torch.Tensor] = None,
                       padding_mask: Optional[torch.Tensor] = None, causal: bool = True, block: int = BLOCK,
-                      mm_dtype: torch.dtype = torch.float32, entropy: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      mm_dtype: torch.dtype = torch.float32, entropy: Optional[torch.Tensor] = None,
+                      observers: Sequence[Callable[..., None]] = ()) -> torch.Tensor:
     """The token-graph mixing step, ``P = softmax_j(L_ij) @ probs`` within each sequence, where
     ``L_ij = scale * q_i . k_j + log prior_ij + key_bias_j``.
 
@@ -289,15 +285,17 @@ def mix_over_sequence(probs: torch.Tensor, q: Optional[torch.Tensor] = None, k: 
     precision of a bf16 model's own attention; everything else stays fp32).
     entropy: ``[B, S]`` or None: a query mixes only keys of entropy at most its own (``mixing_set:
     lower_entropy``; no gradient).
+    observers: callables that see the step (diagnostics): each is called as ``observer(probs=, q=,
+    k=, scale=, prior=, key_bias=, key_mask=, causal=, mixed=, entropy=)`` under no_grad.
     """
     if q is None and prior is None:
         raise ValueError("mix_over_sequence needs q/k or a prior")
     km = None if padding_mask is None else padding_mask.to(device=probs.device, dtype=torch.bool)
     entropy = None if entropy is None else entropy.detach().float()
     mixed = _GraphMix.apply(probs, q, k, prior, key_bias, float(scale), km, bool(causal), int(block), mm_dtype, entropy)
-    if GRAPH_OBSERVERS:
+    if observers:
         with torch.no_grad():
-            for observe in GRAPH_OBSERVERS:
+            for observe in observers:
                 observe(probs=probs, q=q, k=q if k is None else k, scale=float(scale), prior=prior, key_bias=key_bias, key_mask=km,
                         causal=bool(causal), mixed=mixed, entropy=entropy)
     return mixed
@@ -327,6 +325,13 @@ class TokenGraphRouter(WrappingRouter):
         self.aux_probs = aux_probs
         self.detach_graph = bool(detach_graph)
         self.graph_dtype = GRAPH_DTYPES[graph_dtype]
+        self.graph_observers: list[Callable[..., None]] = []  # see add_graph_observer
+
+    def add_graph_observer(self, observe: Callable[..., None]) -> Callable[[], None]:
+        """Call ``observe`` with every mixing step of this router (the keyword arguments of
+        :func:`mix_over_sequence`'s ``observers``); returns the function that removes it."""
+        self.graph_observers.append(observe)
+        return lambda: self.graph_observers.remove(observe)
 
     def mixing_entropy(self, base: Routing, B: int, S: int) -> Optional[torch.Tensor]:
         """``[B, S]`` entropies of the base routing that restrict the mixing set, or None (``all``)."""
@@ -387,7 +392,7 @@ class SimilarityRouter(TokenGraphRouter):
             keys = None if self.similarity_weight is None else u  # None: the keys are the queries (cast once)
             mixed = mix_over_sequence(base.probs.view(B, S, -1), q, keys, scale=1.0 / self.temperature,
                                       padding_mask=inputs.padding_mask, causal=inputs.causal, mm_dtype=self.graph_dtype,
-                                      entropy=self.mixing_entropy(base, B, S))
+                                      entropy=self.mixing_entropy(base, B, S), observers=self.graph_observers)
         return self.finish(base, mixed.reshape(B * S, -1), {})
 
 
@@ -571,7 +576,7 @@ class AttentionRouter(TokenGraphRouter):
             a, q, k, key_bias = (None if t is None else t.detach() for t in (a, q, k, key_bias))
         mixed = mix_over_sequence(base.probs.view(B, S, -1), q, k, prior=a, key_bias=key_bias,
                                   padding_mask=inputs.padding_mask, causal=inputs.causal, mm_dtype=self.graph_dtype,
-                                  entropy=self.mixing_entropy(base, B, S))
+                                  entropy=self.mixing_entropy(base, B, S), observers=self.graph_observers)
         return mixed, head, H
 
     def _mix_from_scores(self, inputs: RouterInputs, base: Routing, B: int, S: int):
@@ -593,7 +598,7 @@ class AttentionRouter(TokenGraphRouter):
             q, k, key_bias = (None if t is None else t.detach() for t in (q, k, key_bias))
         mixed = mix_over_sequence(base.probs.view(B, S, -1), q, k, key_bias=key_bias,
                                   padding_mask=inputs.padding_mask, causal=inputs.causal, mm_dtype=self.graph_dtype,
-                                  entropy=self.mixing_entropy(base, B, S))
+                                  entropy=self.mixing_entropy(base, B, S), observers=self.graph_observers)
         return mixed, head, H
 
     def route(self, x: torch.Tensor, ctx: RoutingContext, inputs: RouterInputs) -> Routing:
