@@ -181,24 +181,113 @@ def test_embedding_rescale_same_scores_scaled_gradient():
 
 
 def test_plain_gate_linear_with_bias():
-    """plain_gate: linear scores the calls that do not cluster by x W^T + b (W unnormalised, b
-    trained); the clustered calls equal the default's and leave b without gradient."""
+    """plain_gate: linear scores the calls that do not cluster by x P^T + b with a gate of its own
+    (plain_weight P, plain_bias b, both trained); the clustered calls equal the default's, score
+    against the embeddings only and leave the plain gate without gradient."""
     default, linear = _twins(plain_gate="linear")
     x = torch.randn(96, 16)
-    with torch.no_grad():
-        linear.plain_bias.copy_(torch.linspace(-0.5, 0.5, E))
     plain = linear(x, RoutingContext(layer_idx=0))
-    torch.testing.assert_close(plain.logits, x @ linear.weight.detach().t() + linear.plain_bias.detach())
+    torch.testing.assert_close(plain.logits, x @ linear.plain_weight.detach().t() + linear.plain_bias.detach())
     plain.gates.sum().backward()
-    assert linear.plain_bias.grad is not None and linear.plain_bias.grad.abs().sum() > 0
+    for name in ("plain_weight", "plain_bias"):
+        grad = getattr(linear, name).grad
+        assert grad is not None and grad.abs().sum() > 0, name
+    assert linear.weight.grad is None  # the embeddings do not score plain calls
     assert not torch.allclose(plain.logits, default(x, RoutingContext(layer_idx=0)).logits)
     linear.zero_grad(set_to_none=True)
     inputs = RouterInputs(prev_top1=call_labels(0, 96, E))
     clustered = linear(x, RoutingContext(layer_idx=1), inputs)
     torch.testing.assert_close(clustered.logits, default(x, RoutingContext(layer_idx=1), inputs).logits)
-    clustered.gates.sum().backward()
-    assert linear.plain_bias.grad is None
-    assert "plain_bias" not in default.state_dict() and "plain_bias" in linear.state_dict()
+    (clustered.logits * torch.randn(96, E)).sum().backward()
+    assert linear.plain_weight.grad is None and linear.plain_bias.grad is None
+    assert linear.weight.grad is not None
+    assert not {"plain_weight", "plain_bias"} & set(default.state_dict())
+    assert {"weight", "plain_weight", "plain_bias"} <= set(linear.state_dict())
+
+
+def _authors_plain_twins(seed: int, **opts):
+    """The authors' plain gate and an ac router (plain_gate: linear, ``opts``) built from one seed."""
+    from helpers.ac_authors_reference import AuthorsPlainGate
+
+    torch.manual_seed(seed)
+    ref = AuthorsPlainGate(16, E, 2)
+    torch.manual_seed(seed)
+    router = build_router("ac", 16, E, 2, start_layer=1, plain_gate="linear", **opts)
+    return ref, router
+
+
+def test_plain_gate_linear_is_the_authors_plain_gate_over_adamw_steps():
+    """Before start_layer, plain_gate: linear with embedding_norm set is the authors' plain gate:
+    the same draw under one seed (nn.Linear's default init: rows of norm about 1/sqrt(3), and a
+    nonzero bias), the same logits, experts and gates, and after each AdamW step (and the
+    router's after-step hook, which rescales the embeddings) the same weight and bias: nothing
+    renormalises the plain gate."""
+    from helpers.ac_authors_reference import dense_gates
+
+    ref, router = _authors_plain_twins(3, embedding_norm=1.5, min_count=1, empty_clusters="included")
+    assert torch.equal(router.plain_weight.detach(), ref.gate.weight.detach())
+    assert torch.equal(router.plain_bias.detach(), ref.gate.bias.detach())
+    assert router.plain_bias.detach().abs().min() > 0
+    norms = router.plain_weight.detach().norm(dim=-1)
+    torch.testing.assert_close(norms, torch.full((E,), 3 ** -0.5), atol=0.2, rtol=0)
+    ctx = RoutingContext(layer_idx=0)
+    opts = dict(lr=0.05, betas=(0.9, 0.95), weight_decay=0.1)
+    opt_ref, opt = torch.optim.AdamW(ref.parameters(), **opts), torch.optim.AdamW(router.parameters(), **opts)
+    g = torch.Generator().manual_seed(11)
+    for step in range(4):
+        x = torch.randn(96, 16, generator=g)
+        upstream = torch.randn(96, E, generator=g)
+        logits_ref, ids_ref, gates_ref = ref(x)
+        routing = router(x, ctx)
+        torch.testing.assert_close(routing.logits, logits_ref, rtol=1e-6, atol=1e-6, msg=lambda m: f"step {step}: {m}")
+        dense_ref, dense = dense_gates(ids_ref, gates_ref, E), dense_gates(routing.expert_ids, routing.gates, E)
+        assert torch.equal(dense > 0, dense_ref > 0), f"step {step}: experts differ"
+        torch.testing.assert_close(dense, dense_ref, rtol=1e-6, atol=1e-6)
+        for d, o in ((dense_ref, opt_ref), (dense, opt)):
+            o.zero_grad(set_to_none=True)
+            (d * upstream).sum().backward()
+            o.step()
+        router.after_optimizer_step(ctx)
+        torch.testing.assert_close(router.plain_weight.detach(), ref.gate.weight.detach(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(router.plain_bias.detach(), ref.gate.bias.detach(), rtol=1e-6, atol=1e-6)
+    moved = router.plain_weight.detach().norm(dim=-1)
+    assert not torch.allclose(moved, norms) and not torch.allclose(moved, torch.full((E,), 1.5), atol=0.1)
+
+
+def test_embedding_rescale_touches_only_the_clustered_scores():
+    """embedding_norm with plain_gate: linear: after an optimizer step of a plain layer (before
+    start_layer) and of a clustered layer, the clustered layer's embeddings are back at norm
+    1.5, the plain layer's gate is what AdamW made of it (not rescaled), and neither layer's
+    unused tensors move."""
+    layers = []
+    for idx in (0, 1):  # start_layer 1: block 0 plain, block 1 clustered
+        layer = _layer(start_layer=1, embedding_norm=1.5, plain_gate="linear")
+        layer.context.layer_idx = idx
+        layers.append(layer)
+    before = [{k: v.detach().clone() for k, v in layer.router.named_parameters()} for layer in layers]
+    opts = [torch.optim.AdamW(layer.parameters(), lr=0.05, weight_decay=0.1) for layer in layers]
+    x = torch.randn(96, 16)
+    inputs = RouterInputs(prev_top1=call_labels(0, 96, E))
+    for layer, opt in zip(layers, opts):
+        opt.zero_grad(set_to_none=True)
+        (layer(x, inputs) * torch.randn(96, 16)).sum().backward()
+        opt.step()
+    # the plain gate just after the step: a plain rescale would have to reach it by the hook below
+    stepped = layers[0].router.plain_weight.detach().clone()
+    for layer in layers:
+        layer.after_optimizer_step()
+    plain, clustered = (layer.router for layer in layers)
+    assert float(layers[0].stats.extras["ac_active"]) == 0 and float(layers[1].stats.extras["ac_active"]) == 1
+    assert torch.equal(plain.plain_weight.detach(), stepped)
+    assert not torch.equal(stepped, before[0]["plain_weight"])
+    assert not torch.allclose(stepped.norm(dim=-1), torch.full((E,), 1.5), atol=0.1)
+    torch.testing.assert_close(clustered.weight.detach().norm(dim=-1), torch.full((E,), 1.5))
+    assert not torch.equal(clustered.weight.detach(), before[1]["weight"])
+    # unused tensors: no gradient, so AdamW leaves them; the plain layer's embeddings, already at
+    # norm 1.5, are rescaled to it again (equal up to rounding)
+    assert torch.equal(clustered.plain_weight.detach(), before[1]["plain_weight"])
+    assert torch.equal(clustered.plain_bias.detach(), before[1]["plain_bias"])
+    torch.testing.assert_close(plain.weight.detach(), before[0]["weight"])
 
 
 def test_empty_and_singleton_clusters_as_the_authors_code():

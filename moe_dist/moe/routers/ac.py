@@ -10,9 +10,20 @@ router sees the scaled input; the weights carry no gradient.
 The defaults follow the paper. The authors' language-model code differs in ways that change
 training, each an option: it rescales the expert embeddings to norm 1.5 in place on every
 forward (``embedding_norm``; here after every optimizer step and when made or loaded, the same
-values at every forward), its layers before the clustered ones use a linear gate with a
-bias (``plain_gate: linear``), a cluster of one token gets dispersion 0 (``min_count: 1``), and
-empty clusters enter the weights' normalisation (``empty_clusters: included``).
+values at every forward), its layers before the clustered ones use a gate of their own, a
+linear layer with a bias that is never rescaled (``plain_gate: linear``), a cluster of one token
+gets dispersion 0 (``min_count: 1``), and empty clusters enter the weights' normalisation
+(``empty_clusters: included``).
+
+Where the authors' variant still differs from their code (by design):
+
+- ``empty_clusters: included`` gives every expert a row of weights. The authors make rows for the
+  ids up to the largest expert id among the previous layer's choices (all k of them, per rank), so
+  the two differ when the highest expert ids were chosen by no token in any of the k places:
+  the authors' clamp and means then leave those rows out, here they enter them. This
+  router sees only the previous layer's top-1 (``inputs.prev_top1``), not its other choices.
+- with ``scope: global`` (the default) the clusters pool the tokens of every rank; the authors'
+  statistics are per rank (``scope: local``).
 
 Distributed: the weights come from sufficient statistics summed in fp32 over
 ``ctx.group_for(scope)`` in two rounds (``[n_k, sum x]``, then ``sum |x - mu_k|`` or
@@ -21,6 +32,7 @@ weights one process computes on the concatenated batch and every rank holds the 
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -86,6 +98,16 @@ def dispersion_weights(dispersion: torch.Tensor, valid: torch.Tensor, eps: float
     return torch.where(valid[:, None], w, torch.ones_like(w))
 
 
+@torch.no_grad()
+def linear_default_init_(weight: torch.Tensor, bias: torch.Tensor) -> None:
+    """``weight [out, in]`` and ``bias [out]`` drawn as a freshly made ``nn.Linear(in, out)`` draws
+    them (the scheme of the authors' plain gate): kaiming-uniform with ``a = sqrt(5)``, i.e.
+    uniform within ``1/sqrt(in)``, then the bias uniform within ``1/sqrt(in)``, in that order."""
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    bound = 1.0 / math.sqrt(weight.shape[1]) if weight.shape[1] > 0 else 0.0
+    nn.init.uniform_(bias, -bound, bound)
+
+
 def _rescale_after_load(router: "AdaptiveClusteringRouter", _incompatible_keys) -> None:
     router._rescale_embeddings()
 
@@ -116,9 +138,15 @@ class AdaptiveClusteringRouter(Router):
         scores are the same (they use the normalised embeddings), the embeddings' gradient is scaled by
         ``|e| / embedding_norm`` and the optimizer steps on vectors of that norm (base
         ``embedding`` only).
-    plain_gate: what scores the calls that do not cluster (layers before ``start_layer``):
-        ``shared`` (the router's own scores) or ``linear`` (the authors' code: a linear gate with
-        a bias, ``x W^T + b``, on the same weight tensor, unnormalised, and a bias initialised 0).
+    plain_gate: what scores the calls that do not cluster (layers before ``start_layer``, and
+        calls without ``inputs.prev_top1``): ``shared`` (the router's own scores) or ``linear``
+        (the authors' code, their ``nn.Linear`` gate of the layers before the clustered ones): a
+        gate of its own, ``x P^T + b`` with ``plain_weight`` P ``[E, d]`` and ``plain_bias`` b
+        ``[E]``, drawn as a default ``nn.Linear`` (uniform within ``1/sqrt(d)``: rows of norm
+        about ``1/sqrt(3)``, and the bias too), drawn before the embeddings so that under one seed
+        it equals the ``nn.Linear(d, E)`` that seed gives; ``embedding_norm`` never rescales it.
+        Every router holds both sets of tensors (it learns its layer only when called); a layer
+        trains only the set its calls use, the other keeps no gradient.
     empty_clusters: ``excluded`` (clusters without a token stay out of the clamp and the means)
         or ``included`` (the authors' code: they enter them with dispersion 0, i.e. weight
         ``1 / eps``).
@@ -158,6 +186,11 @@ class AdaptiveClusteringRouter(Router):
         self.normalize = gate_normalization(top_k, normalize)
         self.embedding_norm = None if embedding_norm is None else float(embedding_norm)
         self.plain_gate, self.empty_clusters = plain_gate, empty_clusters
+        self.plain_weight = self.plain_bias = None
+        if plain_gate == "linear":  # first, so that one seed draws it as it draws nn.Linear(d_model, E)
+            self.plain_weight = nn.Parameter(torch.empty(num_experts, d_model))
+            self.plain_bias = nn.Parameter(torch.empty(num_experts))
+            linear_default_init_(self.plain_weight, self.plain_bias)
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))
         if base == "embedding":
             nn.init.orthogonal_(self.weight, gain=0.32)
@@ -166,7 +199,6 @@ class AdaptiveClusteringRouter(Router):
         self._rescale_embeddings()
         # a loaded state (a checkpoint, another run's router) holds embeddings of any norm
         self.register_load_state_dict_post_hook(_rescale_after_load)
-        self.plain_bias = nn.Parameter(torch.zeros(num_experts)) if plain_gate == "linear" else None
         # running statistics for eval_mode='running' (global, identical on every rank)
         self.register_buffer("running_dispersion", torch.ones(num_experts, d_model))
         self.register_buffer("running_valid", torch.zeros(num_experts, dtype=torch.bool))
@@ -179,9 +211,10 @@ class AdaptiveClusteringRouter(Router):
 
     @torch.no_grad()
     def _rescale_embeddings(self) -> None:
-        """``embedding_norm``: every expert embedding set to that norm, in place, on the rows this
-        rank holds (whole rows under FSDP2's Shard(0), or the whole tensor). Done when the weight
-        is made or loaded and after every optimizer step, never in the forward: a forward's in-place
+        """``embedding_norm``: every expert embedding (``weight``, what the clustered calls score
+        against; never ``plain_weight``) set to that norm, in place, on the rows this rank holds
+        (whole rows under FSDP2's Shard(0), or the whole tensor). Done when the weight is made or
+        loaded and after every optimizer step, never in the forward: a forward's in-place
         change would reach only FSDP2's gathered copy (the shards would keep the old values, and a
         backward that gathers again would mix the two). The authors rescale at the start of every
         forward; the weights every forward sees are the same."""
@@ -234,7 +267,7 @@ class AdaptiveClusteringRouter(Router):
             extras.update(stats, ac_active=x.new_ones((), dtype=torch.float32))
             logits = fp32_linear(x.float() * w.index_select(0, labels), self.router_weight())
         elif self.plain_gate == "linear":
-            logits = fp32_linear(x, self.weight, self.plain_bias)
+            logits = fp32_linear(x, self.plain_weight, self.plain_bias)
         else:
             logits = fp32_linear(x, self.router_weight())
         probs = torch.softmax(logits, dim=-1)
