@@ -74,6 +74,11 @@ def test_study_two_is_the_study_setting():
         assert s.reference == "topk" and s.routers["topk"] == study.routers["topk"] and s.seeds == [0, 1, 2]
         assert (s.processes_per_run, s.threads_per_run) == (study.processes_per_run, study.threads_per_run)
         check_runs(s)
+    again = load_study(os.path.join(ROOT, "configs", "study2-ac-authors.yaml"))  # ac_authors after its fix
+    assert (again.base, again.overrides, again.seeds) == (two.base, two.overrides, two.seeds)
+    assert list(again.routers) == ["ac_authors"]
+    assert again.routers["ac_authors"].options == two.routers["ac_authors"].options
+    check_runs(again)
 
 
 def test_grid_and_run_overrides(tmp_path):
