@@ -52,7 +52,9 @@ run_forwarding_signals() {
   trap - USR1 TERM
   if [ -n "${PY:-}" ]; then
     RUN_RC=$("$PY" -m moe_dist.exits "$MOE_DIST_STATUS_DIR" "$RUN_RC" 2>/dev/null || echo "$RUN_RC")
-    RUN_LOST_NODES=$("$PY" -m moe_dist.exits --lost-nodes "$MOE_DIST_STATUS_DIR" 2>/dev/null)
+    if [ "$RUN_RC" != 0 ]; then  # (a run that ended well names no lost node)
+      RUN_LOST_NODES=$("$PY" -m moe_dist.exits --lost-nodes "$MOE_DIST_STATUS_DIR" 2>/dev/null)
+    fi
   fi
   if [ -n "$outer" ] && [ -d "$outer" ]; then
     cp "$MOE_DIST_STATUS_DIR"/rank_*.json "$outer"/ 2>/dev/null

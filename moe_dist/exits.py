@@ -218,9 +218,9 @@ def job_exit_code(codes: list[int], launcher_rc: int) -> int:
 
 def read_reports(directory: str) -> list[dict]:
     """Every rank's report in ``directory``, by rank."""
-    names = sorted((n for n in os.listdir(directory) if n.startswith("rank_") and n.endswith(".json")),
-                   key=lambda n: int(n[5:-5]) if n[5:-5].isdigit() else -1)
-    return [r for r in (read_report(directory, int(n[5:-5])) for n in names if n[5:-5].isdigit()) if r]
+    ranks = sorted(int(n[5:-5]) for n in os.listdir(directory)
+                   if n.startswith("rank_") and n.endswith(".json") and n[5:-5].isdigit())
+    return [r for r in (read_report(directory, rank) for rank in ranks) if r]
 
 
 def lost_nodes(reports: list[dict]) -> list[str]:

@@ -87,6 +87,7 @@ class SafetensorsCheckpoint:
     def __init__(self, directory: str, require_complete: bool = True):
         self.directory = directory
         self._index_metadata: Optional[dict] = None
+        self._handles: dict[str, object] = {}
         single, index = os.path.join(directory, SINGLE), os.path.join(directory, INDEX)
         if os.path.exists(index):
             self.weight_map = self._read_index(index)
@@ -94,7 +95,6 @@ class SafetensorsCheckpoint:
             self.weight_map = {name: SINGLE for name in self._keys_of(SINGLE)}
         else:
             self.weight_map = self._fallback(directory)
-        self._handles: dict[str, object] = {}
         if require_complete:
             check_complete(directory, self.metadata())
 
@@ -119,13 +119,7 @@ class SafetensorsCheckpoint:
         return dict(weight_map)
 
     def _keys_of(self, shard: str) -> list[str]:
-        path = os.path.join(self.directory, shard)
-        check_header_names(path)
-        try:
-            with safe_open(path, framework="pt") as f:
-                return list(f.keys())
-        except Exception as e:  # safetensors raises several types for a damaged file
-            raise HFFormatError(f"{path}: not a readable safetensors file ({e})") from None
+        return list(self._handle(shard).keys())
 
     def _fallback(self, directory: str) -> dict[str, str]:
         if not os.path.isdir(directory):
@@ -162,7 +156,7 @@ class SafetensorsCheckpoint:
             check_header_names(path)
             try:
                 self._handles[shard] = safe_open(path, framework="pt")
-            except Exception as e:
+            except Exception as e:  # safetensors raises several types for a damaged file
                 raise HFFormatError(f"{path}: not a readable safetensors file ({e})") from None
         return self._handles[shard]
 

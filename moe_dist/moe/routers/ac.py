@@ -32,7 +32,6 @@ weights one process computes on the concatenated batch and every rank holds the 
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -96,16 +95,6 @@ def dispersion_weights(dispersion: torch.Tensor, valid: torch.Tensor, eps: float
         denom = (w * ok).sum() / (n_ok * w.shape[1]).clamp_min(1.0)
     w = w / denom.clamp_min(torch.finfo(w.dtype).tiny)
     return torch.where(valid[:, None], w, torch.ones_like(w))
-
-
-@torch.no_grad()
-def linear_default_init_(weight: torch.Tensor, bias: torch.Tensor) -> None:
-    """``weight [out, in]`` and ``bias [out]`` drawn as a freshly made ``nn.Linear(in, out)`` draws
-    them (the scheme of the authors' plain gate): kaiming-uniform with ``a = sqrt(5)``, i.e.
-    uniform within ``1/sqrt(in)``, then the bias uniform within ``1/sqrt(in)``, in that order."""
-    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
-    bound = 1.0 / math.sqrt(weight.shape[1]) if weight.shape[1] > 0 else 0.0
-    nn.init.uniform_(bias, -bound, bound)
 
 
 def _rescale_after_load(router: "AdaptiveClusteringRouter", _incompatible_keys) -> None:
@@ -187,10 +176,9 @@ class AdaptiveClusteringRouter(Router):
         self.embedding_norm = None if embedding_norm is None else float(embedding_norm)
         self.plain_gate, self.empty_clusters = plain_gate, empty_clusters
         self.plain_weight = self.plain_bias = None
-        if plain_gate == "linear":  # first, so that one seed draws it as it draws nn.Linear(d_model, E)
-            self.plain_weight = nn.Parameter(torch.empty(num_experts, d_model))
-            self.plain_bias = nn.Parameter(torch.empty(num_experts))
-            linear_default_init_(self.plain_weight, self.plain_bias)
+        if plain_gate == "linear":  # the authors' gate, drawn first: under one seed it is their nn.Linear(d_model, E)
+            gate = nn.Linear(d_model, num_experts)
+            self.plain_weight, self.plain_bias = gate.weight, gate.bias
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))
         if base == "embedding":
             nn.init.orthogonal_(self.weight, gain=0.32)
