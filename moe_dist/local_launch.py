@@ -24,7 +24,6 @@ import ctypes
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,17 +32,12 @@ from typing import Optional, Sequence
 
 from .exits import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, REPORT_DIR_ENV, killed_line,
                     note_stop_request, read_report)
+from .ports import free_port
 
 GRACE_S = 5.0  # after a rank fails, how long the others may take to end on their own
 FORWARDED = ("SIGTERM", "SIGUSR1", "SIGHUP")
 HANDLES_STOPS = ("train",)  # commands whose ranks checkpoint and exit 75 on a stop signal
 _PR_SET_PDEATHSIG = 1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:

@@ -96,7 +96,7 @@ LAYERS = (
     ("moe_dist.moe",),
     ("moe_dist.distributed",),
     ("moe_dist.checks", "moe_dist.safe_dcp"),
-    ("moe_dist.errors", "moe_dist.hardware"),
+    ("moe_dist.errors", "moe_dist.hardware", "moe_dist.ports"),
 )
 
 

@@ -11,7 +11,6 @@ import datetime
 import gc
 import json
 import os
-import socket
 import sys
 import tempfile
 import traceback
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import ParallelGroups, build_parallel_groups
+from ..ports import free_port
 from .allocator import keep_freed_memory
 from .impls import FLOOR_KERNELS, FloorImpl, Impl, MoEDistImpl
 from .timing import median, peak_step_memory, timed
@@ -226,12 +226,6 @@ def progress(rec: dict) -> None:
 
 
 # ---- several processes ----------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, procs: int, ep: int, port: int, cfg: BenchConfig, out_dir: str) -> None:
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // procs)
     torch.set_num_threads(threads)
@@ -259,7 +253,7 @@ def run_processes(cfg: BenchConfig, procs: int, ep: int) -> list[dict]:
 
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
-        port = _free_port()
+        port = free_port()
         ps = [ctx.Process(target=_worker, args=(r, procs, ep, port, cfg, out_dir)) for r in range(procs)]
         for p in ps:
             p.start()
@@ -290,7 +284,7 @@ def run_single(cfg: BenchConfig, emit=None) -> list[dict]:
         torch.set_num_threads(cfg.threads)
     own_group = False
     if "deepspeed" in cfg.impls and not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
         own_group = True
     try:
         return run_layout(cfg, 1, 1, 0, emit)

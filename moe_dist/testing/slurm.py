@@ -30,11 +30,12 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
+
+from ..ports import free_port
 
 if TYPE_CHECKING:
     from .cluster import Cluster
@@ -59,12 +60,6 @@ def install_slurm() -> str:
             return f"`{' '.join(cmd)}` failed ({r.returncode}): {(r.stderr or r.stdout)[-400:]}"
     missing = [t for t in NEEDS if not shutil.which(t)]
     return f"still missing after apt-get install: {missing}" if missing else ""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

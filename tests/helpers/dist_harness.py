@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import tempfile
 import traceback
 
@@ -19,11 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from moe_dist.ports import free_port  # noqa: F401 - tests take it from here
 
 
 def _worker(rank, world_size, out_dir, fn, args, timeout, environ):
