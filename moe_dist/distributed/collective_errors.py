@@ -19,6 +19,8 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from .ranges import timed_range, kind_of
+
 _TIMEOUT = re.compile(r"time[d]? ?out|timeout|deadline exceeded", re.IGNORECASE)
 _PEER_LOST = re.compile(r"connection (closed|reset)|broken pipe|peer|socket closed|ECONNRESET|EPIPE|"
                         r"remote process exited|ProcessGroupGloo.*(abort|closed)", re.IGNORECASE)
@@ -59,7 +61,8 @@ def wait_collective(work, name: str, group=None) -> None:
     """``work.wait()`` of an ``async_op=True`` collective called ``name`` over ``group``; a failure
     is raised as :class:`AsyncCollectiveError` (``failed_collective`` reads it like a blocking one)."""
     try:
-        work.wait()
+        with timed_range(kind_of(name)):
+            work.wait()
     except RuntimeError as e:
         raise AsyncCollectiveError(name, group, e) from e
 

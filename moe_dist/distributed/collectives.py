@@ -11,6 +11,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .ranges import A2A, COLLECTIVE, timed_range
+
 
 def _active(group: Optional[dist.ProcessGroup]) -> bool:
     return group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
@@ -29,7 +31,8 @@ def all_reduce_sum(t: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch
     if not _active(group):
         return t
     out = t.detach().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    with timed_range(COLLECTIVE):
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out
 
 
@@ -43,7 +46,8 @@ def all_gather_tensor(t: torch.Tensor, group: Optional[dist.ProcessGroup]) -> to
         return t.detach().unsqueeze(0)
     t = t.detach().contiguous()
     out = torch.empty(group_size(group) * t.numel(), dtype=t.dtype, device=t.device)
-    _all_gather_single(out, t.view(-1), group=group)
+    with timed_range(COLLECTIVE):
+        _all_gather_single(out, t.view(-1), group=group)
     return out.view((group_size(group),) + tuple(t.shape))
 
 
@@ -84,14 +88,16 @@ class _AllToAllRows(torch.autograd.Function):
         ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
         x = x.contiguous()
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+        with timed_range(A2A):
+            dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
         out = grad.new_empty((sum(ctx.in_splits),) + tuple(grad.shape[1:]))
-        dist.all_to_all_single(out, grad, ctx.in_splits, ctx.out_splits, group=ctx.group)
+        with timed_range(A2A):
+            dist.all_to_all_single(out, grad, ctx.in_splits, ctx.out_splits, group=ctx.group)
         return out, None, None, None
 
 

@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from ..distributed.collectives import group_size
 from ..distributed.groups import ParallelGroups
+from ..distributed.ranges import GRAD_REDUCE, timed_range
 from .expert_parallel import dense_parameters, expert_parameters
 
 
@@ -30,7 +31,8 @@ def _sum_flat(params: Iterable[nn.Parameter], group: Optional[dist.ProcessGroup]
         by_dtype.setdefault(p.grad.dtype, []).append(p)
     for group_params in by_dtype.values():
         flat = torch.cat([p.grad.reshape(-1) for p in group_params])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        with timed_range(GRAD_REDUCE):
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         off = 0
         for p in group_params:
             n = p.grad.numel()

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..distributed.bootstrap import Runtime
+from ..distributed.ranges import COLLECTIVE, timed_range
 from ..model.init import is_meta, materialize
 from ..moe import moe_layers
 from ..moe.routers import synchronize_frozen_routers
@@ -48,12 +49,13 @@ class Parallelized:
         """The true global gradient norm: every dense weight and every expert counted once."""
         dense_sq = _sum_of_squares(dense_parameters(self.model), self.rt.device)
         expert_sq = _sum_of_squares(expert_parameters(self.model), self.rt.device)
-        if self.fsdp:  # each rank holds a different shard of the dense gradients
-            dist.all_reduce(dense_sq, group=self.rt.groups.dp)
-        if self.sharded_experts:  # each expert's gradient is split over its edp ranks: every rank holds a distinct part
-            dist.all_reduce(expert_sq, group=self.rt.groups.dp)
-        elif self.rt.groups.ep_size > 1:  # an expert-parallel group holds every expert exactly once
-            dist.all_reduce(expert_sq, group=self.rt.groups.ep)
+        with timed_range(COLLECTIVE):
+            if self.fsdp:  # each rank holds a different shard of the dense gradients
+                dist.all_reduce(dense_sq, group=self.rt.groups.dp)
+            if self.sharded_experts:  # each expert's gradient is split over its edp ranks: every rank holds a distinct part
+                dist.all_reduce(expert_sq, group=self.rt.groups.dp)
+            elif self.rt.groups.ep_size > 1:  # an expert-parallel group holds every expert exactly once
+                dist.all_reduce(expert_sq, group=self.rt.groups.ep)
         return (dense_sq + expert_sq).sqrt()
 
     def clip_gradients(self, max_norm: Optional[float]) -> float:

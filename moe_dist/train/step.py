@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..distributed.bootstrap import Runtime
+from ..distributed.ranges import COLLECTIVE, OPTIMIZER, timed_range
 from ..hardware import batch_to_device
 from ..moe import collect_aux_loss, moe_layers
 from ..moe.traffic import take_traffic
@@ -72,21 +73,23 @@ class TrainStep:
         traffic = take_traffic(layer.traffic for layer in self.moe)  # host integers, exact in float64
         sums[3], sums[4] = float(traffic.intra), float(traffic.inter)  # fills: no tensor made on the default device
         if self.rt.distributed:
-            dist.all_reduce(sums, group=self.rt.groups.dp)
+            with timed_range(COLLECTIVE):
+                dist.all_reduce(sums, group=self.rt.groups.dp)
         lm_total, aux_total, router_flag, intra, inter = sums.tolist()  # the step's one read of the losses
         loss = lm_total / step_tokens
         spike = math.isfinite(loss) and is_spike(loss)
         # reduce, clip, update; a step whose global loss or gradient norm is not finite, whose router
         # logits were not, or whose loss spiked is not applied
-        grad_norm = self.engine.step(loss_finite=math.isfinite(lm_total) and math.isfinite(aux_total)
-                                     and not router_flag and not spike)
-        skipped = self.engine.skipped
-        self.engine.zero_grad()
-        for layer in self.moe:  # the router's per-step state and the expert bias; a skipped step's counts are dropped
-            if skipped:
-                layer.discard_step()
-            else:
-                layer.after_optimizer_step()
+        with timed_range(OPTIMIZER):
+            grad_norm = self.engine.step(loss_finite=math.isfinite(lm_total) and math.isfinite(aux_total)
+                                         and not router_flag and not spike)
+            skipped = self.engine.skipped
+            self.engine.zero_grad()
+            for layer in self.moe:  # the router's per-step state and the expert bias; a skipped step's counts are dropped
+                if skipped:
+                    layer.discard_step()
+                else:
+                    layer.after_optimizer_step()
         row = {"loss": loss, "aux_loss": aux_total, "lr": lr, "grad_norm": grad_norm,
                "a2a_intra_bytes": int(intra), "a2a_inter_bytes": int(inter)}
         if skipped:

@@ -1,0 +1,219 @@
+"""Where a training step's time goes: the loop's phases by wall clock, the step itself split by a
+profiled step every ``run.time_every`` steps.
+
+Every iteration of the loop is timed by phase on the host: ``data`` (the next batches),
+``step`` (forward, backward and update), ``eval``, ``logging`` (metrics, progress, TensorBoard),
+``checkpoint`` and ``other`` (the rest of the iteration). On a profiled step the ``step`` phase is
+split further from the ranges the calling thread spent in (torch's profiler, CPU activity only):
+
+- ``a2a``: waiting for the expert all-to-alls (``moe_dist::a2a``, :mod:`moe_dist.distributed.ranges`);
+- ``weight_gather``: FSDP2 gathering weights before a unit's forward or backward;
+- ``grad_reduce``: FSDP2 reducing gradients after a unit's backward, or replicated weights'
+  gradient all-reduce;
+- ``collectives``: every other collective (router statistics, the step's losses, gradient norms);
+- ``optimizer``: clipping, the optimizer's update and the routers' per-step state, less the
+  collectives inside it;
+- ``compute``: the rest of the step (forward and backward kernels, the MoE layer's own work).
+
+A moment counts once: where ranges nest or overlap it goes to the first of the order above. The
+parts are what the host waited for. On a CPU with gloo that is the step's time; on a GPU the host
+runs ahead of the device, and the split shows where the host blocked, not the device's timeline.
+Off (``run.time_every: 0``) nothing is profiled; the host phases cost a clock read each.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Iterable, Optional
+
+import torch
+
+from ..distributed.ranges import A2A, COLLECTIVE, GRAD_REDUCE, OPTIMIZER, PREFIX
+
+PHASES = ("data", "step", "eval", "logging", "checkpoint", "other")
+SPLIT = ("a2a", "weight_gather", "grad_reduce", "collectives", "optimizer")  # first wins an overlap
+STEP_RANGE = PREFIX + "step"
+
+_BY_NAME = {PREFIX + A2A: "a2a", PREFIX + GRAD_REDUCE: "grad_reduce", PREFIX + COLLECTIVE: "collectives",
+            PREFIX + OPTIMIZER: "optimizer"}
+_BY_PREFIX = (("FSDP::pre_forward", "weight_gather"), ("FSDP::pre_backward", "weight_gather"),
+              ("FSDP::all_gather", "weight_gather"), ("FSDP::unshard", "weight_gather"),
+              ("FSDP::post_backward", "grad_reduce"), ("FSDP::root_post_backward", "grad_reduce"),
+              ("c10d::", "collectives"))
+
+
+def category(name: str) -> Optional[str]:
+    """The part of the step a profiler range of this name counts to (None: compute)."""
+    found = _BY_NAME.get(name)
+    if found:
+        return found
+    for prefix, part in _BY_PREFIX:
+        if name.startswith(prefix):
+            return part
+    return None
+
+
+def split_intervals(intervals: Iterable[tuple[int, int, str]], start: int, end: int) -> dict[str, float]:
+    """Seconds of ``[start, end)`` (nanoseconds) in each part of :data:`SPLIT`, from ``(begin, end,
+    part)`` ranges of one thread; a moment covered by several parts counts to the first in
+    :data:`SPLIT`; ``compute`` is the rest."""
+    rank = {part: i for i, part in enumerate(SPLIT)}
+    edges: list[tuple[int, int, int]] = []  # (time, +1 open / -1 close, part)
+    for b, e, part in intervals:
+        b, e = max(b, start), min(e, end)
+        if e > b:
+            edges += [(b, 1, rank[part]), (e, -1, rank[part])]
+    edges.sort()
+    open_count = [0] * len(SPLIT)
+    ns = [0] * len(SPLIT)
+    last = None
+    for t, delta, part in edges:
+        if last is not None and t > last:
+            active = next((i for i, c in enumerate(open_count) if c), None)
+            if active is not None:
+                ns[active] += t - last
+        open_count[part] += delta
+        last = t
+    out = {part: ns[i] / 1e9 for i, part in enumerate(SPLIT)}
+    out["compute"] = max(0.0, (end - start) / 1e9 - sum(out.values()))
+    return out
+
+
+def split_events(events) -> Optional[dict[str, float]]:
+    """:func:`split_intervals` of a profiled step from the profiler's raw events (``name()``,
+    ``start_ns()``, ``end_ns()``, ``start_thread_id()``): the thread and span of the
+    ``moe_dist::step`` range, the ranges of that thread inside it. None without that range."""
+    step = next((e for e in events if e.name() == STEP_RANGE), None)
+    if step is None:
+        return None
+    thread, start, end = step.start_thread_id(), step.start_ns(), step.end_ns()
+    intervals = []
+    for e in events:
+        if e.start_thread_id() != thread:
+            continue
+        part = category(e.name())
+        if part is not None:
+            intervals.append((e.start_ns(), e.end_ns(), part))
+    return split_intervals(intervals, start, end)
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """The profiler's start and stop write two log lines to stderr that no setting turns off in
+    this torch: stderr goes to /dev/null for the length of those two calls."""
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr to keep
+        yield
+        return
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+class _StepProfile:
+    """torch's profiler around one step, CPU activity only, no shapes or stacks."""
+
+    def __init__(self):
+        from torch.autograd import (ProfilerActivity, ProfilerConfig, ProfilerState, _disable_profiler,
+                                    _enable_profiler, _prepare_profiler)
+        from torch._C._profiler import _ExperimentalConfig
+
+        self._disable = _disable_profiler
+        config = ProfilerConfig(ProfilerState.KINETO, False, False, False, False, False, _ExperimentalConfig())
+        activities = {ProfilerActivity.CPU}
+        with _quiet_stderr():
+            _prepare_profiler(config, activities)
+            _enable_profiler(config, activities)
+
+    def stop(self) -> Optional[dict[str, float]]:
+        with _quiet_stderr():
+            result = self._disable()
+        return split_events(result.events())
+
+
+class StepClock:
+    """The loop's phases on the host, and the step split every ``every`` steps (0: never).
+
+    ``with clock.phase("data"): ...`` adds to this iteration's phase; :meth:`iteration_done` closes
+    the iteration (what was not in a phase is ``other``); :meth:`row` gives the figures of the
+    iteration just measured for its metrics row; :meth:`totals` the run's sums."""
+
+    def __init__(self, every: int):
+        self.every = every
+        self.totals_s = dict.fromkeys(PHASES, 0.0)
+        self.split_sums = dict.fromkeys(SPLIT + ("compute",), 0.0)  # over profiled steps
+        self.profiled_steps = 0
+        self.profiled_step_s = 0.0
+        self.iterations = 0
+        self._current = dict.fromkeys(PHASES, 0.0)
+        self._split: Optional[dict[str, float]] = None
+        self._t0 = time.perf_counter()
+        self._last: dict[str, float] = {}
+
+    def due(self, step: int) -> bool:
+        """Whether step number ``step`` (1-based) is split."""
+        return bool(self.every) and step % self.every == 0
+
+    @contextlib.contextmanager
+    def phase(self, name: str, profile: bool = False):
+        """Time a phase; ``profile``: also split it (the step phase of a due step)."""
+        prof = _StepProfile() if profile else None
+        t0 = time.perf_counter()
+        try:
+            if prof is None:
+                yield
+            else:
+                with torch.autograd.profiler.record_function(STEP_RANGE):
+                    yield
+        finally:
+            seconds = time.perf_counter() - t0
+            self._current[name] += seconds
+            if prof is not None:
+                split = prof.stop()
+                if split is not None:
+                    self._split = split
+                    self.profiled_steps += 1
+                    self.profiled_step_s += seconds
+                    for part, s in split.items():
+                        self.split_sums[part] += s
+
+    def iteration_done(self) -> None:
+        now = time.perf_counter()
+        timed = sum(self._current.values())
+        self._current["other"] += max(0.0, now - self._t0 - timed)
+        for name, s in self._current.items():
+            self.totals_s[name] += s
+        self._last = self._current
+        self._current = dict.fromkeys(PHASES, 0.0)
+        self._t0 = now
+        self.iterations += 1
+
+    def row(self) -> dict[str, float]:
+        """The iteration so far (phases measured before its row is logged: data, step, eval) and,
+        on a profiled step, the step's split: ``{"data_s": ..., "step_s": ..., "compute_s": ...}``."""
+        out = {f"{name}_s": round(s, 5) for name, s in self._current.items() if name in ("data", "step", "eval")}
+        if self._split is not None:
+            out.update({f"{part}_s": round(s, 5) for part, s in self._split.items()})
+            self._split = None
+        return out
+
+    def last_iteration(self) -> dict[str, float]:
+        """The phases of the last closed iteration (logging and checkpoint included)."""
+        return dict(self._last)
+
+    def totals(self) -> dict:
+        """The run's seconds per phase, the step's seconds split in the profiled steps' proportions
+        (``None`` parts when no step was profiled), and how many steps were profiled."""
+        step_total = self.totals_s["step"]
+        split = {}
+        if self.profiled_step_s > 0:
+            split = {part: round(step_total * s / self.profiled_step_s, 3) for part, s in self.split_sums.items()}
+        wall = sum(self.totals_s.values())
+        return {"seconds": {k: round(v, 3) for k, v in self.totals_s.items()}, "wall_s": round(wall, 3),
+                "step_split_s": split or None, "profiled_steps": self.profiled_steps}
