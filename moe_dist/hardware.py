@@ -142,3 +142,35 @@ def peak_rss_bytes() -> int:
         return 0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
+
+
+# dense bf16 TFLOP/s (no sparsity) of known GPUs, by a part of the device name; the first match wins
+DATASHEET_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("GH200", 989.0), ("H200", 989.0), ("H100", 989.0),
+                         ("A100", 312.0))
+
+
+def datasheet_tflops(gpu_name: Optional[str]) -> Optional[float]:
+    """Dense bf16 TFLOP/s of a known GPU (by name), else None."""
+    for key, tflops in DATASHEET_BF16_TFLOPS:
+        if gpu_name and key in gpu_name:
+            return tflops
+    return None
+
+
+def matmul_peak(dtype: torch.dtype, threads: Optional[int] = None, n: int = 2048, seconds: float = 2.0) -> float:
+    """FLOP/s of an ``n x n`` matmul on the CPU with ``threads`` threads (default: as set now), the
+    best of the repeats that fit in ``seconds``."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        a @ b  # warm-up
+        best, end = float("inf"), time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t0)
+        return 2 * n ** 3 / best
+    finally:
+        torch.set_num_threads(before)

@@ -49,8 +49,6 @@ SECTIONS = ("device", "tests", "train", "memory_vs_dry_run", "host_syncs", "laye
 # seconds each section is planned to take on one GPU; the budget is shared in these proportions
 PLANNED_S = {"device": 30, "tests": 90, "train": 120, "memory_vs_dry_run": 50, "host_syncs": 45, "layer_bench": 90}
 MIN_SECTION_S = 5  # a section given less than this is skipped, not started
-DATASHEET_BF16_TFLOPS = [  # dense bf16 (no sparsity), first match on the device name wins
-    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("GH200", 989.0), ("H200", 989.0), ("H100", 989.0), ("A100", 312.0)]
 INJECT_ENV = "MOE_DIST_GPU_CHECK_INJECT"  # test hook: "section=fail,other=hang"
 WORK_ENTRIES = ("results", "train", "host_syncs", "layer_bench", "tests")  # what a run rewrites in --work
 
@@ -213,14 +211,6 @@ def check_device(device: str) -> None:
 
 
 # ---- a. device -----------------------------------------------------------------------------------------
-def datasheet_tflops(gpu_name: Optional[str]) -> Optional[float]:
-    """Dense bf16 TFLOP/s of a known GPU (by name), else None."""
-    for key, tflops in DATASHEET_BF16_TFLOPS:
-        if gpu_name and key in gpu_name:
-            return tflops
-    return None
-
-
 def cpu_has_fast_bf16() -> bool:
     """AVX2-only CPUs run bf16 matmuls many times slower than fp32: time bf16 there only with AVX-512."""
     import torch
@@ -274,6 +264,8 @@ def section_device(ctx: Context) -> dict:
         figs.update(gpu=p.name, gpu_count=torch.cuda.device_count(), gpu_memory_gib=round(p.total_memory / 2**30, 2),
                     compute_capability=".".join(map(str, torch.cuda.get_device_capability(0))),
                     multiprocessors=p.multi_processor_count, nvidia_smi=nvidia_smi())
+    from ..hardware import datasheet_tflops
+
     figs["datasheet_bf16_tflops"] = datasheet_tflops(figs.get("gpu"))
     # the rate MFU is taken against: the training's dtype (bf16 on a GPU, fp32 on the CPU)
     dtype = torch.float32 if train_dtype(ctx.device) == "fp32" else torch.bfloat16
@@ -359,17 +351,12 @@ def read_run(run_dir: str, skip_steps: int) -> dict:
 
 
 def train_flops_per_token(config_yaml: str) -> float:
-    """Training FLOPs of one token as the planner counts them (moe_dist.plan.planner.step_work): the
-    forward's (every MoE layer's k experts and every other matmul, attention scores included) x 3."""
-    from ..model.params import block_shape, count_params
+    """Training FLOPs of one token (:func:`moe_dist.model.params.train_flops_per_token`)."""
+    from ..model.params import train_flops_per_token as per_token
     from ..plan.planner import load_plan_input
-    from ..plan.timing import flops_per_token, passes
 
     inp = load_plan_input(config_yaml)
-    counts = count_params(inp.model, inp.moe_blocks)
-    s = block_shape(inp.model)
-    per = flops_per_token(counts, s.d_model, inp.model.vocab_size, inp.seq_len, inp.model.n_layers, s.top_k)
-    return passes(False) * (len(inp.moe_blocks) * per["expert"] + per["other"])
+    return per_token(inp.model, inp.seq_len, inp.moe_blocks)
 
 
 def significant(x: float, digits: int = 4) -> float:

@@ -35,30 +35,11 @@ from typing import Optional
 import torch
 
 from ..config import load_config
-from ..hardware import slow_bf16_note
+from ..hardware import matmul_peak, slow_bf16_note
+from .gpu_check import train_flops_per_token
+from .timing import busy_note
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def matmul_peak(dtype: torch.dtype, threads: int, n: int = 2048, seconds: float = 2.0) -> float:
-    """FLOP/s of an ``n x n`` matmul on ``threads`` threads (best of the repeats in ``seconds``)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-        a @ b  # warm-up
-        best, end = float("inf"), time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            t0 = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - t0)
-        return 2 * n ** 3 / best
-    finally:
-        torch.set_num_threads(before)
-
-
-def flops_per_token(active_params: int, layers: int, d_model: int, seq_len: int) -> float:
-    return 6 * active_params + 12 * layers * d_model * seq_len
 
 
 COMPILE = {"off": "false", "on": "true"}
@@ -87,7 +68,7 @@ def run_case(config: str, nproc: int, steps: int, engine: str, dtype: str, overr
     info = json.load(open(os.path.join(run_dir, "run.json"), encoding="utf-8"))
     summary = json.load(open(os.path.join(run_dir, "summary.json"), encoding="utf-8"))
     return {"tokens_per_s": steps_tps, "parameters": info["parameters"], "wall_s": wall,
-            "compile": summary.get("compile")}
+            "compile": summary.get("compile"), "flops_per_token": train_flops_per_token(os.path.join(run_dir, "config.yaml"))}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -124,12 +105,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     slow = slow_bf16_note(torch.device("cpu"), "bf16" if "bf16" in dtypes else "fp32")
     if slow:
         print(slow, flush=True)
+    busy = busy_note(args.nproc, "at the start")
+    if busy:
+        print(busy, flush=True)
     threads = args.nproc * threads_per_proc
     peaks = {d: matmul_peak(DTYPES[d], threads) for d in dtypes}  # measured again at the end: the larger counts
     cases = [(e, d, c) for d in dtypes for e in engines for c in compiles]
     results = {c: [] for c in cases}
     compile_s = {c: [] for c in cases}
-    params = None
+    params, fpt = None, None
     work = tempfile.mkdtemp(prefix="moe-dist-bench-train-")
     with open(os.path.join(work, "runs.log"), "w", encoding="utf-8") as log_file:
         for r in range(args.rounds):
@@ -143,7 +127,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 results[case].append(statistics.median(tps))
                 if out["compile"]:
                     compile_s[case].append(out["compile"]["seconds"])
-                params = out["parameters"]
+                params, fpt = out["parameters"], out["flops_per_token"]
                 compiled = (f"; compiled in {out['compile']['seconds']:.1f} s, {out['compile']['graphs']} graph(s)"
                             if out["compile"] else "")
                 print(f"round {r + 1}: {engine:9s} {dtype} compile {comp:3s}: {results[case][-1]:,.0f} tokens/s "
@@ -154,10 +138,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"matmul peak {d}: {peaks[d] / 1e9:.1f} GFLOP/s at the start, {again / 1e9:.1f} at the end "
               f"(2048^3 matmul on {threads} threads); the larger is used", flush=True)
         peaks[d] = max(peaks[d], again)
-    fpt = flops_per_token(params["active"], cfg.model.n_layers, cfg.model.d_model, cfg.train.seq_len)
     base = statistics.median(results[cases[0]])
     print(f"\n{params['active']:,} active of {params['total']:,} parameters; {fpt / 1e6:.1f} MFLOP per token "
-          f"(6 N + 12 L d S)\n")
+          f"(model FLOPs of training, moe_dist.model.params.train_flops_per_token)\n")
     print("| engine | dtype | compile | tokens/s per round | median | x first case | MFU | compile s per round |")
     print("|---|---|---|---|---|---|---|---|")
     table = []
@@ -177,6 +160,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             ratios = [b / a for a, b in zip(off, on)]
             print(f"{engine} {dtype}: compiled / eager per round {' / '.join(f'{v:.3f}' for v in ratios)}, "
                   f"median {statistics.median(ratios):.3f}")
+    busy = busy_note(args.nproc, "at the end")
+    if busy:
+        print(busy, flush=True)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"cpu_capability": cpu, "nproc": args.nproc, "threads_per_proc": threads_per_proc,

@@ -83,3 +83,25 @@ def count_params(model_cfg, moe_blocks: Optional[list[int]] = None) -> dict:
         "largest_dense_block": attn + norms + max(dense_ffn if n_dense else 0, (router + shared_expert) if n_moe else 0),
         "dense_params": shared,  # everything but the experts: replicated or FSDP-sharded over data ranks
     }
+
+
+def flops_per_token(counts: dict, d_model: int, vocab_size: int, seq_len: int, n_layers: int,
+                    top_k: int) -> dict[str, float]:
+    """Forward FLOPs of one token: ``expert`` (one MoE layer's ``k`` experts) and ``other`` (every
+    matmul outside the experts, the output head and causal attention's scores and mixing included)."""
+    dense_matmuls = counts["attention"] + counts["dense_ffn"] + counts["routers"] + counts["shared_experts"]
+    scores = 2 * seq_len * d_model * n_layers  # QK^T and PV, 2 x 2 S d each, halved by the causal mask
+    return {"expert": 2.0 * top_k * counts["per_expert"],
+            "other": 2.0 * (dense_matmuls + vocab_size * d_model) + scores}
+
+
+def train_flops_per_token(model_cfg, seq_len: int, moe_blocks: Optional[list[int]] = None) -> float:
+    """Model FLOPs of training on one token: the forward's (:func:`flops_per_token`, every MoE layer's
+    k experts) and the backward's (twice the forward). A recomputed forward (activation
+    checkpointing) is not counted: model FLOPs utilisation counts the model's work, not the run's."""
+    m = model_cfg
+    if moe_blocks is None:
+        moe_blocks = m.moe.layer_indices(m.n_layers)
+    counts = count_params(m, moe_blocks)
+    per = flops_per_token(counts, m.d_model, m.vocab_size, seq_len, m.n_layers, block_shape(m).top_k)
+    return 3 * (len(moe_blocks) * per["expert"] + per["other"])

@@ -19,11 +19,11 @@ from ..config import ConfigError, apply_overrides, config_from_dict, load_config
 from ..config.granularity import expand_granularity
 from ..config.layout import ep_sizes
 from ..hf.config import HFModelSpec, config_path, hf_model_spec, is_hf_config
-from ..model.params import block_shape, count_params
+from ..model.params import block_shape, count_params, flops_per_token
 from .memory import (GIB, STAGES, Units, Workload, activation_bytes, all_to_all_bytes, autocast_copy_bytes,
                      engine_state_bytes, expert_shard_fraction, experts_per_replica, fsdp_gathered_bytes, fsdp_head_grad_bytes, fsdp_reduce_peak_bytes,
                      gathered_bytes_per_param, loss_backward_bytes, grad_sync_bytes, optimizer_step_bytes, state_bytes, uses_fsdp)
-from .timing import Cluster, Links, StepWork, flops_per_token, passes, step_time, sync_time
+from .timing import Cluster, Links, StepWork, passes, step_time, sync_time
 from .dispatch_rows import DISPATCHES, dispatch_bytes, group_shape
 
 USABLE_FRACTION = 0.9  # leave 10% of each GPU for the framework, allocator fragmentation and buffers

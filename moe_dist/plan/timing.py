@@ -158,16 +158,6 @@ def step_time(work: StepWork, s: Optional[GroupShape], dispatch: str, max_groups
             "sync_s": work.sync_s, "exposed_sync_s": sync}
 
 
-def flops_per_token(counts: dict, d_model: int, vocab_size: int, seq_len: int, n_layers: int,
-                    top_k: int) -> dict[str, float]:
-    """Forward FLOPs of one token: ``expert`` (one MoE layer's ``k`` experts) and ``other`` (every
-    matmul outside the experts, the output head and causal attention's scores and mixing included)."""
-    dense_matmuls = counts["attention"] + counts["dense_ffn"] + counts["routers"] + counts["shared_experts"]
-    scores = 2 * seq_len * d_model * n_layers  # QK^T and PV, 2 x 2 S d each, halved by the causal mask
-    return {"expert": 2.0 * top_k * counts["per_expert"],
-            "other": 2.0 * (dense_matmuls + vocab_size * d_model) + scores}
-
-
 def passes(checkpointing: bool) -> int:
     """Forward-equivalents of compute per step: forward, backward (twice the forward), a recomputed forward."""
     return 4 if checkpointing else 3
