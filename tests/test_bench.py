@@ -142,7 +142,8 @@ def test_router_alone_benchmark_reports_each_router_against_topk():
 def test_training_benchmark_end_to_end(tmp_path):
     """`python -m moe_dist.bench.train`: real training runs of each case, the table and the JSON
     with tokens/s per round, the FLOP count and a matmul peak."""
-    from moe_dist.bench.train import flops_per_token
+    from moe_dist.config import load_config
+    from moe_dist.model.params import train_flops_per_token
 
     out = tmp_path / "train.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -157,8 +158,8 @@ def test_training_benchmark_end_to_end(tmp_path):
     (case,) = res["cases"]
     assert case["engine"] == "native" and len(case["tokens_per_s"]) == 1 and case["median"] > 0
     assert 0 < case["mfu"] < 1 and res["peak_flops"]["fp32"] > 1e8
-    assert res["flops_per_token"] == flops_per_token(res["parameters"]["active"], 2, 64, 64)
-    assert flops_per_token(1000, 2, 8, 16) == 6 * 1000 + 12 * 2 * 8 * 16
+    cfg = load_config(os.path.join(ROOT, "configs/test.yaml"), ["model.vocab_size=512"])
+    assert res["flops_per_token"] == train_flops_per_token(cfg.model, cfg.train.seq_len)
 
 
 @pytest.mark.compile
@@ -183,3 +184,13 @@ def test_training_benchmark_compile_axis_and_step_profile(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "eager / compiled per round" in proc.stdout and "| `aten::mm` |" in proc.stdout
     assert proc.stdout.count("\n| `") == 5 and "| all ops |" in proc.stdout
+
+
+def test_benchmarks_say_when_the_machine_is_not_idle(monkeypatch):
+    from moe_dist.bench import timing
+
+    monkeypatch.setattr(timing.os, "getloadavg", lambda: (2.6, 1.0, 1.0))
+    assert timing.busy_note(2, "at the start") == (
+        "note: load average 2.60 at the start exceeds the 2 process(es) this benchmark runs: another program "
+        "competes for the cores; these figures are not from an idle machine")
+    assert timing.busy_note(3, "at the end") is None

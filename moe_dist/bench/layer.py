@@ -26,6 +26,7 @@ from ..hardware import slow_bf16_note
 from .cli_args import add_size_arguments, check_routers, sizes_from_args
 from .report import table, target_check
 from .runner import IMPLS, BenchConfig, log, progress, run_processes, run_single
+from .timing import busy_note
 from .workload import DTYPES
 
 QUICK = dict(tokens=[4096], dtypes=["fp32", "bf16"], ep=[1], repeats=3, warmup=1)
@@ -130,6 +131,9 @@ def main(argv=None) -> int:
     slow = slow_bf16_note(torch.device(args.device), "bf16" if "bf16" in cfg.dtypes else "fp32")
     if slow:
         log(slow)
+    busy = busy_note(max(eps), "at the start")
+    if busy:
+        log(busy)
 
     def emit(rec):
         progress(rec)
@@ -146,6 +150,9 @@ def main(argv=None) -> int:
                 emit(rec)
                 records.append(rec)
     text = table(records) + "\n\nTargets:\n" + "\n".join(target_check(records)) + "\n"
+    busy = busy_note(max(eps), "at the end")
+    if busy:
+        text += busy + "\n"
     if args.json:
         log("\n" + text)
     else:

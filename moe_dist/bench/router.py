@@ -29,7 +29,7 @@ from ..train.compile import compile_parts, moe_layer_parts
 from .cli_args import add_size_arguments, check_routers, sizes_from_args
 from .impls import MoEDistImpl, _clear_grads
 from .report import ROUTER_TARGETS
-from .timing import median, timed
+from .timing import busy_note, median, timed
 from .workload import DTYPES, Workload
 
 
@@ -122,6 +122,9 @@ def main(argv=None) -> int:
     slow = slow_bf16_note(device, args.dtype)
     if slow:
         print(slow, file=sys.stderr)
+    busy = busy_note(1, "at the start")
+    if busy:
+        print(busy, file=sys.stderr)
 
     layer_s = {}
     for v in variants:

@@ -28,6 +28,7 @@ from ..hardware import slow_bf16_note
 from ..model import build_model
 from ..moe import collect_aux_loss
 from ..train.compile import apply_compile
+from .timing import busy_note
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -70,6 +71,9 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{torch.get_num_threads()} thread(s), CPU capability {torch.backends.cpu.get_cpu_capability()}", flush=True)
     if slow:
         print(slow, flush=True)
+    busy = busy_note(1, "at the start")
+    if busy:
+        print(busy, flush=True)
     tokens = torch.randint(0, vocab, (args.batch, cfg.train.seq_len + 1), generator=torch.Generator().manual_seed(0))
     steps = {}
     for name in ("eager", "compiled"):
@@ -99,6 +103,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     for k in keys[: args.top]:
         print(f"| `{k}` | {ops['eager'].get(k, 0.0):.1f} | {ops['compiled'].get(k, 0.0):.1f} |")
     print(f"| all ops | {sum(ops['eager'].values()):.1f} | {sum(ops['compiled'].values()):.1f} |")
+    busy = busy_note(1, "at the end")
+    if busy:
+        print(busy, flush=True)
     return 0
 
 

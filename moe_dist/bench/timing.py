@@ -7,7 +7,7 @@ import resource
 import statistics
 import tempfile
 import time
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -72,3 +72,17 @@ def peak_step_memory(fn: Callable[[], None], device: torch.device) -> int:
     # the first total minus that event's (signed) size
     base = mem[0]["Total Allocated"] - mem[0]["Bytes"]
     return int(max(m["Total Allocated"] for m in mem) - base)
+
+
+LOAD_SLACK = 0.5  # load average above the benchmark's own processes that still counts as idle
+
+
+def busy_note(procs: int, when: str) -> Optional[str]:
+    """One line when the 1-minute load average exceeds the ``procs`` processes a benchmark runs (and
+    :data:`LOAD_SLACK`): another program shares the cores, and the figures are not an idle machine's
+    (a single busy thread beside a 2-core run can double a step's time). None when idle."""
+    load = os.getloadavg()[0]
+    if load <= procs + LOAD_SLACK:
+        return None
+    return (f"note: load average {load:.2f} {when} exceeds the {procs} process(es) this benchmark runs: another "
+            "program competes for the cores; these figures are not from an idle machine")
