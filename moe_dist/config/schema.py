@@ -41,6 +41,9 @@ class RunConfig:
     print_every: int = knob(10, "steps between log lines when there is no progress bar", min=1)
     tensorboard: bool = knob(True, "write TensorBoard events to run.dir/tb")
     plots: bool = knob(True, "write PNG plots to run.dir/plots at the end")
+    time_every: int = knob(20, "steps between profiled steps, whose time is split into compute, expert all-to-alls, "
+                           "FSDP weight gathers, gradient reductions, other collectives and the optimizer (metrics.jsonl "
+                           "time, TensorBoard time/, summary.json; with model FLOPs utilisation); 0 = never", min=0)
 
     def check(self) -> None:
         if not self.dir:
