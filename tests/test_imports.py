@@ -85,8 +85,9 @@ def test_engines_and_checkpoints_do_not_import_the_trainer():
 # or from packages on a lower line (tests/test_imports.py is where this order is written down)
 LAYERS = (
     ("moe_dist.cli",),
-    ("moe_dist.local_launch", "moe_dist.torchrun_launch", "moe_dist.testing"),
+    ("moe_dist.local_launch", "moe_dist.torchrun_launch"),
     ("moe_dist.upcycle", "moe_dist.bench", "moe_dist.study"),
+    ("moe_dist.testing",),  # test infrastructure: the cluster benchmarks in moe_dist.bench use it
     ("moe_dist.plan",),
     ("moe_dist.hf",),
     ("moe_dist.train",),
@@ -112,6 +113,15 @@ def test_imports_point_down_the_layers():
     upward = [f"{m} -> {t}" for m, targets in sorted(graph.items()) if m != "moe_dist" for t in sorted(targets)
               if _package(t) != _package(m) and level[_package(t)] <= level[_package(m)]]
     assert not upward, "imports that do not point down the layers:\n" + "\n".join(upward)
+
+
+def test_only_benchmarks_use_the_test_infrastructure():
+    """moe_dist.testing (namespace clusters, Slurm daemons; root) is for tests and the cluster
+    benchmarks: no module of the product reaches it."""
+    graph = _graph()
+    users = sorted(m for m in graph if _package(m) not in ("moe_dist.testing", "moe_dist.bench")
+                   and any(_package(t) == "moe_dist.testing" for t in _reachable(graph, m)))
+    assert not users, f"modules that reach moe_dist.testing: {users}"
 
 
 def test_no_import_cycle():

@@ -1,7 +1,7 @@
 """The planner against the dry run for the presets at several cluster sizes (docs/scale.md's table).
 
     python -m moe_dist.bench.dry_run_table [--gpus 8,16,64] [--presets tinyllama,phi3,olmoe,mixtral]
-        [--gpus-per-node 8] [--out bench/data/dry_run_table.json]
+        [--gpus-per-node 8] [--out bench/data/scale/dry-run-table.json]
 
 For each preset and GPU count: the dry run of the busiest rank (balanced routing, one step) at one
 sequence per GPU per micro-batch, its memory per category at the peak next to the planner's, and
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     p.add_argument("--gpus", default="8,16,64")
     p.add_argument("--presets", default=",".join(PRESETS))
     p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--out", default="bench/data/dry_run_table.json")
+    p.add_argument("--out", default="bench/data/scale/dry-run-table.json")
     p.add_argument("--markdown", metavar="JSON", help="print the table of an earlier run's JSON and stop")
     a = p.parse_args(argv)
     if a.markdown:

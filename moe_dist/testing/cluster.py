@@ -1,5 +1,8 @@
 """Several "nodes" on one machine: network namespaces on one bridge, each with its own address and name.
 
+Test infrastructure (see :mod:`moe_dist.testing`): used by the multi-node tests, ``scripts/cluster.sh``
+and the cluster benchmarks of :mod:`moe_dist.bench`; never imported by the trainer or the launchers.
+
     with Cluster(2, rate="500mbit") as c:          # needs root and `ip netns`
         c.run(c.nodes[0], ["hostname"])             # -> node0
         p = c.popen(c.nodes[1], ["python", "-c", "..."], env=env)

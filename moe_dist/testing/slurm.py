@@ -1,5 +1,8 @@
 """A real Slurm cluster for tests: munged, slurmctld and one slurmd per node, configured in a directory.
 
+Test infrastructure (see :mod:`moe_dist.testing`): used by ``tests/test_launch_slurm.py`` and
+``tests/test_multinode_slurm.py``; never imported by the trainer or the launchers.
+
     with SlurmCluster(root) as s:                       # this machine as its only node (127.0.0.1)
         job = s.submit(["-n", "2"], "launch/slurm/train.sbatch", ["configs/test.yaml"], env, cwd=REPO)
         s.wait(job, lambda info: info["JobState"] == "COMPLETED", 300, "COMPLETED")

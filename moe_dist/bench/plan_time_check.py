@@ -1,6 +1,6 @@
 """The planner's step-time prediction against training on a namespace cluster with rate-limited links.
 
-    PYTHONPATH=. .venv/bin/python scripts/plan_time_check.py [--rates 100mbit,300mbit,none] [--rounds 2] [--steps 25]
+    .venv/bin/python -m moe_dist.bench.plan_time_check [--rates 100mbit,300mbit,none] [--rounds 2] [--steps 25]
         [--warmup 5] [--out runs/plan-time-check] [--config configs/tiny.yaml] [KEY=VALUE ...]
 
 Needs root and ``ip netns`` (:mod:`moe_dist.testing.cluster`). The main job's model at ``parallel.ep=4``,
@@ -36,7 +36,7 @@ from typing import Optional
 from moe_dist.plan.planner import Network, plan
 from moe_dist.plan.timing import Links
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUIET = ["run.progress=false", "run.plots=false", "run.tensorboard=false", "ckpt.save_final=false",
          "eval.every=0", "eval.max_sequences=8", "run.print_every=1000"]
 PAYLOAD = 1448 / 1514  # TCP payload of one full Ethernet frame (TCP timestamps on)
@@ -203,7 +203,7 @@ def compare(args, result: dict, rates: list[str]) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="scripts/plan_time_check.py", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m moe_dist.bench.plan_time_check", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/tiny.yaml")
     ap.add_argument("--rates", default="100mbit,300mbit,none", help="comma-separated tc rates; none = no limit")

@@ -1,11 +1,11 @@
 """Flat vs hierarchical dispatch vs node-limited routing on 2 namespace nodes x 2 ranks, rate-limited links.
 
-    PYTHONPATH=. .venv/bin/python scripts/node_dispatch_bench.py [--rates 200mbit,none] [--rounds 1] [--steps 12]
+    .venv/bin/python -m moe_dist.bench.node_dispatch_bench [--rates 200mbit,none] [--rounds 1] [--steps 12]
         [--warmup 4] [--variants flat,hier,flat-m1,hier-m1] [--out runs/node-dispatch] [--config configs/tiny.yaml]
-    PYTHONPATH=. .venv/bin/python scripts/node_dispatch_bench.py --from bench/data/node_dispatch.json --out /tmp/x
+    .venv/bin/python -m moe_dist.bench.node_dispatch_bench --from bench/data/dispatch/flat-vs-hierarchical-2-nodes.json --out /tmp/x
 
 Needs root and ``ip netns`` (:mod:`moe_dist.testing.cluster`). The main job's model at ``parallel.ep=4``
-over 2 nodes of 2 ranks (``launch/torchrun.sh`` on each node, as ``scripts/plan_time_check.py`` starts
+over 2 nodes of 2 ranks (``launch/torchrun.sh`` on each node, as ``python -m moe_dist.bench.plan_time_check`` starts
 them). Per variant and link rate: the step time (mean of the steps after ``--warmup``), the counted
 all-to-all bytes per step (``a2a_inter_bytes`` / ``a2a_intra_bytes``, summed over the ranks), the
 planner's prediction of the same bytes for a balanced router, node0's interface bytes per step and
@@ -26,11 +26,9 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from plan_time_check import ALPHA_S, FREE_GBPS, PAYLOAD, ROOT, rate_gbps, run_two_nodes, step_times  # noqa: E402
-
-from moe_dist.plan.planner import Network, make_network, plan  # noqa: E402
-from moe_dist.plan.timing import Links  # noqa: E402
+from moe_dist.bench.plan_time_check import ALPHA_S, FREE_GBPS, PAYLOAD, ROOT, rate_gbps, run_two_nodes, step_times
+from moe_dist.plan.planner import Network, make_network, plan
+from moe_dist.plan.timing import Links
 
 HIER = "parallel.dispatch=hierarchical"
 M1 = ["model.moe.router_groups=2", "model.moe.max_groups_per_token=1"]
@@ -61,7 +59,7 @@ def predicted_bytes(config: str, overrides: list[str], dispatch: str, limit) -> 
 
 def predicted_step(config: str, overrides: list[str], dispatch: str, limit, rate: str, rate_flops: float) -> float:
     """The planner's step time at a link rate (TCP payload of it; ``none``: a free link), compute at
-    ``rate_flops`` per rank, FSDP2 not overlapped (CPU processes), as ``scripts/plan_time_check.py``."""
+    ``rate_flops`` per rank, FSDP2 not overlapped (CPU processes), as ``python -m moe_dist.bench.plan_time_check``."""
     gbps = FREE_GBPS if rate == "none" else rate_gbps(rate) * PAYLOAD
     net = Network(links=Links(intra_gbps=FREE_GBPS, inter_gbps=gbps, alpha_s=ALPHA_S), compute_flops=rate_flops,
                   dispatches=(dispatch,), max_groups=(limit,) if limit else (), fsdp_overlap=False)

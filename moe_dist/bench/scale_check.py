@@ -1,7 +1,7 @@
 """Real-size check: a TinyLlama-1.1B-shaped dense model upcycled to 3.76B parameters
 (configs/tinyllama-upcycle-8x2.yaml), evaluated by 1 process and by 2 ranks at ep=2.
 
-    .venv/bin/python scripts/scale_check.py [--work DIR] [--keep]
+    .venv/bin/python -m moe_dist.bench.scale_check [--work DIR] [--keep]
 
 Steps (each skipped when its output exists in --work, default runs/scale-check):
   1. a dense checkpoint with TinyLlama-1.1B's shapes (configs/hf/tinyllama-1.1b.json), random
@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRESET = os.path.join(ROOT, "configs", "tinyllama-upcycle-8x2.yaml")
 HF_CONFIG = os.path.join(ROOT, "configs", "hf", "tinyllama-1.1b.json")
 # small data: the committed corpus slice and a small tokenizer (model.vocab_size stays 32000)

@@ -10,7 +10,7 @@ summed over ranks), the payload those rows make (4 transfers of ``d`` floats per
 outputs back, and both again in the backward; the hierarchical rows carry ``2k`` numbers more, out
 and back), and the seconds per forward + backward (the slowest rank).
 
-    sudo .venv/bin/python scripts/hierarchical_bytes.py [--rate 50mbit] [--d 512] [--tokens 256] [--experts 8] [--k 4] [--iters 3]
+    sudo .venv/bin/python -m moe_dist.bench.hierarchical_bytes [--rate 50mbit] [--d 512] [--tokens 256] [--experts 8] [--k 4] [--iters 3]
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NODES, PER_NODE = 2, 2
 MODES = ("flat", "hierarchical", "flat", "hierarchical")
 WORKER = "MOE_DIST_HIERARCHICAL_BYTES_WORKER"
@@ -101,7 +101,7 @@ def main() -> int:
         for i in range(NODES):
             out = open(os.path.join(tmp, f"node{i}.out"), "w+")
             argv = [torchrun, f"--nnodes={NODES}", f"--nproc-per-node={PER_NODE}", f"--node-rank={i}",
-                    "--master-addr=node0", "--master-port=29533", os.path.abspath(__file__)]
+                    "--master-addr=node0", "--master-port=29533", "-m", "moe_dist.bench.hierarchical_bytes"]
             procs.append((c.popen(c.nodes[i], argv, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT), out))
         for p, _ in procs:
             p.wait(timeout=900)
