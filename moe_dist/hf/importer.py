@@ -23,18 +23,15 @@ capacity and loss settings can.
 from __future__ import annotations
 
 import copy
-import os
 import time
 from typing import Callable, Iterable, Optional
 
 import torch
 
-from ..config import Config, ConfigError, apply_overrides, config_from_dict, save_config
-from ..errors import UsageError
-from ..weights import OutputDirectory, ShardedWriter, output_dtype
-from .config import HFModelSpec, kept_values, source_dtype
+from ..config import Config, ConfigError, apply_overrides, config_from_dict
+from .config import HFModelSpec, source_dtype
 from .moe_checkpoint import MoECheckpoint
-from .tokenizer import adopt_tokenizer, check_tokenizer_fits
+from .written import write_converted
 
 # our model keys the checkpoint fixes, with the config.json key that holds each
 FIXED_MODEL_KEYS = {"vocab_size": "vocab_size", "d_model": "hidden_size", "n_layers": "num_hidden_layers",
@@ -97,54 +94,37 @@ def import_hf(hf_dir: str, out_dir: str, overrides: Iterable[str] = (), *, base:
               dtype: str = "auto", max_shard_bytes: int = 4 << 30, log: Callable[[str], None] = print) -> dict:
     """Read ``hf_dir`` (a Hugging Face MoE checkpoint directory) and write our checkpoint to
     ``out_dir`` (replaced only when complete); returns what ``import.json`` records."""
-    from ..model import build_model
-    from ..model.params import count_params  # the planner's counts, so presets and imports agree
-
     t0 = time.perf_counter()
     ckpt = MoECheckpoint(hf_dir)
     for note in ckpt.spec.notes:
         log(f"note: {note}")
     cfg = import_config(ckpt.spec, overrides, base)
-    out_dtype = output_dtype(dtype, source_dtype(ckpt.spec.raw))
-    target = os.path.abspath(out_dir)
-    if target == os.path.abspath(hf_dir):
-        raise UsageError(f"--out {out_dir!r} is the Hugging Face checkpoint's directory; choose another")
-    with OutputDirectory(target, "import") as out:
-        n_tok = check_tokenizer_fits(hf_dir, cfg.model.vocab_size)
-        ckpt.check_explained()  # headers only: nothing missing, nothing unexplained, before the weights are written
-        copied = adopt_tokenizer(hf_dir, out.path, cfg.data, log, final_dir=target)
-        cfg.ckpt.init_from = target  # `moe-dist train` starts from these weights
+
+    def tensors():
+        from ..model import build_model
+
         # the model built on the meta device (no memory): every streamed tensor must be one of its
         # tensors with its shape, and every one of its tensors must come (a mapping check)
         expected = {k: tuple(v.shape) for k, v in build_model(cfg.model, cfg.model.vocab_size, device="meta")
                     .state_dict().items()}
         if cfg.model.tie_embeddings:
             expected.pop("lm_head.weight")
-        writer = ShardedWriter(out.path, max_shard_bytes, metadata={"format_of": "moe_dist", **out.metadata})
         for name, t in ckpt.tensors():
             if expected.pop(name, None) != tuple(t.shape):
                 raise RuntimeError(f"import: {name} {list(t.shape)} is not a tensor of the model built from the config")
-            writer.add(name, t.to(out_dtype))
+            yield name, t
         if expected:
             raise RuntimeError(f"import: no weights mapped to {sorted(expected)[:8]}")
-        files = writer.close()
-        save_config(cfg, os.path.join(out.path, "config.yaml"))
-        counts = count_params(cfg.model)
-        changed = changed_on_import(ckpt.spec, cfg, out_dtype, dtype)
-        info = {
-            "source": os.path.abspath(hf_dir), "family": ckpt.family, "architecture": ckpt.arch.causal_lm,
-            "expert_layout": "fused" if ckpt.fused else "per_expert",
-            "notes": ckpt.spec.notes, "num_experts": cfg.model.moe.num_experts, "top_k": cfg.model.moe.top_k,
-            "normalize_gates": cfg.model.moe.router_options["normalize"], "qk_norm": cfg.model.qk_norm,
-            "dtype": str(out_dtype).replace("torch.", ""), "weights": files, "tokenizer_files": copied,
-            "tokenizer": cfg.data.tokenizer,
-            "tokenizer_entries": n_tok, "total_params": counts["total"], "active_params": counts["active"],
-            "source_config": kept_values(ckpt.spec.raw),
-            "source_dtype": source_dtype(ckpt.spec.raw), "changed": changed,
-            "seconds": round(time.perf_counter() - t0, 2),
-        }
-        out.finish(info)
-    for change in changed:
+
+    def record(out_dtype: torch.dtype) -> dict:
+        return {"architecture": ckpt.arch.causal_lm, "expert_layout": "fused" if ckpt.fused else "per_expert",
+                "num_experts": cfg.model.moe.num_experts, "top_k": cfg.model.moe.top_k,
+                "normalize_gates": cfg.model.moe.router_options["normalize"], "qk_norm": cfg.model.qk_norm,
+                "changed": changed_on_import(ckpt.spec, cfg, out_dtype, dtype)}
+
+    info, counts = write_converted("import", hf_dir, "Hugging Face checkpoint", out_dir, ckpt, cfg, dtype,
+                                   tensors=tensors, record=record, max_shard_bytes=max_shard_bytes, log=log, started=t0)
+    for change in info["changed"]:
         log(f"note: {change['key']}: the source's {change['source']!r} is {change['ours']!r} here ({change['why']})")
     gates = "renormalised" if info["normalize_gates"] else "the softmax probabilities"
     log(f"imported {ckpt.arch.causal_lm} ({hf_dir}) -> {out_dir}: {len(cfg.model.moe.layer_indices(cfg.model.n_layers))} MoE blocks x "

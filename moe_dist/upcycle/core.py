@@ -15,21 +15,19 @@ one block, not the whole model.
 from __future__ import annotations
 
 import copy
-import os
 import time
 from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
-from ..config import Config, ConfigError, apply_overrides, config_from_dict, save_config
+from ..config import Config, ConfigError, apply_overrides, config_from_dict
 from ..config.granularity import expand_granularity
 from ..errors import UsageError
-from ..hf.config import HFModelSpec, kept_values, source_dtype
+from ..hf.config import HFModelSpec
 from ..hf.dense import DenseCheckpoint
-from ..hf.tokenizer import adopt_tokenizer, check_tokenizer_fits
+from ..hf.written import write_converted
 from ..model import Block, SwiGLU, TransformerLM, build_model
 from ..moe import moe_layers
-from ..weights import OutputDirectory, ShardedWriter, output_dtype
 
 # our model keys that the checkpoint's config.json fixes
 ARCHITECTURE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "rope_theta", "rope_scaling",
@@ -186,48 +184,31 @@ def upcycle(dense_dir: str, out_dir: str, overrides: Iterable[str] = (), *, base
     ``config.yaml`` (our config; train with ``moe-dist train --config out/config.yaml``),
     ``model.safetensors`` (or shards + index), the tokenizer files, ``upcycle.json`` (written last; the
     directory replaces ``out_dir`` only when complete)."""
-    from ..model.params import count_params  # the planner's counts, so presets and runs agree
-
     t0 = time.perf_counter()
     _check_options(noise_std, seed)
     ckpt = DenseCheckpoint(dense_dir)
     for note in ckpt.spec.notes:
         log(f"note: {note}")
     cfg = upcycle_config(ckpt.spec, overrides, base)
-    out_dtype = output_dtype(dtype, source_dtype(ckpt.spec.raw))
-    target = os.path.abspath(out_dir)
-    if target == os.path.abspath(dense_dir):
-        raise UsageError(f"--out {out_dir!r} is the dense checkpoint's directory; choose another")
-    with OutputDirectory(target, "upcycle") as out:  # moved into place only when complete
-        n_tok = check_tokenizer_fits(dense_dir, cfg.model.vocab_size)
-        ckpt.check_explained()  # headers only: nothing missing, nothing unexplained
-        copied = adopt_tokenizer(dense_dir, out.path, cfg.data, log, final_dir=target)
-        cfg.ckpt.init_from = target  # `moe-dist train` starts from these weights
+    preserved = None
+
+    def prepare() -> None:
+        nonlocal preserved
         preserved = preserves_function(cfg)
         if preserved is False:
             log(f"warning: router {cfg.model.moe.router!r} with options {cfg.model.moe.router_options} does not give "
                 "back the dense FFN when all experts are equal, so the upcycled model starts from a different function "
                 "(renormalise the gates over the top-k: router_options normalize=true; symphony also init=identity; "
                 "and keep model.moe.eval_capacity_factor null)")
-        writer = ShardedWriter(out.path, max_shard_bytes, metadata={"format_of": "moe_dist", **out.metadata})
-        for name, t in upcycled_tensors(ckpt, cfg, noise_std, seed):
-            writer.add(name, t.to(out_dtype))
-        files = writer.close()
-        save_config(cfg, os.path.join(out.path, "config.yaml"))
-        counts = count_params(cfg.model)
-        info = {
-            "source": os.path.abspath(dense_dir), "family": ckpt.family, "notes": ckpt.spec.notes,
-            "moe_layers": cfg.model.moe.layer_indices(cfg.model.n_layers), "num_experts": cfg.model.moe.num_experts,
-            "top_k": cfg.model.moe.top_k, "granularity": granularity(cfg), "router": cfg.model.moe.router,
-            "noise_std": noise_std, "seed": seed,
-            "dtype": str(out_dtype).replace("torch.", ""), "weights": files, "tokenizer_files": copied,
-            "tokenizer": cfg.data.tokenizer,
-            "tokenizer_entries": n_tok, "preserves_function": preserved,
-            "total_params": counts["total"], "active_params": counts["active"],
-            "source_config": kept_values(ckpt.spec.raw),
-            "source_dtype": source_dtype(ckpt.spec.raw), "seconds": round(time.perf_counter() - t0, 2),
-        }
-        out.finish(info)
+
+    def record(out_dtype: torch.dtype) -> dict:
+        return {"moe_layers": cfg.model.moe.layer_indices(cfg.model.n_layers), "num_experts": cfg.model.moe.num_experts,
+                "top_k": cfg.model.moe.top_k, "granularity": granularity(cfg), "router": cfg.model.moe.router,
+                "noise_std": noise_std, "seed": seed, "preserves_function": preserved}
+
+    info, counts = write_converted("upcycle", dense_dir, "dense checkpoint", out_dir, ckpt, cfg, dtype,
+                                   tensors=lambda: upcycled_tensors(ckpt, cfg, noise_std, seed), record=record,
+                                   prepare=prepare, max_shard_bytes=max_shard_bytes, log=log, started=t0)
     log(f"upcycled {ckpt.family} ({dense_dir}) -> {out_dir}: {len(info['moe_layers'])} MoE layers x "
         f"{info['num_experts']} experts (top-{info['top_k']}, router {info['router']}), "
         f"{counts['total']:,} parameters ({counts['active']:,} active), {info['dtype']}, "
