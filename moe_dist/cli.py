@@ -94,7 +94,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if code:
             return code
         from .local_launch import launch_local
-        from .train.trainer import THREADS_DEFAULTED
+        from .train.runtime import THREADS_DEFAULTED
 
         defaulted = "OMP_NUM_THREADS" not in os.environ  # then the launcher's value is a default, not the user's
         if defaulted:

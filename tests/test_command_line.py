@@ -10,7 +10,7 @@ import pytest
 from moe_dist import cli
 from moe_dist.errors import CheckpointError, ConfigError, MissingInputError, UserError
 from moe_dist.train.cmd_common import user_errors
-from moe_dist.train.trainer import THREADS_DEFAULTED, thread_choice
+from moe_dist.train.runtime import THREADS_DEFAULTED, thread_choice
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "test.yaml")

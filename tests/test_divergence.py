@@ -244,22 +244,18 @@ def test_a_collapse_that_stays_finite_is_a_divergence(tmp_path, engine, nproc):
 
 
 def _health(**train):
-    """The trainer's bad-step bookkeeping alone (Trainer.check_finite and applied_bad_step on a stand-in)."""
-    from types import SimpleNamespace
+    """The trainer's bad-step bookkeeping alone (RunHealth.check_step and applied_bad_step, steps 1, 2, ...)."""
+    import itertools
 
     from moe_dist.config import load_config
-    from moe_dist.train.trainer import Trainer
+    from moe_dist.train.health import RunHealth
 
     cfg = load_config(os.path.join(ROOT, "configs", "test.yaml"), ["model.vocab_size=512", *(f"train.{k}={v}" for k, v in train.items())])
-    t = SimpleNamespace(cfg=cfg, step=0, skipped_steps=0, rollback_count=0, rollbacks=[], log=lambda msg: None)
-    Trainer._reset_health(t, {})
-    t.applied_bad_step = lambda row: Trainer.applied_bad_step(t, row)
-    t._bad_step_words = lambda row: Trainer._bad_step_words(t, row)
-    return t, lambda row: Trainer.check_finite(t, row)
+    health, steps = RunHealth(cfg, run_dir="", is_main=False, log=lambda msg: None), itertools.count(1)
+    return health, lambda row: health.check_step(next(steps), row)
 
 
 def _step(t, check, loss, grad_norm, skipped=False):
-    t.step += 1
     row = {"loss": loss, "aux_loss": 0.0, "grad_norm": grad_norm}
     if skipped:
         row["skipped"] = True

@@ -142,7 +142,7 @@ def test_bf16_on_a_cpu_without_bf16_matmuls_runs_as_fp32(monkeypatch, tmp_path, 
     fp32 with one line naming the ratio, the model-sized shape and the key that keeps bf16; a fast
     probe and GPUs keep bf16; the runtime probes at the model's size."""
     from moe_dist import hardware
-    from moe_dist.train.trainer import setup_runtime
+    from moe_dist.train.runtime import setup_runtime
 
     cpu = torch.device("cpu")
     shapes = []

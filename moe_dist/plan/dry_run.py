@@ -351,7 +351,7 @@ def dry_run(config: str, overrides: Iterable[str] = (), *, nodes: int = 1, gpus_
     from ..train.metrics import MoEStepStats
     from ..train.model_setup import build_meta_model, weights_filler
     from ..train.step import TrainStep
-    from ..train.trainer import setup_runtime
+    from ..train.runtime import setup_runtime
 
     for key, value in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node), ("--steps", steps)):
         if not isinstance(value, int) or value < 1:

@@ -125,10 +125,10 @@ def probe_run(cfg, rt, path: str, run_dir: str, json_path: Optional[str]) -> Non
     import json
 
     from ..train.checkpoint import load_checkpoint
+    from ..train.data_setup import load_data, resolve_vocab
     from ..train.evaluate import validation_batches
     from ..train.model_setup import build_meta_model, weights_filler
     from ..train.parallelize import parallelize
-    from ..train.trainer import load_data, resolve_vocab
 
     data = load_data(cfg, rt, lambda _msg: None)
     model = build_meta_model(cfg, resolve_vocab(cfg, data))
@@ -153,10 +153,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from ..config import load_config
+    from ..distributed.bootstrap import shutdown
     from ..errors import MissingInputError
     from ..train.checkpoint import latest_checkpoint
     from ..train.cmd_common import run_config_path, user_errors
-    from ..train.trainer import setup_runtime, shutdown
+    from ..train.runtime import setup_runtime
 
     def go() -> int:
         cfg = load_config(run_config_path(args.run_dir), [f"run.dir={args.run_dir}", f"eval.max_sequences={args.sequences}", "parallel.ep=1"])

@@ -154,7 +154,9 @@ def _reading(run_dir: Optional[str], rt):
 
 def run(args) -> int:
     def go() -> int:
-        from .trainer import evaluate_run, setup_runtime, shutdown
+        from ..distributed.bootstrap import shutdown
+        from .eval_run import evaluate_run
+        from .runtime import setup_runtime
 
         write = bool(args.run_dir)  # a bare model directory is only read
         cfg = _config(args)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -82,28 +82,30 @@ class PreemptionHandler:
         self._previous = {}
 
 
-def _has_checkpoint_at(trainer, step: int) -> bool:
+def _has_checkpoint_at(run_dir: str, step: int, is_main: bool, device: torch.device) -> bool:
     """Rank 0 decides (from the file system) and tells the others, so all ranks agree."""
     from .checkpoint import MARKER, step_dir
 
-    found = torch.tensor([0], dtype=torch.int64, device=trainer.rt.device)
-    if trainer.is_main:
-        found[0] = int(os.path.exists(os.path.join(step_dir(trainer.run_dir, step), MARKER)))
+    found = torch.tensor([0], dtype=torch.int64, device=device)
+    if is_main:
+        found[0] = int(os.path.exists(os.path.join(step_dir(run_dir, step), MARKER)))
     if dist.is_available() and dist.is_initialized():
         dist.broadcast(found, src=0)
     return bool(found.item())
 
 
-def stop_if_requested(trainer) -> None:
-    """Call on every rank after each optimizer step. Saves and raises :class:`Preempted` when a
-    stop signal is pending; does nothing after the last step (the run is finishing anyway)."""
-    handler: PreemptionHandler = trainer.preemption
-    if not handler.should_stop() or trainer.step >= trainer.cfg.train.steps:
+def stop_if_requested(handler: PreemptionHandler, step: int, steps: int, *, run_dir: str, is_main: bool,
+                      save: Callable[[], str], log: Callable[[str], None]) -> None:
+    """Call on every rank after each optimizer step (``step`` of ``steps``). When a stop signal is
+    pending: ``save()`` a checkpoint of this step unless ``run_dir`` already holds one, ``log`` the
+    stop (``is_main``: the rank that reads the file system and logs), raise :class:`Preempted`.
+    Does nothing after the last step (the run is finishing anyway)."""
+    if not handler.should_stop() or step >= steps:
         return
     path = None
-    if not _has_checkpoint_at(trainer, trainer.step):
-        path = trainer.save()
-    trainer.log(f"{handler.signal_name} received: stopped after step {trainer.step}/{trainer.cfg.train.steps}"
-                f"{', checkpoint ' + path if path else ' (checkpoint already saved)'}; exit code {EXIT_PREEMPTED} "
-                "(resume with resume=auto)")
-    raise Preempted(trainer.step, handler.signal_name)
+    if not _has_checkpoint_at(run_dir, step, is_main, handler.device):
+        path = save()
+    log(f"{handler.signal_name} received: stopped after step {step}/{steps}"
+        f"{', checkpoint ' + path if path else ' (checkpoint already saved)'}; exit code {EXIT_PREEMPTED} "
+        "(resume with resume=auto)")
+    raise Preempted(step, handler.signal_name)

@@ -5,7 +5,7 @@ vocabulary, fewer blocks, MoE in every other block) train a few real steps with
 runtime baseline, is compared with the planner's per-rank total for the same layout,
 workload and dtype.
 
-    PYTHONPATH=. .venv/bin/python scripts/plan_check.py [--work DIR] [--cases NAME ...] [--max-gib 12]
+    .venv/bin/python -m moe_dist.bench.plan_check [--work DIR] [--cases NAME ...] [--max-gib 12]
 
 Baseline: for each number of ranks R, R processes started the same way (torch.distributed.run,
 same OMP_NUM_THREADS) import the trainer, bring the process group up (one all-reduce so gloo's
@@ -27,7 +27,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRESETS = {"tinyllama": os.path.join(ROOT, "configs", "tinyllama-upcycle-8x2.yaml"),
            "phi3": os.path.join(ROOT, "configs", "phi3-mini-upcycle-4x2.yaml")}
 # small data: the committed corpus slice and a small tokenizer (model.vocab_size stays the preset's)
@@ -114,7 +114,8 @@ def baseline_probe(out: str, config: str, overrides: list[str]) -> None:
     import torch.distributed as dist
 
     from moe_dist.config import load_config
-    from moe_dist.train.trainer import gather_peak_rss, load_data, setup_runtime
+    from moe_dist.train.data_setup import load_data
+    from moe_dist.train.runtime import gather_peak_rss, setup_runtime
 
     cfg = load_config(config, overrides)
     rt = setup_runtime(cfg)
@@ -133,7 +134,7 @@ def measure_baseline(case: Case, work: str) -> list[int]:
     out = os.path.join(work, f"baseline-{case.nproc}.json")
     if not os.path.exists(out):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-               f"--nproc-per-node={case.nproc}", os.path.abspath(__file__), "--baseline-probe", out,
+               f"--nproc-per-node={case.nproc}", "-m", "moe_dist.bench.plan_check", "--baseline-probe", out,
                "--config", PRESETS[case.preset], "--", *case.overrides(os.path.join(work, "baseline"))]
         _call(cmd, os.path.join(work, f"baseline-{case.nproc}.log"), case.nproc)
     with open(out, encoding="utf-8") as f:
