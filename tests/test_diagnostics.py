@@ -1,5 +1,5 @@
 """Routing diagnostics: load figures and fluctuation rates against hand-computed cases, the
-RoutingDiagnostics object on a tiny model (1 process and 2 gloo ranks), PNGs, TensorBoard."""
+RoutingDiagnostics object on a tiny model (1 process and 2 gloo ranks), PNGs."""
 import math
 
 import pytest
@@ -12,7 +12,7 @@ from moe_dist.diagnostics import (RoutingDiagnostics, fluctuation_rates, format_
                                   probe_assignments, ranked_experts, routing_summary)
 from moe_dist.distributed import build_parallel_groups
 from moe_dist.moe import MoEArgs, MoELayer, collect_stats
-from moe_dist.moe.routing import AttentionInputs, Routing, RouterInputs
+from moe_dist.moe.routing_types import AttentionInputs, Routing, RouterInputs
 from moe_dist.parallel import apply_expert_parallel
 
 D, E, VOCAB = 16, 4, 40
@@ -128,7 +128,7 @@ def test_probe_fluctuation_on_a_model():
     assert len(restored.fluct_history["1"]) == 3
 
 
-def test_update_tensorboard_pngs_with_symphony(tmp_path):
+def test_update_probe_graphs_and_pngs_with_symphony(tmp_path):
     model = TinyLM(router="symphony", router_options={"init": "identity"})
     tokens = probe(B=3, S=8)
     diag = RoutingDiagnostics()
@@ -153,22 +153,12 @@ def test_update_tensorboard_pngs_with_symphony(tmp_path):
     # the trainer's summary format ({layer: {"expert_counts": [...]}}) works too
     assert diag.update(4, {"1": {"expert_counts": [4, 0, 2, 2]}})["1"]["dead_experts"] == 1
     assert diag.record_graphs(model) == 2
+    # the trainer merges these figures into its metrics row; the metrics logger charts the host numbers
     metrics = {k: {**v, **diag.fluct_history[k][-1][1]} for k, v in rows.items()}
-
-    class Writer:
-        def __init__(self):
-            self.calls = []
-
-        def add_scalar(self, tag, value, step):
-            self.calls.append((tag, value, step))
-
-    w = Writer()
-    diag.write_tensorboard(w, 3, metrics)
-    tags = {t for t, _, _ in w.calls}
     for layer in ("1", "3"):
         for key in ("max_load_ratio", "load_cv", "dead_experts", "entropy", "dropped_fraction", "fluct_top1", "fluct_topk"):
-            assert f"moe_layer{layer}/{key}" in tags
-    assert all(s == 3 and isinstance(v, float) for _, v, s in w.calls)
+            value = metrics[layer][key]
+            assert isinstance(value, (int, float)) and not isinstance(value, bool), (layer, key, value)
     paths = diag.write_pngs(str(tmp_path / "plots"))
     assert sorted(p.rsplit("/", 1)[1] for p in paths) == ["routing_fluctuation.png", "routing_load.png", "symphony_graph.png"]
     for p in paths:

@@ -1,11 +1,11 @@
-"""The pipelined expert-parallel exchange (moe_dist.moe.exchange): the loop kernel computes the
+"""The pipelined expert-parallel exchange (moe_dist.moe.dispatch.exchange): the loop kernel computes the
 rows that stay on a rank while the others travel, forward and backward, and gets what the
 plain exchange-then-compute path gets (outputs and row gradients bit for bit)."""
 import pytest
 import torch
 
 from helpers.dist_harness import run_ranks
-from moe_dist.moe.exchange import Exchange, exchange_rows, return_rows
+from moe_dist.moe.dispatch.exchange import Exchange, exchange_rows, return_rows
 from moe_dist.moe.experts import GroupedExperts
 
 D_MODEL, D_FF, EXPERTS = 16, 24, 8
@@ -84,7 +84,7 @@ def _all(rank, world, cases):
 def _schedule(rank, world):
     """The order of transfers and span computations in one forward and backward."""
     import torch.distributed as dist
-    import moe_dist.moe.exchange as exchange
+    import moe_dist.moe.dispatch.exchange as exchange
 
     events = []
 
@@ -162,4 +162,4 @@ def test_a_failed_transfer_is_named_like_a_blocking_collective():
     info = run_ranks(_peer_leaves, 2, timeout=60)[0]
     assert info is not None and info != "no error"
     assert info["name"] == "all_to_all_single" and info["ranks"] == [0, 1] and info["lost_or_timed_out"]
-    assert info["caller"].startswith("moe_dist/moe/exchange.py:")
+    assert info["caller"].startswith("moe_dist/moe/dispatch/exchange.py:")

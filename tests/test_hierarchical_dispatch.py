@@ -10,8 +10,8 @@ from helpers.host_sync import count_host_syncs
 from helpers.moe_cases import D_MODEL, check_against_reference, collect, make_batch, make_layer, reference, split_sizes, step
 from moe_dist.distributed import build_parallel_groups
 from moe_dist.distributed.topology import NodeLayout
-from moe_dist.moe.hierarchical import dispatch_note, hierarchical_fallback
-from moe_dist.moe.traffic import COMBINE, DISPATCH
+from moe_dist.moe.dispatch.hierarchical import dispatch_note, hierarchical_fallback
+from moe_dist.moe.dispatch.traffic import COMBINE, DISPATCH
 from moe_dist.parallel import apply_expert_parallel, sync_gradients
 
 TOKENS = 96

@@ -1,4 +1,4 @@
-"""The bytes an MoE layer's exchanges send, intra-node and inter-node (moe_dist.moe.traffic): on 4 gloo
+"""The bytes an MoE layer's exchanges send, intra-node and inter-node (moe_dist.moe.dispatch.traffic): on 4 gloo
 ranks declared as 2 nodes of 2, the layer's count equals a hand count from every rank's routing (each
 kept pair's destination rank and node, a row of d_model values each way, forward and backward), for
 capacity and dropless, the pipelined loop kernel and the exchange-then-compute kernels, bf16 rows,
@@ -15,7 +15,7 @@ import torch.utils.checkpoint
 from helpers.dist_harness import run_ranks
 from moe_dist.config import load_config
 from moe_dist.distributed.topology import NodeLayout
-from moe_dist.moe.traffic import COMBINE, COMBINE_GRAD, COUNTS, DISPATCH, DISPATCH_GRAD, KINDS, split_bytes
+from moe_dist.moe.dispatch.traffic import COMBINE, COMBINE_GRAD, COUNTS, DISPATCH, DISPATCH_GRAD, KINDS, split_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 D, E, K, T = 16, 8, 2, 24  # d_model, experts, top-k, tokens per rank

@@ -7,7 +7,7 @@
 
 Only MoE layer calls run (forward + backward of one :class:`~moe_dist.moe.layer.MoELayer` at
 ``ep`` = the world size; no optimizer, no sharded dense weights), so what crosses a node's link is
-the layer's traffic: its all-to-alls (which :mod:`moe_dist.moe.traffic` counts) and its routing
+the layer's traffic: its all-to-alls (which :mod:`moe_dist.moe.dispatch.traffic` counts) and its routing
 statistics' all-gather, plus the transport's own bytes. Every node's first rank reads the
 interface's ``tx_bytes`` / ``rx_bytes`` / packet counters (``/sys/class/net/IFACE/statistics``)
 around windows that all ranks enter and leave together (a barrier, a pause for late
@@ -42,9 +42,9 @@ from ..distributed.bootstrap import init_distributed, shutdown
 from ..distributed.roll_call import hosts
 from ..distributed.topology import node_of_ranks
 from ..moe import MoEArgs, MoELayer
-from ..moe.dispatch import dispatch
-from ..moe.exchange import Exchange, exchange_rows, return_rows
-from ..moe.traffic import TrafficMeter
+from ..moe.dispatch.flat import dispatch
+from ..moe.dispatch.exchange import Exchange, exchange_rows, return_rows
+from ..moe.dispatch.traffic import TrafficMeter
 from ..parallel import apply_expert_parallel
 
 COUNTERS = ("tx_bytes", "rx_bytes", "tx_packets", "rx_packets")

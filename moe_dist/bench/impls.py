@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ..distributed import ParallelGroups
 from ..moe import MoEArgs, MoELayer
-from ..moe.routing import RouterInputs
+from ..moe.routing_types import RouterInputs
 from ..parallel import apply_expert_parallel
 from ..parallel.kernel_choice import agree_expert_kernels
 from .attention_inputs import synthetic_attention_inputs

@@ -30,7 +30,7 @@ _PEER_LOST = re.compile(r"connection (closed|reset)|broken pipe|peer|socket clos
 class FailedCollective:
     name: str  # e.g. all_to_all_single
     ranks: Optional[list[int]]  # the group's global ranks (None: not known)
-    caller: str  # "moe_dist/moe/dispatch.py:88 in dispatch" (or "")
+    caller: str  # "moe_dist/moe/dispatch/flat.py:88 in dispatch" (or "")
     timed_out: bool  # the backend gave up waiting (rather than losing a connection)
     peer_lost: bool  # a peer closed its connection (it exited or was killed)
 

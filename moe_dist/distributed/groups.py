@@ -65,7 +65,7 @@ class ParallelGroups:
     dp_rank: int = 0
     edp_size: int = 1
     ep_nodes: Optional[NodeLayout] = None  # the node of each ep peer, in ep rank order (None: all on one node)
-    dispatch: str = "flat"  # how tokens reach the ep peers: flat, or hierarchical (node-aware; moe_dist.moe.hierarchical)
+    dispatch: str = "flat"  # how tokens reach the ep peers: flat, or hierarchical (node-aware; moe_dist.moe.dispatch.hierarchical)
     ep_node: Optional[dist.ProcessGroup] = None  # hierarchical: this rank's ep peers on its node
     ep_rail: Optional[dist.ProcessGroup] = None  # hierarchical: the ep peers in this rank's position on every node
 

@@ -43,11 +43,11 @@ from ..distributed.collectives import group_size
 from ..errors import ConfigError
 from ..moe.capacity import apply_capacity
 from ..moe.losses import balance_losses
-from ..moe.route import route
+from ..moe.route_stage import route
 from ..moe.routers import build_router
-from ..moe.routing import RouterInputs, RoutingContext, is_recomputing
-from ..moe.routing_stats import RoutingStats, reduce_routing_stats
-from ..moe.stats import MoEStats
+from ..moe.routing_types import RouterInputs, RoutingContext, is_recomputing
+from ..moe.cross_rank_stats import RoutingStats, reduce_routing_stats
+from ..moe.layer_stats import MoEStats
 from ..safe_dcp import SafeFileSystemReader
 
 LOAD_BALANCING_TYPES = ("aux_loss", "global_aux_loss", "none")
@@ -123,7 +123,7 @@ class MegatronRouter(MegatronModule):
     gates over every rank's pairs go first (one host read of the ranks' pair counts).
 
     Attributes after a forward: ``stats`` (:class:`moe_dist.moe.MoEStats`, global values),
-    ``last_routing`` (this rank's :class:`moe_dist.moe.routing.Routing`, tokens in Megatron's
+    ``last_routing`` (this rank's :class:`moe_dist.moe.routing_types.Routing`, tokens in Megatron's
     ``[S, B]`` order). Parameters and buffers of ``self.router`` are saved and loaded by
     Megatron's ``sharded_state_dict`` (replicated, like Megatron's own router weight).
     """

@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..checks import check_choice
-from ..moe.routing import ATTENTION_NEEDS, AttentionInputs
+from ..moe.routing_types import ATTENTION_NEEDS, AttentionInputs
 
 
 QK_NORMS = ("none", "projection")  # model.qk_norm: where Attention normalises queries and keys
@@ -76,7 +76,7 @@ class Attention(nn.Module):
     """Causal grouped-query attention: ``n_heads`` query heads share ``n_kv_heads`` key/value heads.
 
     ``forward`` returns the output and, when asked (``capture``, one of
-    :data:`~moe_dist.moe.routing.ATTENTION_NEEDS`), an :class:`~moe_dist.moe.routing.AttentionInputs`
+    :data:`~moe_dist.moe.routing_types.ATTENTION_NEEDS`), an :class:`~moe_dist.moe.routing_types.AttentionInputs`
     for a router that reads the attention: ``scores`` gives the rotated queries and keys, the
     values, the output and the output projection's weight, and the fused SDPA kernel still runs;
     ``probs`` also the probabilities ``[B, H, S, S]``, whose scores and softmax are then computed

@@ -7,10 +7,10 @@
 from .args import MoEArgs
 from .experts import GroupedExperts
 from .layer import MoELayer, collect_aux_loss, collect_stats, moe_layers
+from .layer_stats import MoEStats
 from .routers import ROUTERS, Router, build_router, register_router
-from .routing import AttentionInputs, RouterInputs, Routing, RoutingContext
+from .routing_types import AttentionInputs, RouterInputs, Routing, RoutingContext
 from .shared import SharedExpert
-from .stats import MoEStats
 
 __all__ = [
     "MoELayer", "MoEArgs", "GroupedExperts", "SharedExpert", "MoEStats", "Routing", "RoutingContext", "RouterInputs",

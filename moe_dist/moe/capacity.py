@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..distributed.collectives import all_gather_tensor, group_rank, group_size
 from . import stand_in
-from .counting import count_values
+from .dispatch.counting import count_values
 from ..errors import ConfigError
 
 
@@ -119,7 +119,7 @@ def apply_capacity(routing, stats, capacity_factor: Optional[float], *, scope: s
                    drop_policy: str = "position", min_capacity: int = 0,
                    group: Optional[dist.ProcessGroup] = None) -> CapacityDecision:
     """The capacity stage: which of ``routing``'s pairs are kept, from the gathered statistics
-    ``stats`` (:class:`~moe_dist.moe.routing_stats.GatheredStats` over ``group``, the stats group).
+    ``stats`` (:class:`~moe_dist.moe.cross_rank_stats.GatheredStats` over ``group``, the stats group).
 
     Host synchronisation: none for ``position`` (the capacity and this rank's start positions are
     computed on the device from the gathered counts); ``probs`` with the global scope on 2+ ranks

@@ -2,8 +2,8 @@
 
 Rows arrive grouped by local expert (``counts[i]`` rows for expert i, in order) or, with
 expert parallelism, in send order with the exchange that takes them to their experts
-(:mod:`moe_dist.moe.exchange`). Three kernels compute the same thing (``loop``:
-:mod:`moe_dist.moe.loop_kernel`); which is fastest depends on dtype and size on a given
+(:mod:`moe_dist.moe.dispatch.exchange`). Three kernels compute the same thing (``loop``:
+:mod:`moe_dist.moe.dispatch.loop_kernel`); which is fastest depends on dtype and size on a given
 machine, so ``kernel="auto"`` times them once per shape bucket and caches the winner.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from ..distributed.shards import local_rows
 from ..checks import check_choice
-from .exchange import Exchange, PipelinedLoop, exchange_rows, return_rows
-from .loop_kernel import LoopFFN
+from .dispatch.exchange import Exchange, PipelinedLoop, exchange_rows, return_rows
+from .dispatch.loop_kernel import LoopFFN
 
 ACTIVATIONS = ("swiglu", "gelu")
 KERNELS = ("auto", "loop", "bmm", "grouped_mm")

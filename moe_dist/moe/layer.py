@@ -1,16 +1,18 @@
 """MoELayer: route -> gather the routing statistics -> balance losses -> capacity -> dispatch ->
 experts -> combine -> shared expert.
 
-Each stage lives in its own module: :mod:`~moe_dist.moe.route`, :mod:`~moe_dist.moe.routing_stats`,
-:mod:`~moe_dist.moe.losses`, :mod:`~moe_dist.moe.capacity`, :mod:`~moe_dist.moe.dispatch`,
-:mod:`~moe_dist.moe.experts`, :mod:`~moe_dist.moe.shared`; each states its host reads. The Megatron
+Each stage lives in its own module: :mod:`~moe_dist.moe.route_stage`,
+:mod:`~moe_dist.moe.cross_rank_stats`, :mod:`~moe_dist.moe.losses`, :mod:`~moe_dist.moe.capacity`,
+:mod:`~moe_dist.moe.dispatch` (one dispatcher, flat or hierarchical, chosen in
+:meth:`MoELayer.set_groups`: dispatch, experts, combine), :mod:`~moe_dist.moe.experts`,
+:mod:`~moe_dist.moe.shared`; each states its host reads. The Megatron
 plug-in (``moe_dist.integrations.megatron``) runs the same routing stages.
 
 The layer is built for one process from one :class:`~moe_dist.moe.args.MoEArgs`;
 ``apply_expert_parallel`` (moe_dist.parallel) later keeps only this rank's experts and hands the
 layer its process groups (:meth:`MoELayer.set_groups`). What its router needs
 from the model for a call (sequence structure, padding, the previous MoE layer's top-1, the
-attention before it: :class:`~moe_dist.moe.routing.RouterInputs`) is an argument of ``forward``;
+attention before it: :class:`~moe_dist.moe.routing_types.RouterInputs`) is an argument of ``forward``;
 ``attention_needs`` says which form of the attention the router reads.
 """
 from __future__ import annotations
@@ -23,22 +25,23 @@ import torch.nn as nn
 from ..errors import ConfigError
 from ..distributed.collectives import subgroup_positions, subgroup_rows
 from ..distributed.groups import ParallelGroups
+from . import stand_in
 from .args import MoEArgs
 from .capacity import apply_capacity
-from .dispatch import combine, dispatch
+from .cross_rank_stats import GatheredStats, RoutingStats, gather_routing_stats
+from .dispatch.dispatcher import Dispatcher
+from .dispatch.flat import FlatDispatcher
+from .dispatch.hierarchical import HierarchicalDispatcher, hierarchical_fallback
+from .dispatch.traffic import TrafficMeter
 from .experts import GroupedExperts
-from .hierarchical import combine_hierarchical, dispatch_hierarchical, hierarchical_experts, hierarchical_fallback
+from .layer_stats import MoEStats
 from .losses import balance_losses, sequence_balance_sum
-from . import stand_in
-from .route import route
-from .routing_model import LayerCall, kept_counts
+from .route_stage import route
 from .routers import build_router
 from .routers.base import nonfinite_logits_error
-from .routing import NO_INPUTS, Routing, RouterInputs, RoutingContext, is_recomputing
-from .routing_stats import GatheredStats, RoutingStats, gather_routing_stats
+from .routing_model import LayerCall, kept_counts
+from .routing_types import NO_INPUTS, Routing, RouterInputs, RoutingContext, is_recomputing
 from .shared import SharedExpert, add_shared_expert, init_linear
-from .stats import MoEStats
-from .traffic import TrafficMeter
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -79,8 +82,8 @@ class MoELayer(nn.Module):
         self.shared_expert_gate = init_linear(d_model, 1, init_std) if args.shared_gate else None
         self._pending_counts: Optional[torch.Tensor] = None  # expert-bias counts of the current optimizer step
         self.groups = ParallelGroups.single()
-        self.hierarchical = False  # node-aware dispatch (parallel.dispatch=hierarchical over several nodes)
         self.traffic = TrafficMeter()  # bytes this rank's exchanges send, intra- and inter-node
+        self.dispatcher: Dispatcher = FlatDispatcher(self.num_experts, self.groups, self.traffic)
         self.context = RoutingContext(layer_idx=layer_idx)
         self.aux_loss: Optional[torch.Tensor] = None
         self.stats: Optional[MoEStats] = None
@@ -112,7 +115,7 @@ class MoELayer(nn.Module):
     @property
     def attention_needs(self) -> Optional[str]:
         """What the router reads of the attention sub-layer before this layer: None, ``scores``
-        or ``probs`` (:data:`~moe_dist.moe.routing.ATTENTION_NEEDS`); the model hands it over in
+        or ``probs`` (:data:`~moe_dist.moe.routing_types.ATTENTION_NEEDS`); the model hands it over in
         ``RouterInputs.attention``."""
         return self.router.attention_needs
 
@@ -156,14 +159,21 @@ class MoELayer(nn.Module):
         """The one way parallelism reaches the layer (``moe_dist.parallel.apply_expert_parallel`` calls
         it): the routing statistics are gathered over ``groups.dp`` (the ranks holding distinct
         tokens), the tokens exchanged over ``groups.ep`` (hierarchically when ``groups.dispatch`` asks
-        for it and the group spans several nodes, :mod:`~moe_dist.moe.hierarchical`). Until then the
-        layer runs as one process."""
+        for it and the group spans several nodes, :mod:`~moe_dist.moe.dispatch.hierarchical`), by the
+        dispatcher chosen here. Until then the layer runs as one process."""
         if self.num_experts % groups.ep_size:
             raise ConfigError(f"parallel.ep={groups.ep_size} must divide model.moe.num_experts={self.num_experts}")
         self.groups = groups
-        self.hierarchical = groups.dispatch == "hierarchical" and hierarchical_fallback(groups) is None
         self.traffic = TrafficMeter(groups.ep_nodes, groups.ep_rank)
+        hierarchical = groups.dispatch == "hierarchical" and hierarchical_fallback(groups) is None
+        self.dispatcher = (HierarchicalDispatcher if hierarchical else FlatDispatcher)(self.num_experts, groups,
+                                                                                        self.traffic)
         self.context.stats_group, self.context.ep_group = groups.dp, groups.ep
+
+    @property
+    def hierarchical(self) -> bool:
+        """Whether the node-aware dispatch runs (parallel.dispatch=hierarchical over several nodes)."""
+        return self.dispatcher.name == "hierarchical"
 
     # ---- forward ------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, inputs: Optional[RouterInputs] = None) -> torch.Tensor:
@@ -196,20 +206,9 @@ class MoELayer(nn.Module):
                        if capacity.keep is None else None)
         read_along = torch.stack([stats.total.nonfinite, stats.total.tokens])
         host_counts = self._modelled_counts(rows.shape[0])
-        if self.hierarchical:
-            if host_counts is not None:
-                raise ConfigError("a dry run models the flat dispatch; parallel.dispatch=hierarchical over several "
-                                  "nodes is not modelled (use parallel.dispatch=flat for the dry run)")
-            routed, plan = dispatch_hierarchical(rows, routing.expert_ids, routing.gates, capacity.keep, self.num_experts,
-                                                 self.groups, read_along, meter=self.traffic)
-            self._check_nonfinite(*plan.read_along)
-            out = combine_hierarchical(hierarchical_experts(self.experts, routed, plan), plan)
-        else:
-            routed, plan = dispatch(rows, routing.expert_ids, routing.gates, capacity.keep, self.num_experts,
-                                    self.groups.ep, peer_counts, read_along, meter=self.traffic, nodes=self.groups.ep_nodes,
-                                    host_counts=host_counts)
-            self._check_nonfinite(*plan.read_along)
-            out = combine(self.experts(routed, plan.local_counts, plan.exchange), plan, rows.shape[0])
+        routed, plan = self.dispatcher.dispatch(rows, routing, capacity.keep, read_along, peer_counts, host_counts)
+        self._check_nonfinite(*plan.read_along)
+        out = self.dispatcher.combine(self.dispatcher.experts(self.experts, routed, plan), plan, rows.shape[0])
         self.inter_node_rows = (None if plan.inter_node_pairs is None
                                 else (plan.inter_node_pairs, plan.inter_node_rows))
         out = add_shared_expert(out, rows, self.shared_expert, self.shared_expert_gate)

@@ -21,7 +21,7 @@ Collectives:
 
 Overlap, as the code overlaps:
 
-* the loop expert kernel's :class:`moe_dist.moe.exchange.PipelinedLoop` computes the first half
+* the loop expert kernel's :class:`moe_dist.moe.dispatch.exchange.PipelinedLoop` computes the first half
   of the rows that stay on the rank while the dispatch travels and the second half while the
   outputs return, forward and backward alike: per MoE layer and pass
   ``max(A, c_own / 2) + c_remote + max(A, c_own / 2)`` with ``c_own`` the rank's own rows

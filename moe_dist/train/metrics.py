@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from ..distributed.collectives import all_reduce_sum
 from ..moe import MoELayer
-from ..moe.stats import spans_summary
+from ..moe.layer_stats import spans_summary
 
 STANDARD_STATS = ("expert_counts", "dropped_fraction", "aux_loss", "z_loss", "entropy", "tokens", "capacity")
 

@@ -19,7 +19,7 @@ from ..distributed.bootstrap import Runtime
 from ..distributed.ranges import COLLECTIVE, OPTIMIZER, timed_range
 from ..hardware import batch_to_device
 from ..moe import collect_aux_loss, moe_layers
-from ..moe.traffic import take_traffic
+from ..moe.dispatch.traffic import take_traffic
 from .evaluate import autocast
 from .metrics import MoEStepStats
 from .optim import lr_at, set_lr

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from ..distributed.collectives import all_gather_tensor, group_rank, group_size
 from . import stand_in
-from .routing import Routing, RouterInputs, RoutingContext
+from .routing_types import Routing, RouterInputs, RoutingContext
 
 
 def token_layout(num_tokens: int, group: Optional[dist.ProcessGroup], device) -> tuple[int, int]:

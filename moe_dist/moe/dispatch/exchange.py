@@ -14,7 +14,7 @@ backward alike:
                own rows, first half   | remote rows | own rows, second half
 
 Every span of rows (one expert's rows from one source) is computed by the same kernel calls
-as without the overlap (:mod:`moe_dist.moe.loop_kernel`), so the outputs and row gradients
+as without the overlap (:mod:`moe_dist.moe.dispatch.loop_kernel`), so the outputs and row gradients
 are bit-identical; only the order in which an expert's weight gradient sums its spans changes.
 The other kernels exchange first, then compute (:func:`exchange_rows`, :func:`return_rows`).
 """
@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from ..distributed.collective_errors import wait_collective
-from ..distributed.collectives import all_to_all_rows
+from ...distributed.collective_errors import wait_collective
+from ...distributed.collectives import all_to_all_rows
 from .loop_kernel import CHUNK_ROWS, begin_backward, span_backward, span_forward, spans_of
 from .traffic import COMBINE, COMBINE_GRAD, DISPATCH, DISPATCH_GRAD, TrafficMeter
 
@@ -39,7 +39,7 @@ class Exchange:
 
     send: rows this rank sends to each rank (its own experts' rows: ``send[rank]``, kept here).
     recv: ``recv[src][e]`` rows that rank ``src`` sends for this rank's local expert ``e``.
-    meter: records the bytes each transfer sends (:mod:`moe_dist.moe.traffic`); None: not counted.
+    meter: records the bytes each transfer sends (:mod:`moe_dist.moe.dispatch.traffic`); None: not counted.
     runs: the rows from each ``src`` as ``(local expert, rows)`` runs in arrival order, when the rows
         of one expert from one source are several spans (the hierarchical dispatch forwards the rows
         of several origins, each its own span); None: one run per expert, ``recv[src]``.

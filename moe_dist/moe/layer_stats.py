@@ -1,4 +1,5 @@
-"""Per-forward routing statistics of one MoE layer (detached tensors; no host sync until read)."""
+"""What one MoE layer reports after each forward (:class:`MoEStats`: counts, drops, losses, entropy;
+detached tensors, no host sync until read), and the group-span summary of the metrics."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ class MoEStats:
     capacity: token slots per expert (None: dropless; a 0-d int64 tensor on the device for the
         global capacity scope, an int for the local one).
     group_spans: with node-limited routing, ``[E]`` tokens whose experts lie in ``j + 1`` distinct
-        expert groups (:func:`~moe_dist.moe.routing_stats.group_spans`); None without it.
+        expert groups (:func:`~moe_dist.moe.cross_rank_stats.group_spans`); None without it.
     extras: router-specific figures.
     """
 
@@ -36,7 +37,7 @@ class MoEStats:
     @classmethod
     def of(cls, total, losses, capacity, routing, grouped: bool = False) -> "MoEStats":
         """The stats of one forward from its stages' results: ``total`` the routing statistics summed
-        over the stats group (:class:`~moe_dist.moe.routing_stats.RoutingStats`), ``losses``
+        over the stats group (:class:`~moe_dist.moe.cross_rank_stats.RoutingStats`), ``losses``
         (:class:`~moe_dist.moe.losses.BalanceLosses`), ``capacity``
         (:class:`~moe_dist.moe.capacity.CapacityDecision`) and this rank's ``routing``; ``grouped``:
         the routing was node-limited (``total`` counted the group spans)."""

@@ -9,7 +9,7 @@ cache, so the time per row does not grow with the batch.
 
 The unit of work is a *span*: consecutive rows of one expert. :func:`span_forward` and
 :func:`span_backward` compute one span; :class:`LoopFFN` runs the spans of one batch in row
-order, and the expert-parallel exchange (:mod:`moe_dist.moe.exchange`) runs them in the order
+order, and the expert-parallel exchange (:mod:`moe_dist.moe.dispatch.exchange`) runs them in the order
 that overlaps its transfers. A span gives the same result whatever runs before or after it.
 ``w3 is None`` means a GELU MLP, else SwiGLU.
 """

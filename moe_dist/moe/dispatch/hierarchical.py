@@ -9,22 +9,22 @@ other node: the rank there with the same position among its node's ranks (rail-a
                               expert ids and gates on that node (the gates differentiable);
     stage 2  (inside a node)  each rank, as a proxy, forwards the pairs of the rows it holds (its own
                               tokens' pairs on its node, and the rows received for remote origins)
-                              to the ranks of their experts, over an :class:`~moe_dist.moe.exchange.Exchange`
+                              to the ranks of their experts, over an :class:`~moe_dist.moe.dispatch.exchange.Exchange`
                               that moves rows only between ranks of one node; the experts compute;
                               the outputs come back, and the proxy sums each row's pairs, weighted by
                               the gates, into one partial row per (token, node);
     stage 3  (between nodes)  the partial rows go back to their origins, which add them up.
 
-Bit-identity with the flat dispatch (:mod:`moe_dist.moe.dispatch`), on the same inputs and weights:
+Bit-identity with the flat dispatch (:mod:`moe_dist.moe.dispatch.flat`), on the same inputs and weights:
 
 * The experts see the same spans (the rows of one origin for one expert, in token order): the
   stage-2 exchange lists each origin's rows as its own run (``Exchange.runs``), so the ``loop``
-  kernel (overlapped with the exchange, :class:`~moe_dist.moe.exchange.PipelinedLoop`) runs the
+  kernel (overlapped with the exchange, :class:`~moe_dist.moe.dispatch.exchange.PipelinedLoop`) runs the
   same kernel calls as the flat path; the other kernels get the rows permuted into the flat
   layout. Every expert output row and every row gradient is bit-identical.
 * A token's pairs add up per node, in ascending expert order, then across nodes in node order;
   the flat path adds in that same order whenever it could differ (three or more pairs,
-  :class:`~moe_dist.moe.dispatch.SumOrder`). Outputs, input gradients, gate gradients (so router
+  :class:`~moe_dist.moe.dispatch.flat.SumOrder`). Outputs, input gradients, gate gradients (so router
   gradients) are bit-identical.
 * The expert weight gradients sum the same span products in another order (as the overlapped
   exchange already does): equal to rounding.
@@ -47,14 +47,16 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..distributed.collectives import all_gather_tensor, all_to_all_rows, group_rank, group_size
-from ..distributed.groups import ParallelGroups
-from ..distributed.topology import NodeLayout
+from ...errors import ConfigError
+from ...distributed.collectives import all_gather_tensor, all_to_all_rows, group_rank, group_size
+from ...distributed.groups import ParallelGroups
+from ...distributed.topology import NodeLayout
+from ..experts import GroupedExperts, PermuteRows, host_ints, inverse_permutation
 from .counting import count_values
-from .dispatch import (SumOrder, gather_rows, inter_node_pairs, nodes_of_tokens, pair_nodes, read_counts,
-                       scatter_rows, send_order_key)
+from .dispatcher import Dispatcher
+from .flat import (SumOrder, gather_rows, inter_node_pairs, nodes_of_tokens, pair_nodes, read_counts,
+                   scatter_rows, send_order_key)
 from .exchange import Exchange, exchange_rows, return_rows
-from .experts import GroupedExperts, PermuteRows, host_ints, inverse_permutation
 from .traffic import COMBINE, COMBINE_GRAD, COUNTS, DISPATCH, DISPATCH_GRAD, TrafficMeter
 
 
@@ -109,7 +111,7 @@ class HierarchicalPlan:
 
 
 class SubgroupMeter:
-    """A :class:`~moe_dist.moe.traffic.TrafficMeter` of the expert-parallel group, for transfers over
+    """A :class:`~moe_dist.moe.dispatch.traffic.TrafficMeter` of the expert-parallel group, for transfers over
     a subgroup of it (the node or the rail): splits by subgroup rank, recorded by ep rank."""
 
     def __init__(self, meter: TrafficMeter, ranks: list[int], ep: int):
@@ -138,9 +140,9 @@ def dispatch_hierarchical(x: torch.Tensor, expert_ids: torch.Tensor, gates: torc
                           meter: Optional[TrafficMeter] = None) -> tuple[torch.Tensor, HierarchicalPlan]:
     """Stage 1: the rows of ``x`` ``[T, d]`` to the proxies, and the pairs of the rows this rank holds
     laid out in stage-2 send order (returned with the plan). Arguments as
-    :func:`~moe_dist.moe.dispatch.dispatch`; ``groups``: the expert-parallel group, its node layout
+    :func:`~moe_dist.moe.dispatch.flat.dispatch`; ``groups``: the expert-parallel group, its node layout
     and this rank's node and rail groups (:func:`hierarchical_fallback` says None). ``meter``:
-    records the bytes of every transfer, by expert-parallel rank (:mod:`moe_dist.moe.traffic`)."""
+    records the bytes of every transfer, by expert-parallel rank (:mod:`moe_dist.moe.dispatch.traffic`)."""
     T, k = expert_ids.shape
     ep_group, nodes = groups.ep, groups.ep_nodes
     R, me, N = group_size(ep_group), group_rank(ep_group), nodes.num_nodes
@@ -282,3 +284,27 @@ def combine_hierarchical(y: torch.Tensor, plan: HierarchicalPlan) -> torch.Tenso
     if plan.rail_meter is not None:
         back = plan.rail_meter.on_backward(back, COMBINE_GRAD, plan.to_proxy)
     return scatter_rows(torch.cat([back, partial[received:]]), None, plan.row_token, plan.num_tokens, plan.row_sum)
+
+
+class HierarchicalDispatcher(Dispatcher):
+    """Stages 1 to 3 over ``groups`` (:func:`hierarchical_fallback` says None); ``meter`` records
+    the bytes of every transfer."""
+
+    name = "hierarchical"
+
+    def __init__(self, num_experts: int, groups: ParallelGroups, meter: Optional[TrafficMeter] = None):
+        self.num_experts, self.groups, self.meter = num_experts, groups, meter
+
+    def dispatch(self, rows, routing, keep, read_along, peer_counts=None, host_counts=None):
+        # peer_counts: not needed, every rank's counts are gathered with the per-node row counts
+        if host_counts is not None:
+            raise ConfigError("a dry run models the flat dispatch; parallel.dispatch=hierarchical over several "
+                              "nodes is not modelled (use parallel.dispatch=flat for the dry run)")
+        return dispatch_hierarchical(rows, routing.expert_ids, routing.gates, keep, self.num_experts, self.groups,
+                                     read_along, meter=self.meter)
+
+    def experts(self, experts, routed, plan):
+        return hierarchical_experts(experts, routed, plan)
+
+    def combine(self, y, plan, num_tokens):
+        return combine_hierarchical(y, plan)

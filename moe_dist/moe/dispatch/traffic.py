@@ -22,7 +22,7 @@ from typing import Iterable, Sequence
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..distributed.topology import SINGLE, NodeLayout
+from ...distributed.topology import SINGLE, NodeLayout
 
 DISPATCH, COMBINE, COMBINE_GRAD, DISPATCH_GRAD, COUNTS = "dispatch", "combine", "combine_grad", "dispatch_grad", "counts"
 KINDS = (DISPATCH, COMBINE, COMBINE_GRAD, DISPATCH_GRAD, COUNTS)

@@ -1,4 +1,4 @@
-"""The contract between routers and the rest of the MoE layer.
+"""The routing data types: the contract between routers and the rest of the MoE layer.
 
 A router maps router inputs ``[T, d]`` to a :class:`Routing`; it never talks to the
 dispatcher. Besides its input it reads two things, both arguments of its call:

@@ -1,10 +1,14 @@
-"""RoutingDiagnostics: the per-layer routing figures of a run, in one object the trainer calls.
+"""The run's routing-diagnostics collector (:class:`RoutingDiagnostics`): the per-layer routing
+figures of a run, in one object the trainer calls.
 
     diag = RoutingDiagnostics()
     row["moe"][layer].update(...)  <- diag.update(step, stats)            # load balance, each log step
     diag.evaluate_probe(model, probe_tokens, step=step, group=dp_group)   # fluctuation, each evaluation
     diag.record_graphs(model)                                             # Symphony graphs (snapshot)
-    diag.write_tensorboard(writer, step, row["moe"]); diag.write_pngs(run_dir / "plots")
+    diag.write_pngs(run_dir / "plots")                                   # pictures, at the end
+
+The load and fluctuation figures ride in the trainer's metrics row (``row["moe"]``), which the
+metrics logger writes to metrics.jsonl and TensorBoard.
 """
 from __future__ import annotations
 
@@ -20,7 +24,6 @@ from .fluctuation import fluctuation_counts, layer_keys, probe_assignments
 from .load import load_summary
 
 PICTURES = ("load", "fluctuation", "graph")
-SCALAR_KEYS = ("max_load_ratio", "load_cv", "dead_experts", "dropped_fraction", "entropy", "fluct_top1", "fluct_topk")
 
 
 def _per_layer(stats) -> list[tuple[str, Any]]:
@@ -34,7 +37,7 @@ def _per_layer(stats) -> list[tuple[str, Any]]:
 class RoutingDiagnostics:
     """Collects, over a run: per-expert load per layer (at each ``update``), the routing
     fluctuation of a fixed probe set (at each ``evaluate_probe``) and Symphony graphs
-    (``record_graphs``); writes TensorBoard scalars and PNGs. Layers are keyed by block index
+    (``record_graphs``); writes PNGs. Layers are keyed by block index
     (strings, like the trainer's ``row["moe"]``)."""
 
     def __init__(self):
@@ -102,16 +105,6 @@ class RoutingDiagnostics:
         return len(self.graphs)
 
     # ---- output ----------------------------------------------------------------------------
-    @staticmethod
-    def tensorboard_scalars(moe_rows: dict[str, dict], keys=SCALAR_KEYS) -> dict[str, float]:
-        """``{"moe_layer{l}/{key}": value}`` for the scalar diagnostics in ``{layer: figures}``."""
-        return {f"moe_layer{layer}/{k}": float(v) for layer, row in moe_rows.items() for k, v in row.items()
-                if k in keys and isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-    def write_tensorboard(self, writer, step: int, moe_rows: dict[str, dict]) -> None:
-        for tag, value in self.tensorboard_scalars(moe_rows).items():
-            writer.add_scalar(tag, value, step)
-
     def write_pngs(self, plots_dir: str, include=PICTURES) -> list[str]:
         """routing_load.png, routing_fluctuation.png, symphony_graph.png: those in ``include``
         (``load``, ``fluctuation``, ``graph``) that have data. Returns the paths written."""

@@ -1,16 +1,16 @@
-"""Sort-based token dispatch and combine.
+"""The flat dispatch: sort-based token dispatch and combine, every pair's row straight to its expert.
 
 No one-hot ``[tokens, experts, capacity]`` masks and no capacity padding: kept
 token-expert pairs are sorted by expert and gathered once. With expert parallelism they are
 sorted into *send order* (the rows for every other rank in rank order, this rank's own last)
-and an :class:`~moe_dist.moe.exchange.Exchange` says where they travel; the experts exchange
-and compute them (:mod:`moe_dist.moe.exchange`) and hand back outputs in the same order, which
+and an :class:`~moe_dist.moe.dispatch.exchange.Exchange` says where they travel; the experts exchange
+and compute them (:mod:`moe_dist.moe.dispatch.exchange`) and hand back outputs in the same order, which
 the combine sums into their tokens weighted by the gates.
 
 When the expert-parallel group spans several nodes and a token has three or more pairs, the sums
 of its pairs (the combine, and the backward of the gather into the input rows) run per node
 first, in ascending expert order, then across the nodes in node order (:class:`SumOrder`): the
-order in which the hierarchical dispatch (:mod:`moe_dist.moe.hierarchical`) must add, so both give
+order in which the hierarchical dispatch (:mod:`moe_dist.moe.dispatch.hierarchical`) must add, so both give
 bit-identical results. With one or two pairs per token every order gives the same sum.
 """
 from __future__ import annotations
@@ -22,11 +22,13 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from ..distributed.collectives import group_rank, group_size
-from ..distributed.topology import NodeLayout
+from ...distributed.collectives import group_rank, group_size
+from ...distributed.groups import ParallelGroups
+from ...distributed.topology import NodeLayout
+from ..experts import host_ints
 from .counting import count_values
+from .dispatcher import Dispatcher
 from .exchange import Exchange
-from .experts import host_ints
 from .traffic import COUNTS, TrafficMeter
 
 
@@ -217,7 +219,7 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor, kee
     ``read_along``: small integer tensor the caller wants on the host too; it rides on the
     dispatch's single host read and comes back as ``plan.read_along`` (a list of ints).
     ``meter``: records the bytes of the count exchange and, through ``plan.exchange``, of the rows'
-    transfers (:mod:`moe_dist.moe.traffic`).
+    transfers (:mod:`moe_dist.moe.dispatch.traffic`).
     ``nodes``: the node of every ``ep_group`` rank (None: one node); over several nodes a token's
     three or more pairs sum per node first (module docstring), and the plan counts the rows that
     leave the node.
@@ -275,3 +277,23 @@ def combine(y: torch.Tensor, plan: DispatchPlan, num_tokens: int) -> torch.Tenso
     the gates. The gate multiply happens in the experts' dtype (no fp32 ``[k, T, d]``
     temporaries). Dropped pairs contribute nothing."""
     return scatter_rows(y, plan.gates.to(y.dtype), plan.token_idx, num_tokens, plan.sum_order)
+
+
+class FlatDispatcher(Dispatcher):
+    """:func:`dispatch`, the experts, :func:`combine` over the expert-parallel group of ``groups``
+    (one process before groups are set); ``meter`` records the bytes the exchanges send."""
+
+    name = "flat"
+
+    def __init__(self, num_experts: int, groups: ParallelGroups, meter: Optional[TrafficMeter] = None):
+        self.num_experts, self.groups, self.meter = num_experts, groups, meter
+
+    def dispatch(self, rows, routing, keep, read_along, peer_counts=None, host_counts=None):
+        return dispatch(rows, routing.expert_ids, routing.gates, keep, self.num_experts, self.groups.ep, peer_counts,
+                        read_along, meter=self.meter, nodes=self.groups.ep_nodes, host_counts=host_counts)
+
+    def experts(self, experts, routed, plan):
+        return experts(routed, plan.local_counts, plan.exchange)
+
+    def combine(self, y, plan, num_tokens):
+        return combine(y, plan, num_tokens)
