@@ -269,3 +269,10 @@ def test_every_rank_refuses_without_the_package(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"log\.wandb: true needs the wandb package"):
         train(cfg)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_profiled_steps_time_split_goes_to_wandb_under_tensorboards_names():
+    from moe_dist.train.tracking import wandb_row
+
+    row = {"step": 20, "loss": 3.0, "mfu": 0.12, "time": {"compute_s": 1.5, "a2a_s": 0.25}, "moe": {}}
+    assert wandb_row(row) == {"train/loss": 3.0, "train/mfu": 0.12, "time/compute_s": 1.5, "time/a2a_s": 0.25}

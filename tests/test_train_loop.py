@@ -87,6 +87,37 @@ def test_run_directory_has_everything(run):
     assert len(summary["peak_rss_gib"]) == 1 and 0.05 < summary["peak_rss_gib"][0] < 64  # one rank's peak memory
 
 
+def test_where_the_time_goes_every_time_every_steps(run):
+    """run.time_every (20): steps 20, 40 and 60 are profiled and their rows split the step; every
+    row from the first profiled step on carries the MFU; summary.json and TensorBoard have them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from moe_dist.train.step_time import SPLIT
+
+    cfg, summary, _ = run
+    assert cfg.run.time_every == 20
+    rows = [json.loads(line) for line in open(os.path.join(cfg.run.dir, "metrics.jsonl"))]
+    timed = {r["step"]: r["time"] for r in rows if "time" in r}
+    assert sorted(timed) == [20, 40, 60]
+    for t in timed.values():
+        parts = [t[f"{p}_s"] for p in SPLIT + ("compute",)]
+        assert sum(parts) == pytest.approx(t["step_s"], rel=0.02) and t["compute_s"] > 0 and t["optimizer_s"] > 0
+        assert t["a2a_s"] == t["weight_gather_s"] == t["grad_reduce_s"] == 0  # one process: nothing to wait for
+        assert t["data_s"] >= 0
+    assert all(t["eval_s"] > 0 for t in timed.values())  # the routing probe every 10 steps, validation at 60
+    assert [r["step"] for r in rows if "mfu" in r] == [r["step"] for r in rows if r["step"] >= 20]
+    assert all(0 < r["mfu"] < 1 for r in rows if "mfu" in r)
+    time = json.load(open(os.path.join(cfg.run.dir, "summary.json")))["time"]
+    assert time == summary["time"] and time["profiled_steps"] == 3 and 0 < time["mfu"] < 1
+    assert time["seconds"]["step"] > 0 and time["seconds"]["checkpoint"] > 0 and time["seconds"]["eval"] > 0
+    assert sum(time["step_split_s"].values()) == pytest.approx(time["seconds"]["step"], abs=0.01)
+    assert "fp32 1024^3 matmul measured" in time["peak"]
+    tb = EventAccumulator(os.path.join(cfg.run.dir, "tb"))
+    tb.Reload()
+    assert [e.step for e in tb.Scalars("time/compute_s")] == [20, 40, 60]
+    assert [e.step for e in tb.Scalars("train/mfu")][0] == 20
+
+
 def test_schedule_and_optimizer_groups(tmp_path):
     cfg = config(tmp_path, "train.steps=100", "train.warmup_steps=10", "train.lr=0.01", "train.min_lr_ratio=0.1")
     lrs = [lr_at(s, cfg.train) for s in range(100)]

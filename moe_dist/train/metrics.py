@@ -212,6 +212,8 @@ class MetricsLogger:
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tb.add_scalar(scalar_tag(key), value, step)
+            for key, value in row.get("time", {}).items():  # a profiled step's split (train/step_time.py)
+                self._tb.add_scalar(f"time/{key}", value, step)
             for layer, stats in row.get("moe", {}).items():
                 for key in ("aux_loss", "z_loss", "entropy", "dropped_fraction", "load_cv", "dead_experts",
                             "fluct_top1", "fluct_topk", "groups_per_token_mean", "groups_per_token_max"):

@@ -51,6 +51,11 @@ class Utilisation:
         return flops, (f"{self.dtype} {CPU_PEAK_N}^3 matmul measured on {torch.get_num_threads()} thread(s), CPU "
                        f"capability {torch.backends.cpu.get_cpu_capability()}")
 
+    @property
+    def peak_known(self) -> bool:
+        """Whether the peak has been looked for (:meth:`peak` ran)."""
+        return self._peak is not None or bool(self.peak_source)
+
     def achieved(self, tokens_per_s: float) -> float:
         """Model FLOP/s of one rank at ``tokens_per_s`` tokens per second for the whole job."""
         return tokens_per_s * self.flops_per_token / self.world_size

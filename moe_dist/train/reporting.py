@@ -27,6 +27,7 @@ from .data_setup import small_corpus_note
 from .evaluate import format_report
 from .metrics import read_metrics
 from .runtime import gather_peak_rss_gib, thread_choice
+from .step_time import describe_time
 
 
 @dataclasses.dataclass
@@ -170,6 +171,8 @@ class RunReport:
             diagnostics.write_pngs(os.path.join(self.run_dir, "plots"), include=("fluctuation", "graph"))
         self.log(f"done: {summary['steps']} steps in {totals.wall:.0f}s; run directory {self.run_dir}")
         self.log(format_report(val, baseline))
+        if summary.get("time"):
+            self.log(describe_time(summary["time"]))
         routing = routing_summary(read_metrics(os.path.join(self.run_dir, "metrics.jsonl")))
         if tracker is not None:
             tracker.summary(summary, routing)

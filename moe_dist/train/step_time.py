@@ -217,3 +217,32 @@ class StepClock:
         wall = sum(self.totals_s.values())
         return {"seconds": {k: round(v, 3) for k, v in self.totals_s.items()}, "wall_s": round(wall, 3),
                 "step_split_s": split or None, "profiled_steps": self.profiled_steps}
+
+
+def time_summary(clock: StepClock, utilisation, tokens: int) -> dict:
+    """summary.json's ``time``: the run's seconds per phase and the step's split
+    (:meth:`StepClock.totals`), and the model FLOPs utilisation over the steps' time, against the
+    peak of ``utilisation`` (:class:`~moe_dist.train.mfu.Utilisation`; null when no step was
+    profiled, so no peak was looked for, or when the peak is unknown)."""
+    out = clock.totals()
+    step_s = out["seconds"]["step"]
+    mfu = utilisation.of(tokens / step_s) if utilisation.peak_known and step_s > 0 and tokens else None
+    out.update(mfu=round(mfu, 5) if mfu is not None else None, peak=utilisation.peak_source or None,
+               train_flops_per_token=utilisation.flops_per_token)
+    return out
+
+
+def describe_time(time: dict) -> str:
+    """One line of the end-of-run summary: where the loop's time went, and the MFU."""
+    wall = time["wall_s"] or 1.0
+    phases = ", ".join(f"{name} {100 * s / wall:.0f}%" for name, s in time["seconds"].items() if s >= 0.005 * wall)
+    line = f"time: {wall:.0f}s in the loop: {phases}"
+    split = time["step_split_s"]
+    if split:
+        step = sum(split.values()) or 1.0
+        parts = ", ".join(f"{part} {100 * s / step:.0f}%" for part, s in sorted(split.items(), key=lambda kv: -kv[1])
+                          if s >= 0.005 * step)
+        line += f"; the step ({time['profiled_steps']} profiled): {parts}"
+    if time.get("mfu") is not None:
+        line += f"; model FLOPs utilisation {100 * time['mfu']:.1f}% ({time['peak']})"
+    return line

@@ -94,6 +94,8 @@ def wandb_row(row: dict) -> dict:
     for key, value in row.items():
         if key not in ("step", "moe") and _is_number(value):
             out[scalar_tag(key)] = float(value)
+    for key, value in row.get("time", {}).items():  # a profiled step's split, as in TensorBoard
+        out[f"time/{key}"] = float(value)
     for layer, stats in row.get("moe", {}).items():
         for key, value in stats.items():
             if _is_number(value):

@@ -38,6 +38,7 @@ from .engines import create_engine, engine_scope
 from .evaluate import autocast, evaluate, unigram_baseline, validation_batches
 from .health import Divergence, RollingBack, RunHealth, TrainingDiverged, state_is_finite
 from .metrics import MetricsLogger, MoEStepStats
+from .mfu import Utilisation
 from .model_setup import build_meta_model, check_weights_directory, weights_filler
 from .optim import lr_at
 from .preemption import PreemptionHandler, stop_if_requested
@@ -45,6 +46,7 @@ from .reporting import RunReport, RunTotals
 from .run_lock import RunDirLock
 from .runtime import setup_runtime
 from .step import TrainStep
+from .step_time import StepClock, time_summary
 from .tracking import check_tracking, start_tracking
 
 
@@ -104,6 +106,9 @@ class Trainer:
         self.moe_stats = MoEStepStats(self.model)
         self.run_step = TrainStep(cfg.train, self.rt, self.engine, self.model, self.moe_stats)
         self.diagnostics = RoutingDiagnostics()  # load balance, probe-set fluctuation, Symphony graphs
+        self.clock = StepClock(cfg.run.time_every)  # where the loop's time goes (run.time_every)
+        self.utilisation = Utilisation(cfg.model, vocab, cfg.train.seq_len, self.rt.device, cfg.train.dtype,
+                                       self.rt.world_size)
 
         groups = self.rt.groups
         self.sampler = TrainSampler(self.data.train.array(), cfg.train.seq_len, cfg.train.global_batch,
@@ -157,8 +162,12 @@ class Trainer:
 
     # ---- one step -------------------------------------------------------------------------
     def train_step(self) -> dict:
-        """One optimizer step (:class:`~moe_dist.train.step.TrainStep`) on the sampler's next batches."""
-        row = self.run_step(self.step, self.sampler.next_step(), self.health.loss_spike)
+        """One optimizer step (:class:`~moe_dist.train.step.TrainStep`) on the sampler's next batches;
+        every ``run.time_every`` steps the step is profiled and split (:mod:`~moe_dist.train.step_time`)."""
+        with self.clock.phase("data"):
+            batches = self.sampler.next_step()
+        with self.clock.phase("step", profile=self.clock.due(self.step + 1)):
+            row = self.run_step(self.step, batches, self.health.loss_spike)
         self.step += 1
         return row
 
@@ -201,21 +210,28 @@ class Trainer:
             while self.step < steps:
                 row, divergence = self._timed_step(totals)
                 last = self.step == steps
-                val = self._validate_if_due(row, last)
-                last_val = val or last_val
-                fluct = self.probe_fluctuation() if self._probe_due(last, val is not None) else {}
-                self._log_row(row, fluct, last)
-                if divergence:
-                    raise self.health.diverged(divergence, self.checkpoints)
-                self.report.step_done(self.step, row, last)
-                if (cfg.ckpt.every and self.step % cfg.ckpt.every == 0) or (last and cfg.ckpt.save_final):
-                    self.save()
+                with self.clock.phase("eval"):
+                    val = self._validate_if_due(row, last)
+                    last_val = val or last_val
+                    fluct = self.probe_fluctuation() if self._probe_due(last, val is not None) else {}
+                self._add_time(row)
+                with self.clock.phase("logging"):
+                    self._log_row(row, fluct, last)
+                    if divergence:
+                        raise self.health.diverged(divergence, self.checkpoints)
+                    self.report.step_done(self.step, row, last)
+                with self.clock.phase("checkpoint"):
+                    if (cfg.ckpt.every and self.step % cfg.ckpt.every == 0) or (last and cfg.ckpt.save_final):
+                        self.save()
                 stop_if_requested(self.preemption, self.step, steps, run_dir=self.run_dir, is_main=self.is_main,
                                   save=self.save, log=self.log)
+                self.clock.iteration_done()
         if last_val is None:  # resumed from the last step's checkpoint: nothing left to train
             last_val = self.validate()
         summary = self.report.summary(self.step, row["loss"], last_val, baseline, totals, self.params, self.health,
                                       self.compiled, self.compile_clock)
+        trained = totals.steps * cfg.train.global_batch * cfg.train.seq_len  # this run's tokens
+        summary["time"] = time_summary(self.clock, self.utilisation, trained)
         self.metrics.close()
         self.report.finish(summary, totals, last_val, baseline, self.diagnostics, self.model, self.tracker)
         return summary
@@ -242,6 +258,19 @@ class Trainer:
             row["compilations"] = self.compile_clock.report()["graphs"]
         return row, divergence
 
+    def _add_time(self, row: dict) -> None:
+        """A profiled step's row gets its time split (``time``) and, from then on, every row its model
+        FLOPs utilisation (``mfu``; the peak is found on every rank at the first profiled step, so
+        the ranks time their matmuls together, as they compute in training)."""
+        timing = self.clock.row()
+        if "compute_s" in timing:
+            row["time"] = timing
+            self.utilisation.peak()
+        if self.utilisation.peak_known:
+            mfu = self.utilisation.of(row["tokens_per_s"])
+            if mfu is not None:
+                row["mfu"] = round(mfu, 5)
+
     def _validate_if_due(self, row: dict, last: bool) -> Optional[dict]:
         """Every ``eval.every`` steps and at the last: the validation figures, also into ``row``."""
         every, steps = self.cfg.eval.every, self.cfg.train.steps
@@ -256,7 +285,7 @@ class Trainer:
         """Every ``run.log_every`` steps, and at every step worth a look (the first, the last, a
         validation, a probe, a bad step): the step's MoE figures (collective) and its metrics row."""
         if not (self.step % self.cfg.run.log_every == 0 or last or "val_loss" in row or fluct or self.step == 1
-                or row.get("bad")):
+                or row.get("bad") or "time" in row):
             return
         row["moe"] = self.moe_stats.summary(self.rt.groups.dp, self.rt.device)
         for layer, figs in self.diagnostics.update(self.step, row["moe"]).items():
