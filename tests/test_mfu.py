@@ -40,3 +40,15 @@ def test_utilisation_on_a_cpu_against_a_measured_matmul():
     assert u.achieved(1000.0) == 1000.0 * u.flops_per_token / 2
     assert u.of(1000.0) == pytest.approx(u.achieved(1000.0) / peak)
     assert u.peak() == peak  # measured once
+
+
+def _peak(rank, world):
+    cfg = load_config(os.path.join(ROOT, "configs/test.yaml"), [])
+    return Utilisation(cfg.model, 512, cfg.train.seq_len, torch.device("cpu"), "fp32", world).peak()
+
+
+def test_ranks_take_the_best_ranks_peak():
+    from helpers.dist_harness import run_ranks
+
+    peaks = run_ranks(_peak, 2)
+    assert peaks[0] == peaks[1] > 1e8

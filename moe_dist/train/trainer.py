@@ -265,6 +265,7 @@ class Trainer:
         timing = self.clock.row()
         if "compute_s" in timing:
             row["time"] = timing
+        if self.clock.due(self.step):  # on every rank alike: the CPU peak is taken together
             self.utilisation.peak()
         if self.utilisation.peak_known:
             mfu = self.utilisation.of(row["tokens_per_s"])

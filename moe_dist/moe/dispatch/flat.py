@@ -24,6 +24,7 @@ from torch.autograd.function import once_differentiable
 
 from ...distributed.collectives import group_rank, group_size
 from ...distributed.groups import ParallelGroups
+from ...distributed.ranges import A2A, timed_range
 from ...distributed.topology import NodeLayout
 from ..experts import host_ints
 from .counting import count_values
@@ -254,7 +255,8 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor, kee
         recv_counts = torch.empty_like(send_counts)
         if meter is not None:
             meter.record(COUNTS, [1] * ep, send_counts)  # one row of E/ep counts to every peer
-        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=ep_group)  # count exchange first
+        with timed_range(A2A):  # the step-time breakdown counts the wait as the all-to-alls'
+            dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=ep_group)  # count exchange first
     else:  # [source peer, my local expert]
         recv_counts = peer_counts.to(device=counts.device, dtype=counts.dtype).view(ep, ep, local)[:, me].contiguous()
     sent, received_counts, *along = (read_counts([send_counts, recv_counts] + extra) if host_counts is None
