@@ -15,16 +15,16 @@ and says so.
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import re
 import socket
-import sys
 import time
 from typing import Optional
 
 import torch.distributed as dist
+
+from ..quiet import native_stderr_silenced
 
 _KEY = "moe_dist/roll_call"
 _hosts: list[str] = []  # host name of every rank, by rank
@@ -77,25 +77,12 @@ def roll_call(wait_s: float) -> Optional[set[int]]:
         return None
     prefix = f"{_KEY}/{attempt()}"
     try:
-        with _quiet_stderr():
+        # torch's store logs a failed connection with a C++ stack trace, which would bury the one
+        # line this roll call is for
+        with native_stderr_silenced():
             return _answer_and_wait(prefix, wait_s)
     except (RuntimeError, OSError):  # DistStoreError, a refused or timed-out connection
         return None
-
-
-@contextlib.contextmanager
-def _quiet_stderr():
-    """File descriptor 2 to /dev/null: torch's store logs a failed connection with a C++ stack trace,
-    which would bury the one line this roll call is for."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 def _answer_and_wait(prefix: str, wait_s: float) -> set[int]:

@@ -23,13 +23,13 @@ Off (``run.time_every: 0``) nothing is profiled; the host phases cost a clock re
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from typing import Iterable, Optional
 
 import torch
 
 from ..distributed.ranges import A2A, COLLECTIVE, GRAD_REDUCE, OPTIMIZER, PREFIX
+from ..quiet import native_stderr_silenced
 
 PHASES = ("data", "step", "eval", "logging", "checkpoint", "other")
 SPLIT = ("a2a", "weight_gather", "grad_reduce", "collectives", "optimizer")  # first wins an overlap
@@ -98,24 +98,6 @@ def split_events(events) -> Optional[dict[str, float]]:
     return split_intervals(intervals, start, end)
 
 
-@contextlib.contextmanager
-def _quiet_stderr():
-    """The profiler's start and stop write two log lines to stderr that no setting turns off in
-    this torch: stderr goes to /dev/null for the length of those two calls."""
-    try:
-        saved = os.dup(2)
-    except OSError:  # no stderr to keep
-        yield
-        return
-    try:
-        with open(os.devnull, "wb") as null:
-            os.dup2(null.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
 class _StepProfile:
     """torch's profiler around one step, CPU activity only, no shapes or stacks."""
 
@@ -127,12 +109,12 @@ class _StepProfile:
         self._disable = _disable_profiler
         config = ProfilerConfig(ProfilerState.KINETO, False, False, False, False, False, _ExperimentalConfig())
         activities = {ProfilerActivity.CPU}
-        with _quiet_stderr():
+        with native_stderr_silenced():  # the profiler's start and stop lines
             _prepare_profiler(config, activities)
             _enable_profiler(config, activities)
 
     def stop(self) -> Optional[dict[str, float]]:
-        with _quiet_stderr():
+        with native_stderr_silenced():  # the profiler's start and stop lines
             result = self._disable()
         return split_events(result.events())
 
