@@ -132,11 +132,9 @@ class StepClock:
         self.split_sums = dict.fromkeys(SPLIT + ("compute",), 0.0)  # over profiled steps
         self.profiled_steps = 0
         self.profiled_step_s = 0.0
-        self.iterations = 0
         self._current = dict.fromkeys(PHASES, 0.0)
         self._split: Optional[dict[str, float]] = None
         self._t0 = time.perf_counter()
-        self._last: dict[str, float] = {}
 
     def due(self, step: int) -> bool:
         """Whether step number ``step`` (1-based) is split."""
@@ -171,10 +169,8 @@ class StepClock:
         self._current["other"] += max(0.0, now - self._t0 - timed)
         for name, s in self._current.items():
             self.totals_s[name] += s
-        self._last = self._current
         self._current = dict.fromkeys(PHASES, 0.0)
         self._t0 = now
-        self.iterations += 1
 
     def row(self) -> dict[str, float]:
         """The iteration so far (phases measured before its row is logged: data, step, eval) and,
@@ -184,10 +180,6 @@ class StepClock:
             out.update({f"{part}_s": round(s, 5) for part, s in self._split.items()})
             self._split = None
         return out
-
-    def last_iteration(self) -> dict[str, float]:
-        """The phases of the last closed iteration (logging and checkpoint included)."""
-        return dict(self._last)
 
     def totals(self) -> dict:
         """The run's seconds per phase, the step's seconds split in the profiled steps' proportions

@@ -8,6 +8,7 @@ gradients; they differ in the rows that cross nodes.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Optional, Protocol
 
 import torch
@@ -23,13 +24,14 @@ class Plan(Protocol):
     inter_node_rows: Optional[int]  # rows this rank sent to other nodes
 
 
-class Dispatcher:
+class Dispatcher(ABC):
     """One forward's rows: :meth:`dispatch` lays them out for the experts (with the forward's one
     host read), :meth:`experts` runs the experts on them (exchanging them with expert
     parallelism), :meth:`combine` sums the outputs into their tokens, weighted by the gates."""
 
     name: str = ""  # parallel.dispatch as it runs: "flat" or "hierarchical"
 
+    @abstractmethod
     def dispatch(self, rows: torch.Tensor, routing: Routing, keep: Optional[torch.Tensor],
                  read_along: Optional[torch.Tensor], peer_counts: Optional[torch.Tensor] = None,
                  host_counts: Optional[list[list[int]]] = None) -> tuple[torch.Tensor, Plan]:
@@ -38,12 +40,11 @@ class Dispatcher:
         dispatch's host read (``plan.read_along``); ``peer_counts``: ``[ep, E]`` every
         expert-parallel peer's kept pairs per expert when already known; ``host_counts``: the same,
         modelled on the host (a dry run)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def experts(self, experts: torch.nn.Module, routed: torch.Tensor, plan: Plan) -> torch.Tensor:
         """The experts' outputs for ``routed``, in the same row order."""
-        raise NotImplementedError
 
+    @abstractmethod
     def combine(self, y: torch.Tensor, plan: Plan, num_tokens: int) -> torch.Tensor:
         """The outputs ``y`` summed into ``num_tokens`` rows, weighted by the gates."""
-        raise NotImplementedError
