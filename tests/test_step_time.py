@@ -5,7 +5,9 @@ import os
 import pytest
 
 from helpers.dist_harness import run_ranks
-from moe_dist.train.step_time import SPLIT, StepClock, category, split_intervals
+import json
+
+from moe_dist.train.step_time import SPLIT, StepClock, category, self_times, split_intervals
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,6 +38,20 @@ def test_a_moment_counts_once_to_the_first_part():
     assert list(parts)[:len(SPLIT)] == list(SPLIT)
 
 
+def test_self_time_is_a_range_less_its_children():
+    ms = 1_000_000  # ns
+    ops = self_times([
+        (0, 10 * ms, "step"),
+        (1 * ms, 4 * ms, "aten::linear"),   # 3 ms, 2 of them in its mm
+        (1 * ms, 3 * ms, "aten::mm"),
+        (5 * ms, 6 * ms, "aten::mm"),       # a second mm, directly under the step
+        (6 * ms, 6 * ms, "aten::view"),     # an instant op at the mm's end: a sibling, not a child
+        (7 * ms, 9 * ms, "aten::add"),
+    ])
+    assert ops == pytest.approx({"step": 4e-3, "aten::linear": 1e-3, "aten::mm": 3e-3, "aten::view": 0.0,
+                                 "aten::add": 2e-3})
+
+
 def test_the_clock_sums_phases_and_scales_the_split():
     clock = StepClock(every=2)
     assert [clock.due(s) for s in (1, 2, 3, 4)] == [False, True, False, True]
@@ -52,6 +68,23 @@ def test_the_clock_sums_phases_and_scales_the_split():
                                                                          "checkpoint", "other"}
     assert sum(totals["step_split_s"].values()) == pytest.approx(totals["seconds"]["step"], rel=1e-3, abs=1e-3)
     assert StepClock(every=0).due(5) is False
+    assert StepClock(every=0).totals()["top_ops_ms"] is None
+
+
+def test_a_profiled_step_lists_its_ops_and_writes_its_trace(tmp_path):
+    import torch
+
+    clock = StepClock(every=1)
+    a = torch.randn(256, 256)
+    trace = str(tmp_path / "traces" / "step1.json")
+    with clock.phase("step", profile=True, trace=trace):
+        for _ in range(20):
+            a @ a
+    ops = clock.totals()["top_ops_ms"]
+    assert next(iter(ops)) == "aten::mm", ops  # the most self time first
+    assert sum(ops.values()) <= 1e3 * clock.seconds("step") * 1.01
+    with open(trace) as f:
+        assert any(e.get("name") == "aten::mm" for e in json.load(f)["traceEvents"])
 
 
 def _split(rank, world, tmp):

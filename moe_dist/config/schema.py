@@ -44,6 +44,8 @@ class RunConfig:
     time_every: int = knob(20, "steps between profiled steps, whose time is split into compute, expert all-to-alls, "
                            "FSDP weight gathers, gradient reductions, other collectives and the optimizer (metrics.jsonl "
                            "time, TensorBoard time/, summary.json; with model FLOPs utilisation); 0 = never", min=0)
+    time_traces: int = knob(0, "profiled steps (the first N of the run) whose profile each rank writes as a Chrome "
+                            "trace to run.dir/traces/ (chrome://tracing, ui.perfetto.dev); 0 = none", min=0)
 
     def check(self) -> None:
         if not self.dir:
@@ -217,6 +219,11 @@ class TrainConfig:
     grad_clip: Optional[float] = knob(1.0, "clip the global gradient norm to this (null = no clipping)", gt=0)
     dtype: Literal["fp32", "bf16"] = knob("fp32", "bf16 = autocast matmuls to bfloat16 (fp32 master weights; FSDP2 gathers "
                                                  "bf16 copies and reduces gradients in fp32; router math stays fp32)")
+    attention_dtype: Literal["auto", "bf16", "fp32"] = knob("auto", "train.dtype=bf16: the dtype attention's fused "
+                                                          "kernel runs in: bf16, fp32 (on fp32 copies of the bf16 "
+                                                          "queries, keys and values) or auto (the faster of the two at "
+                                                          "a micro-batch's shape, timed on every rank before the first "
+                                                          "step; moe_dist/train/attention_choice.py)")
     bf16_on_slow_cpu: Literal["fp32", "bf16"] = knob("fp32", "train.dtype=bf16 on a CPU whose bf16 matmuls of the "
                                                      "model's size time 1.5x or more fp32's (moe_dist/hardware.py): "
                                                      "fp32 runs it as fp32 (said at start-up), bf16 keeps bf16")

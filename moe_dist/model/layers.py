@@ -84,6 +84,11 @@ class Attention(nn.Module):
 
     ``qk_norm="projection"``: RMSNorm over the whole query projection (all heads) and over the
     whole key projection, before RoPE (OLMoE's q/k norm); ``"none"``: no such norm.
+
+    ``sdpa_dtype``: the dtype the fused SDPA kernel runs in when its inputs come in another one
+    (None: theirs). Under bf16 autocast, ``torch.float32`` computes attention from fp32 copies of
+    the bf16 queries, keys and values and returns bf16: on CPUs whose bf16 flash-attention
+    backward is slower than fp32's (``train.attention_dtype``, :mod:`moe_dist.train.attention_choice`).
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, init_std: float, out_init_std: float,
@@ -97,6 +102,7 @@ class Attention(nn.Module):
         self.wk = _init_linear(nn.Linear(d_model, n_kv_heads * self.head_dim, bias=qkv_bias), init_std)
         self.wv = _init_linear(nn.Linear(d_model, n_kv_heads * self.head_dim, bias=qkv_bias), init_std)
         self.wo = _init_linear(nn.Linear(n_heads * self.head_dim, d_model, bias=False), out_init_std)
+        self.sdpa_dtype: Optional[torch.dtype] = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
                 capture: Optional[str] = None) -> tuple[torch.Tensor, Optional[AttentionInputs]]:
@@ -125,15 +131,35 @@ class Attention(nn.Module):
                 scores = (q.float() @ k_all.float().transpose(-1, -2)) / math.sqrt(self.head_dim)
                 probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
             out = probs.to(v_all.dtype) @ v_all
-        elif mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            out = self._sdpa(q, k, v, mask)
         h = self.wo(out.transpose(1, 2).reshape(B, S, -1))
         if capture is None:
             return h, None
         # attention-aware routing reads the (un-repeated) keys and values
         return h, AttentionInputs(queries=q, keys=k, values=v, output=h, out_weight=self.wo.weight, probs=probs)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        return fused_attention(q, k, v, mask, self.sdpa_dtype)
+
+
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                    dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """torch's fused SDPA kernel, grouped-query: causal, or under ``mask``. ``dtype``: run it in
+    that dtype, whatever the inputs' dtypes and autocast's (which would otherwise cast them all
+    to its own: RoPE's fp32 tables leave the queries and keys in fp32, the values in bf16), the
+    output in the dtype it would otherwise have."""
+    def run(q, k, v):
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    device = q.device.type
+    out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
+    if dtype is None or (out_dtype == dtype and q.dtype == k.dtype == v.dtype == dtype):
+        return run(q, k, v)
+    with torch.autocast(device_type=device, enabled=False):
+        return run(q.to(dtype), k.to(dtype), v.to(dtype)).to(out_dtype)
 
 
 class SwiGLU(nn.Module):

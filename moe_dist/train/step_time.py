@@ -16,6 +16,8 @@ split further from the ranges the calling thread spent in (torch's profiler, CPU
 - ``compute``: the rest of the step (forward and backward kernels, the MoE layer's own work).
 
 A moment counts once: where ranges nest or overlap it goes to the first of the order above. The
+profiled steps also sum each op's and range's self time on that thread (:meth:`StepClock.top_ops`),
+and the first ``run.time_traces`` of them can be written as Chrome traces. The
 parts are what the host waited for. On a CPU with gloo that is the step's time; on a GPU the host
 runs ahead of the device, and the split shows where the host blocked, not the device's timeline.
 Off (``run.time_every: 0``) nothing is profiled; the host phases cost a clock read each.
@@ -23,6 +25,7 @@ Off (``run.time_every: 0``) nothing is profiled; the host phases cost a clock re
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from typing import Iterable, Optional
 
@@ -34,6 +37,7 @@ from ..quiet import native_stderr_silenced
 PHASES = ("data", "step", "eval", "logging", "checkpoint", "other")
 SPLIT = ("a2a", "weight_gather", "grad_reduce", "collectives", "optimizer")  # first wins an overlap
 STEP_RANGE = PREFIX + "step"
+TOP_OPS = 25  # ops and ranges listed in summary.json's time.top_ops_ms
 
 _BY_NAME = {PREFIX + A2A: "a2a", PREFIX + GRAD_REDUCE: "grad_reduce", PREFIX + COLLECTIVE: "collectives",
             PREFIX + OPTIMIZER: "optimizer"}
@@ -80,22 +84,47 @@ def split_intervals(intervals: Iterable[tuple[int, int, str]], start: int, end: 
     return out
 
 
-def split_events(events) -> Optional[dict[str, float]]:
-    """:func:`split_intervals` of a profiled step from the profiler's raw events (``name()``,
-    ``start_ns()``, ``end_ns()``, ``start_thread_id()``): the thread and span of the
-    ``moe_dist::step`` range, the ranges of that thread inside it. None without that range."""
+def self_times(spans: Iterable[tuple[int, int, str]]) -> dict[str, float]:
+    """Seconds of self time per name from ``(begin, end, name)`` ranges of one thread (nanoseconds;
+    ranges nest, as the profiler's ops and ranges do): a range's length less its children's."""
+    out: dict[str, float] = {}
+    stack: list[list] = []  # [end, name, children's ns]
+
+    def close(top) -> None:
+        stack.pop()
+        if stack:
+            stack[-1][2] += top[3]
+        out[top[1]] = out.get(top[1], 0.0) + (top[3] - top[2]) / 1e9
+
+    for b, e, name in sorted(spans, key=lambda r: (r[0], -r[1])):
+        while stack and stack[-1][0] <= b:
+            close(stack[-1])
+        stack.append([e, name, 0, e - b])
+    while stack:
+        close(stack[-1])
+    return out
+
+
+def split_events(events) -> Optional[tuple[dict[str, float], dict[str, float]]]:
+    """A profiled step from the profiler's raw events (``name()``, ``start_ns()``, ``end_ns()``,
+    ``start_thread_id()``), on the thread and in the span of the ``moe_dist::step`` range: its
+    :func:`split_intervals` and the :func:`self_times` of the ops and ranges in it. None without
+    that range."""
     step = next((e for e in events if e.name() == STEP_RANGE), None)
     if step is None:
         return None
     thread, start, end = step.start_thread_id(), step.start_ns(), step.end_ns()
-    intervals = []
+    intervals, spans = [], []
     for e in events:
-        if e.start_thread_id() != thread:
+        if e.start_thread_id() != thread or e.name() == STEP_RANGE:
             continue
+        b, f = e.start_ns(), e.end_ns()
+        if start <= b and f <= end:
+            spans.append((b, f, e.name()))
         part = category(e.name())
         if part is not None:
-            intervals.append((e.start_ns(), e.end_ns(), part))
-    return split_intervals(intervals, start, end)
+            intervals.append((b, f, part))
+    return split_intervals(intervals, start, end), self_times(spans)
 
 
 class _StepProfile:
@@ -113,9 +142,14 @@ class _StepProfile:
             _prepare_profiler(config, activities)
             _enable_profiler(config, activities)
 
-    def stop(self) -> Optional[dict[str, float]]:
+    def stop(self, trace: Optional[str] = None) -> Optional[tuple[dict[str, float], dict[str, float]]]:
+        """The step's split and its ops' self times (:func:`split_events`); ``trace``: also write
+        the profile there as a Chrome trace (chrome://tracing, Perfetto)."""
         with native_stderr_silenced():  # the profiler's start and stop lines
             result = self._disable()
+        if trace:
+            os.makedirs(os.path.dirname(trace) or ".", exist_ok=True)
+            result.save(trace)
         return split_events(result.events())
 
 
@@ -132,6 +166,7 @@ class StepClock:
         self.split_sums = dict.fromkeys(SPLIT + ("compute",), 0.0)  # over profiled steps
         self.profiled_steps = 0
         self.profiled_step_s = 0.0
+        self.op_sums: dict[str, float] = {}  # self seconds per op or range, over profiled steps
         self._current = dict.fromkeys(PHASES, 0.0)
         self._split: Optional[dict[str, float]] = None
         self._t0 = time.perf_counter()
@@ -140,9 +175,14 @@ class StepClock:
         """Whether step number ``step`` (1-based) is split."""
         return bool(self.every) and step % self.every == 0
 
+    def start(self) -> None:
+        """The loop starts now: what came before (set-up) is no iteration's ``other``."""
+        self._t0 = time.perf_counter()
+
     @contextlib.contextmanager
-    def phase(self, name: str, profile: bool = False):
-        """Time a phase; ``profile``: also split it (the step phase of a due step)."""
+    def phase(self, name: str, profile: bool = False, trace: Optional[str] = None):
+        """Time a phase; ``profile``: also split it (the step phase of a due step) and, with
+        ``trace``, write its profile there as a Chrome trace."""
         prof = _StepProfile() if profile else None
         t0 = time.perf_counter()
         try:
@@ -155,13 +195,15 @@ class StepClock:
             seconds = time.perf_counter() - t0
             self._current[name] += seconds
             if prof is not None:
-                split = prof.stop()
-                if split is not None:
-                    self._split = split
+                found = prof.stop(trace)
+                if found is not None:
+                    self._split, ops = found
                     self.profiled_steps += 1
                     self.profiled_step_s += seconds
-                    for part, s in split.items():
+                    for part, s in self._split.items():
                         self.split_sums[part] += s
+                    for op, s in ops.items():
+                        self.op_sums[op] = self.op_sums.get(op, 0.0) + s
 
     def iteration_done(self) -> None:
         now = time.perf_counter()
@@ -181,16 +223,30 @@ class StepClock:
             self._split = None
         return out
 
+    def seconds(self, *phases: str) -> float:
+        """This iteration's seconds so far in ``phases``."""
+        return sum(self._current[p] for p in phases)
+
+    def top_ops(self, n: int = TOP_OPS) -> dict[str, float]:
+        """The ``n`` ops and ranges with the most self time in the profiled steps: milliseconds per
+        profiled step, most first."""
+        if not self.profiled_steps:
+            return {}
+        top = sorted(self.op_sums.items(), key=lambda kv: -kv[1])[:n]
+        return {op: round(1e3 * s / self.profiled_steps, 3) for op, s in top}
+
     def totals(self) -> dict:
         """The run's seconds per phase, the step's seconds split in the profiled steps' proportions
-        (``None`` parts when no step was profiled), and how many steps were profiled."""
+        (``None`` parts when no step was profiled), how many steps were profiled and their
+        :meth:`top_ops`."""
         step_total = self.totals_s["step"]
         split = {}
         if self.profiled_step_s > 0:
             split = {part: round(step_total * s / self.profiled_step_s, 3) for part, s in self.split_sums.items()}
         wall = sum(self.totals_s.values())
         return {"seconds": {k: round(v, 3) for k, v in self.totals_s.items()}, "wall_s": round(wall, 3),
-                "step_split_s": split or None, "profiled_steps": self.profiled_steps}
+                "step_split_s": split or None, "profiled_steps": self.profiled_steps,
+                "top_ops_ms": self.top_ops() or None}
 
 
 def time_summary(clock: StepClock, utilisation, tokens: int) -> dict:

@@ -31,6 +31,7 @@ from ..hardware import batch_to_device, cuda_memory_gib
 from ..model import count_parameters
 from ..parallel.kernel_choice import agree_expert_kernels
 from ..moe import moe_layers
+from .attention_choice import decide_attention_dtype
 from .checkpoint import TrainingCheckpoints
 from .compile import CompileClock, apply_compile, cache_dir, describe_compile, eager_router_reason, use_cache_dir
 from .data_setup import load_data, resolve_vocab
@@ -102,6 +103,7 @@ class Trainer:
         self.engine.prepare(self.model, fill=weights_filler(cfg, cfg.ckpt.init_from))
         self.moe = moe_layers(self.model)
         self._agree_expert_kernels()
+        self._decide_attention_dtype()
         self._compile()
         self.moe_stats = MoEStepStats(self.model)
         self.run_step = TrainStep(cfg.train, self.rt, self.engine, self.model, self.moe_stats)
@@ -156,6 +158,16 @@ class Trainer:
         for decision in agree_expert_kernels(self.model, rows, dtype, self.rt.device, seed=cfg.train.seed):
             self.log(decision.describe())
 
+    def _decide_attention_dtype(self) -> None:
+        """``train.attention_dtype`` (under bf16): the attention kernel's dtype, timed on every rank
+        at one micro-batch's shape when ``auto`` (:mod:`~moe_dist.train.attention_choice`)."""
+        cfg = self.cfg
+        batch = max(1, cfg.train.global_batch // cfg.train.grad_accum // self.rt.groups.dp_size)
+        decision = decide_attention_dtype(self.model, cfg.train.attention_dtype, cfg.train.dtype, batch,
+                                          cfg.train.seq_len, self.rt.device)
+        if decision is not None:
+            self.log(decision.describe())
+
     def log(self, msg: str) -> None:
         """A line of rank 0's log (through the progress bar while it shows)."""
         self.report.log(msg)
@@ -166,7 +178,11 @@ class Trainer:
         every ``run.time_every`` steps the step is profiled and split (:mod:`~moe_dist.train.step_time`)."""
         with self.clock.phase("data"):
             batches = self.sampler.next_step()
-        with self.clock.phase("step", profile=self.clock.due(self.step + 1)):
+        due = self.clock.due(self.step + 1)
+        trace = None
+        if due and self.clock.profiled_steps < self.cfg.run.time_traces:
+            trace = os.path.join(self.run_dir, "traces", f"step{self.step + 1:06d}-rank{self.rt.rank}.json")
+        with self.clock.phase("step", profile=due, trace=trace):
             row = self.run_step(self.step, batches, self.health.loss_spike)
         self.step += 1
         return row
@@ -207,6 +223,7 @@ class Trainer:
         if cfg.eval.probe_every and self.step == 0:
             self.probe_fluctuation()  # the reference the first probe compares with
         with self.report.progress():
+            self.clock.start()
             while self.step < steps:
                 row, divergence = self._timed_step(totals)
                 last = self.step == steps
@@ -240,9 +257,9 @@ class Trainer:
         """One step and its metrics row (timing, tokens, memory, marked ``bad`` if it was), and the
         divergence it completes, if any."""
         cfg = self.cfg
-        t0, c0 = time.perf_counter(), time.process_time()
+        c0 = time.process_time()
         row = self.train_step()
-        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+        dt, cpu = self.clock.seconds("data", "step"), time.process_time() - c0
         if self.compile_clock is not None and not self.compile_clock.said:  # once, after the first step
             self.compile_clock.said = True
             self.log(describe_compile(self.compiled, self.compile_clock.report(), cache_dir(cfg),
