@@ -118,13 +118,13 @@ def test_recommendation_fits_and_fallbacks():
     roomy = plan(preset, 1, 8, 80)
     r = roomy["recommended"]
     assert r and not r["activation_checkpointing"] and r["memory_gib"]["total"] <= roomy["cluster"]["usable_gib"]
-    tight = plan(preset, 1, 8, 40)
+    tight = plan(preset, 1, 8, 39)
     assert tight["recommended"]["activation_checkpointing"]
     assert tight["recommended"]["memory_gib"]["total_with_activation_checkpointing"] <= tight["cluster"]["usable_gib"]
-    small = plan(preset, 1, 8, 39)
+    small = plan(preset, 1, 8, 38)
     assert small["recommended"] is None and "nodes of 8 GPUs would fit" in small["reason"]
     n = int(small["reason"].split(" nodes of 8 GPUs would fit")[0].rsplit("; ", 1)[1])
-    assert plan(preset, n, 8, 39)["recommended"] is not None and plan(preset, n - 1, 8, 39)["recommended"] is None
+    assert plan(preset, n, 8, 38)["recommended"] is not None and plan(preset, n - 1, 8, 38)["recommended"] is None
 
 
 def test_plan_command(tmp_path, capsys):

@@ -27,8 +27,10 @@ Transients on top of those states (the peak is the largest of them):
   buffer FSDP2 copies its unsharded gradients into, next to those gradients or, with gloo, the
   reduce-scatter's own copy of that buffer, while the rest stays gathered (the experts unit of
   the running MoE layer, or the root unit at the end of backward);
-* the optimizer step: foreach AdamW makes one fp32 temporary (sqrt of the second moment) the
-  size of its largest parameter group on this rank.
+* the optimizer step: the fused AdamW (:func:`moe_dist.train.optim.build_optimizer`) updates each
+  element in place and makes no temporary; the foreach one it falls back to on a device without
+  the fused kernel makes one fp32 temporary (sqrt of the second moment) the size of its largest
+  parameter group on this rank.
 
 Activations are what the step keeps for backward, per token, as the dry run measures them
 (:mod:`moe_dist.plan.dry_run`, torch's CPU kernels; ``e`` = activation bytes, 2 under bf16
@@ -258,9 +260,10 @@ def autocast_copy_bytes(unsharded_params_local: int, dtype: str) -> float:
     return unsharded_params_local * 2.0 if dtype == "bf16" else 0.0
 
 
-def optimizer_step_bytes(largest_group_local: float) -> float:
-    """foreach AdamW's fp32 temporary (sqrt of the second moment) over its largest parameter group."""
-    return largest_group_local * 4.0
+def optimizer_step_bytes(largest_group_local: float, fused: bool = True) -> float:
+    """The optimizer step's temporary: none for the fused AdamW; foreach AdamW's fp32 sqrt of the
+    second moment over its largest parameter group."""
+    return 0.0 if fused else largest_group_local * 4.0
 
 
 def all_to_all_bytes(s: BlockShape, w: Workload, ep: int, gpus_per_node: int, checkpointing: bool) -> dict[str, float]:

@@ -13,7 +13,9 @@ def build_optimizer(model: nn.Module, train_cfg) -> torch.optim.AdamW:
     """Parameter groups: dense matrices (decay), dense vectors (no decay), experts (decay).
 
     Experts get their own group because under FSDP2 dense parameters are DTensors and
-    experts plain tensors, and the foreach kernels must not mix the two.
+    experts plain tensors, and the fused (or foreach) kernels must not mix the two. The fused
+    AdamW where the device has it, else foreach; a checkpoint's parameter groups bring back the
+    kernel they were saved with.
     """
     experts = {id(p) for p in expert_parameters(model)}
     seen: set[int] = set()
@@ -31,8 +33,12 @@ def build_optimizer(model: nn.Module, train_cfg) -> torch.optim.AdamW:
     groups = [{"params": dense_decay, "weight_decay": train_cfg.weight_decay, "name": "dense"},
               {"params": dense_plain, "weight_decay": 0.0, "name": "dense_no_decay"},
               {"params": expert, "weight_decay": train_cfg.weight_decay, "name": "experts"}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=train_cfg.lr,
-                             betas=(train_cfg.beta1, train_cfg.beta2), eps=1e-8, foreach=True)
+    groups = [g for g in groups if g["params"]]
+    kwargs = dict(lr=train_cfg.lr, betas=(train_cfg.beta1, train_cfg.beta2), eps=1e-8)
+    try:  # one fused kernel per parameter group: on a CPU 6x faster than foreach (bench/results.md)
+        return torch.optim.AdamW(groups, fused=True, **kwargs)
+    except RuntimeError:  # a device without the fused kernel
+        return torch.optim.AdamW(groups, foreach=True, **kwargs)
 
 
 def lr_at(step: int, train_cfg) -> float:
