@@ -96,18 +96,21 @@ def mixed_precision(dtype: str):
 
 
 def _fully_shard(model: nn.Module, rt: Runtime, reshard_after_forward: bool, dtype: str = "fp32") -> None:
-    """FSDP2 units: each router alone (its math stays fp32, so it is gathered in fp32 whatever
-    ``train.dtype``), each MoE layer's experts over the ``edp`` ranks (the replicas of those
-    experts: weights, gradients and optimizer state split edp ways, gradients reduce-scattered
-    during backward), then each block, the embedding and the output projection (:func:`_edge_units`)
-    and the root over every data-parallel rank for the rest."""
+    """FSDP2 units: under bf16 the routers, all in one unit (their math stays fp32, so they are
+    gathered in fp32 whatever ``train.dtype``; one unit: one gather and one reduce-scatter per step
+    for all of them, not one per layer), each MoE layer's experts over the ``edp`` ranks (the
+    replicas of those experts: weights, gradients and optimizer state split edp ways, gradients
+    reduce-scattered during backward), then each block, the embedding and the output projection
+    (:func:`_edge_units`) and the root over every data-parallel rank for the rest."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     policy, fp32 = mixed_precision(dtype), mixed_precision("fp32")
     sharded_experts = shards_experts(rt, "fsdp")
+    routers = [layer.router for layer in moe_layers(model)
+               if dtype != "fp32" and any(p.requires_grad for p in layer.router.parameters())]
+    if routers:
+        fully_shard(routers, mesh=rt.dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=fp32)
     for layer in moe_layers(model):
-        if dtype != "fp32" and any(p.requires_grad for p in layer.router.parameters()):
-            fully_shard(layer.router, mesh=rt.dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=fp32)
         if sharded_experts:
             fully_shard(layer.experts, mesh=rt.edp_mesh, reshard_after_forward=reshard_after_forward,
                         mp_policy=policy)
