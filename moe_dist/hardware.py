@@ -82,6 +82,12 @@ def slow_bf16_note(device: torch.device, dtype: str) -> Optional[str]:
             "train.dtype=fp32 (or --dtypes fp32) is the faster choice on this machine")
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (nothing to wait for on a CPU): around a timed region."""
+    if device.type != "cpu":
+        getattr(torch, device.type).synchronize()
+
+
 def batch_to_device(batch, device: torch.device) -> torch.Tensor:
     """A host batch (numpy array or CPU tensor) on ``device``. On a GPU it goes through pinned
     memory with a non-blocking copy, so the host queues the copy and goes on (a copy from pageable

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ..distributed.shards import local_rows
 from ..checks import check_choice
+from ..hardware import synchronize
 from .dispatch.exchange import Exchange, PipelinedLoop, exchange_rows, return_rows
 from .dispatch.loop_kernel import LoopFFN
 
@@ -311,12 +312,12 @@ class KernelTuner:
         with torch.enable_grad():
             for r in range(self.reps + 1):  # round 0 warms up (and weeds out clear losers)
                 for name in [c for c in candidates if times[c] <= self.drop * min(times.values())]:
-                    _sync(xs.device)
+                    synchronize(xs.device)
                     t0 = clock()
                     y = experts.run_kernel(name, xs, counts)
                     torch.autograd.grad(y, wrt, torch.ones_like(y))
                     del y
-                    _sync(xs.device)
+                    synchronize(xs.device)
                     t = clock() - t0
                     times[name] = t if r == 1 else min(times[name], t)  # round 0 only as a first guess
         return times
@@ -325,11 +326,6 @@ class KernelTuner:
         """The fastest kernel, but ``loop`` unless another one is faster by more than ``margin``."""
         best = min(times, key=times.get)
         return best if times[best] < (1 - self.margin) * times["loop"] else "loop"
-
-
-def _sync(device: torch.device) -> None:
-    if device.type != "cpu":
-        getattr(torch, device.type).synchronize()
 
 
 KERNEL_TUNER = KernelTuner()

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..hardware import synchronize
 from ..model.layers import Attention, fused_attention
 
 CHOICES = ("auto", "bf16", "fp32")
@@ -50,11 +51,6 @@ class AttentionDecision:
                 f"slowest rank's time: {timed})")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type != "cpu":
-        getattr(torch, device.type).synchronize()
-
-
 def time_attention(batch: int, heads: int, kv_heads: int, seq_len: int, head_dim: int, device: torch.device,
                    reps: int = REPS, seed: int = 0) -> dict[str, float]:
     """Seconds of one causal forward + backward of the fused kernel on bf16 inputs of this shape,
@@ -67,11 +63,11 @@ def time_attention(batch: int, heads: int, kv_heads: int, seq_len: int, head_dim
     times = {"bf16": float("inf"), "fp32": float("inf")}
     for r in range(reps + 1):
         for name in (times if r % 2 == 0 else reversed(list(times))):
-            _sync(device)
+            synchronize(device)
             t0 = clock()
             out = fused_attention(q, k, v, dtype=torch.float32 if name == "fp32" else None)
             torch.autograd.grad(out, (q, k, v), g)
-            _sync(device)
+            synchronize(device)
             if r:  # round 0 warms up
                 times[name] = min(times[name], clock() - t0)
     return times
