@@ -85,7 +85,7 @@ def slow_bf16_note(device: torch.device, dtype: str) -> Optional[str]:
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (nothing to wait for on a CPU): around a timed region."""
     if device.type != "cpu":
-        getattr(torch, device.type).synchronize()
+        torch.accelerator.synchronize(device)
 
 
 def batch_to_device(batch, device: torch.device) -> torch.Tensor:

@@ -186,6 +186,43 @@ def test_training_benchmark_compile_axis_and_step_profile(tmp_path):
     assert proc.stdout.count("\n| `") == 5 and "| all ops |" in proc.stdout
 
 
+def test_step_profile_fp32_against_bf16_and_the_optimizer_step(tmp_path, capsys):
+    """`step_profile --compare dtype`: both dtypes eager, bf16 with the trainer's attention choice;
+    `optimizer_step`: foreach and fused AdamW on the same state give the same weights."""
+    from moe_dist.bench import optimizer_step, step_profile
+
+    data = [f"data.corpus={ROOT}/tests/data/python-docs", f"data.cache_dir={tmp_path}/cache"]
+    assert step_profile.main(["--config", "configs/test.yaml", "--compare", "dtype", "--batch", "2", "--rounds", "2",
+                              "--profile-steps", "1", "--top", "4", "train.attention_dtype=fp32", *data]) == 0
+    out = capsys.readouterr().out
+    assert "bf16: attention runs in fp32 (train.attention_dtype=fp32)" in out
+    assert "fp32 / bf16 per round" in out and "| op (self CPU time, ms per step; profiler on) | fp32 | bf16 |" in out
+    assert optimizer_step.main(["--config", "configs/test.yaml", "--steps", "2", "--rounds", "2", *data]) == 0
+    out = capsys.readouterr().out
+    assert out.count("round ") == 2 and "foreach / fused: median" in out
+
+
+def test_fused_and_foreach_adamw_step_alike():
+    from moe_dist.bench.optimizer_step import _with_implementation
+    from moe_dist.config import load_config
+    from moe_dist.model import build_model
+    from moe_dist.train.optim import build_optimizer
+
+    cfg = load_config(os.path.join(ROOT, "configs/test.yaml"), [])
+    weights = []
+    for fused in (False, True):
+        model = build_model(cfg.model, 64, seed=0)
+        for i, w in enumerate(model.parameters()):
+            w.grad = torch.full_like(w, 1e-3 * (i + 1))
+        built = build_optimizer(model, cfg.train)
+        assert built.defaults["fused"] is True  # the trainer's choice on a CPU
+        opt = _with_implementation(built, fused)
+        for _ in range(3):
+            opt.step()
+        weights.append(torch.cat([w.detach().flatten() for w in model.parameters()]))
+    torch.testing.assert_close(weights[0], weights[1], rtol=1e-6, atol=1e-7)
+
+
 def test_benchmarks_say_when_the_machine_is_not_idle(monkeypatch):
     from moe_dist.bench import timing
 

@@ -11,11 +11,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-
-def synchronize(device: torch.device) -> None:
-    """Wait for queued work on ``device`` (no-op on CPU)."""
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
+from ..hardware import synchronize
 
 
 def timed(fn: Callable[[], None], device: torch.device) -> tuple[float, float, int]:
