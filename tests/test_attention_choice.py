@@ -8,7 +8,7 @@ from helpers.dist_harness import run_ranks
 from moe_dist.config import load_config
 from moe_dist.model import build_model
 from moe_dist.model.layers import Attention, fused_attention
-from moe_dist.train.attention_choice import decide_attention_dtype, time_attention
+from moe_dist.train.attention_choice import decide_attention_dtype, probe_layer, time_attention
 
 
 def _qkv(dtypes=(torch.bfloat16,) * 3):
@@ -58,8 +58,13 @@ def test_auto_takes_fp32_only_when_clearly_faster():
     assert d.dtype == "fp32" and d.times == {"bf16": 1.0, "fp32": 0.9} and "auto -> fp32" in d.describe()
     d = decide_attention_dtype(model, "auto", "bf16", 2, 16, torch.device("cpu"), times={"bf16": 1.0, "fp32": 0.97})
     assert d.dtype == "bf16"  # within the noise margin: torch's default stays
-    times = time_attention(2, 4, 2, 16, 8, torch.device("cpu"), reps=1)
+    layer = next(m for m in model.modules() if isinstance(m, Attention))
+    layer.sdpa_dtype = torch.float32
+    probe = probe_layer(layer, torch.device("cpu"))
+    assert (probe.n_heads, probe.n_kv_heads, probe.head_dim) == (layer.n_heads, layer.n_kv_heads, layer.head_dim)
+    times = time_attention(probe, 2, 16, torch.device("cpu"), reps=1)
     assert set(times) == {"bf16", "fp32"} and all(0 < t < 10 for t in times.values())
+    assert probe.sdpa_dtype is None and layer.sdpa_dtype == torch.float32  # the probe is left as found; the model untouched
 
 
 def _decide(rank, world):

@@ -8,9 +8,10 @@ conversions than the bf16 products save at small head sizes (measured: ``bench/r
 goes back to bf16 for the output projection.
 
 - ``bf16``: torch's default; ``fp32``: always the fp32 copies;
-- ``auto`` (the default): before the first step every rank times one forward + backward of the
-  kernel both ways on one micro-batch's shape (this rank's sequences, the heads, the sequence
-  length, with and without the copies), the times are reduced with MAX over the ranks (one
+- ``auto`` (the default): before the first step every rank times one forward + backward of an
+  attention layer of the model's shape both ways on one micro-batch (this rank's sequences, the
+  sequence length; the projections, RoPE and the casts included, which decide it as much as the
+  kernel does), the times are reduced with MAX over the ranks (one
   all-reduce), and every rank takes fp32 only when it is faster by more than :data:`MARGIN`, so
   all ranks run the same kernel. On CPU the time is CPU time; elsewhere synchronised wall time.
 
@@ -28,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..hardware import synchronize
-from ..model.layers import Attention, fused_attention
+from ..model.layers import Attention, rotary_tables
 
 CHOICES = ("auto", "bf16", "fp32")
 MARGIN = 0.05  # fp32 is taken only when faster by more than this (noise)
@@ -47,29 +48,50 @@ class AttentionDecision:
             return f"attention runs in {self.dtype} (train.attention_dtype={self.setting})"
         b, h, kv, s, hd = self.shape
         timed = ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in self.times.items())
-        return (f"attention auto -> {self.dtype} ({b} x {h} heads ({kv} kv) x {s} tokens x {hd}, forward + backward; "
-                f"slowest rank's time: {timed})")
+        return (f"attention auto -> {self.dtype} (an attention layer of {h} heads ({kv} kv) x {hd} on {b} x {s} tokens, "
+                f"forward + backward; slowest rank's time: {timed})")
 
 
-def time_attention(batch: int, heads: int, kv_heads: int, seq_len: int, head_dim: int, device: torch.device,
-                   reps: int = REPS, seed: int = 0) -> dict[str, float]:
-    """Seconds of one causal forward + backward of the fused kernel on bf16 inputs of this shape,
-    run in bf16 and on fp32 copies (best of ``reps`` alternating rounds after a warm-up)."""
+def probe_layer(like: Attention, device: torch.device, seed: int = 0) -> Attention:
+    """A fresh attention layer of ``like``'s shape on ``device`` (random weights): timed in place of
+    the model's own, whose weights may be sharded."""
+    d_model = like.wq.in_features
+    probe = Attention(d_model, like.n_heads, like.n_kv_heads, 0.02, 0.02, qkv_bias=like.wq.bias is not None,
+                      qk_norm="projection" if like.q_norm is not None else "none")
     gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(batch, h, seq_len, head_dim, generator=gen).to(device, torch.bfloat16).requires_grad_()
-               for h in (heads, kv_heads, kv_heads))
-    g = torch.randn(batch, heads, seq_len, head_dim, generator=gen).to(device, torch.bfloat16)
+    with torch.no_grad():
+        for w in probe.parameters():
+            w.copy_(torch.randn(w.shape, generator=gen) * 0.02)
+    return probe.to(device)
+
+
+def time_attention(layer: Attention, batch: int, seq_len: int, device: torch.device, reps: int = REPS,
+                   seed: int = 0) -> dict[str, float]:
+    """Seconds of one forward + backward of ``layer`` under bf16 autocast as the model runs it
+    (fp32 inputs, RoPE), its kernel in bf16 and on fp32 copies (best of ``reps`` alternating
+    rounds after a warm-up). The layer's own layouts and casts count: the projections are
+    transposed views and RoPE returns fp32 queries and keys, so the bf16 way casts them back."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, seq_len, layer.wq.in_features, generator=gen).to(device).requires_grad_()
+    g = torch.randn(batch, seq_len, layer.wo.out_features, generator=gen).to(device, torch.bfloat16)
+    cos, sin = rotary_tables(seq_len, layer.head_dim, 10000.0, device, torch.float32)
     clock = time.process_time if device.type == "cpu" else time.perf_counter
     times = {"bf16": float("inf"), "fp32": float("inf")}
-    for r in range(reps + 1):
-        for name in (times if r % 2 == 0 else reversed(list(times))):
-            synchronize(device)
-            t0 = clock()
-            out = fused_attention(q, k, v, dtype=torch.float32 if name == "fp32" else None)
-            torch.autograd.grad(out, (q, k, v), g)
-            synchronize(device)
-            if r:  # round 0 warms up
-                times[name] = min(times[name], clock() - t0)
+    kept = layer.sdpa_dtype
+    try:
+        for r in range(reps + 1):
+            for name in (times if r % 2 == 0 else reversed(list(times))):
+                layer.sdpa_dtype = torch.float32 if name == "fp32" else None
+                synchronize(device)
+                t0 = clock()
+                with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+                    out, _ = layer(x, cos, sin)
+                torch.autograd.grad(out, [x, *layer.parameters()], g)
+                synchronize(device)
+                if r:  # round 0 warms up
+                    times[name] = min(times[name], clock() - t0)
+    finally:
+        layer.sdpa_dtype = kept
     return times
 
 
@@ -95,7 +117,7 @@ def decide_attention_dtype(model: nn.Module, setting: str, train_dtype: str, bat
     if setting == "auto":
         a = layers[0]
         shape = (batch, a.n_heads, a.n_kv_heads, seq_len, a.head_dim)
-        local = times if times is not None else time_attention(*shape, device=device)
+        local = times if times is not None else time_attention(probe_layer(a, device), batch, seq_len, device)
         names = sorted(local)
         t = torch.tensor([local[n] for n in names], dtype=torch.float64, device=device)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
