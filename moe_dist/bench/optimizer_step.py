@@ -22,7 +22,7 @@ import torch
 from ..config import load_config
 from ..model import build_model
 from ..train.optim import build_optimizer
-from .timing import busy_note
+from .timing import say_if_busy
 
 
 def _with_implementation(optimizer: torch.optim.AdamW, fused: bool) -> torch.optim.AdamW:
@@ -48,9 +48,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     n = sum(w.numel() for w in model.parameters())
     print(f"optimizer step: {args.config}, {n / 1e6:.1f}M parameters, {torch.get_num_threads()} thread(s), "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}", flush=True)
-    busy = busy_note(1, "at the start")
-    if busy:
-        print(busy, flush=True)
+    say_if_busy(1, "at the start")
     base = build_optimizer(model, cfg.train)
     optimizers = {"foreach": _with_implementation(base, False), "fused": _with_implementation(base, True)}
     for opt in optimizers.values():
@@ -69,9 +67,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"round {r + 1}: foreach {ms['foreach']:.1f} ms, fused {ms['fused']:.1f} ms per step "
               f"(foreach / fused {ratios[-1]:.2f})", flush=True)
     print(f"foreach / fused: median {statistics.median(ratios):.2f} over {args.rounds} rounds")
-    busy = busy_note(1, "at the end")
-    if busy:
-        print(busy, flush=True)
+    say_if_busy(1, "at the end")
     return 0
 
 

@@ -33,7 +33,7 @@ from ..model import build_model
 from ..moe import collect_aux_loss
 from ..train.attention_choice import decide_attention_dtype
 from ..train.compile import apply_compile
-from .timing import busy_note
+from .timing import say_if_busy
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -83,9 +83,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         slow = slow_bf16_note(torch.device("cpu"), dtype)
         if slow:
             print(slow, flush=True)
-    busy = busy_note(1, "at the start")
-    if busy:
-        print(busy, flush=True)
+    say_if_busy(1, "at the start")
     tokens = torch.randint(0, vocab, (args.batch, cfg.train.seq_len + 1), generator=torch.Generator().manual_seed(0))
     steps = {}
     for name, dtype, compiled in runs:
@@ -119,9 +117,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for k in keys[: args.top]:
         print(f"| `{k}` | {ops[a].get(k, 0.0):.1f} | {ops[b].get(k, 0.0):.1f} |")
     print(f"| all ops | {sum(ops[a].values()):.1f} | {sum(ops[b].values()):.1f} |")
-    busy = busy_note(1, "at the end")
-    if busy:
-        print(busy, flush=True)
+    say_if_busy(1, "at the end")
     return 0
 
 

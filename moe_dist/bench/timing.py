@@ -82,3 +82,10 @@ def busy_note(procs: int, when: str) -> Optional[str]:
         return None
     return (f"note: load average {load:.2f} {when} exceeds the {procs} process(es) this benchmark runs: another "
             "program competes for the cores; these figures are not from an idle machine")
+
+
+def say_if_busy(procs: int, when: str) -> None:
+    """Print :func:`busy_note`'s line, if any."""
+    busy = busy_note(procs, when)
+    if busy:
+        print(busy, flush=True)

@@ -37,7 +37,7 @@ import torch
 from ..config import load_config
 from ..hardware import matmul_peak, slow_bf16_note
 from .gpu_check import train_flops_per_token
-from .timing import busy_note
+from .timing import say_if_busy
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -105,9 +105,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     slow = slow_bf16_note(torch.device("cpu"), "bf16" if "bf16" in dtypes else "fp32")
     if slow:
         print(slow, flush=True)
-    busy = busy_note(args.nproc, "at the start")
-    if busy:
-        print(busy, flush=True)
+    say_if_busy(args.nproc, "at the start")
     threads = args.nproc * threads_per_proc
     peaks = {d: matmul_peak(DTYPES[d], threads) for d in dtypes}  # measured again at the end: the larger counts
     cases = [(e, d, c) for d in dtypes for e in engines for c in compiles]
@@ -160,9 +158,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             ratios = [b / a for a, b in zip(off, on)]
             print(f"{engine} {dtype}: compiled / eager per round {' / '.join(f'{v:.3f}' for v in ratios)}, "
                   f"median {statistics.median(ratios):.3f}")
-    busy = busy_note(args.nproc, "at the end")
-    if busy:
-        print(busy, flush=True)
+    say_if_busy(args.nproc, "at the end")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"cpu_capability": cpu, "nproc": args.nproc, "threads_per_proc": threads_per_proc,
