@@ -202,6 +202,11 @@ def test_bf16_on_a_cpu_without_bf16_matmuls_runs_as_fp32(monkeypatch, tmp_path, 
     assert capsys.readouterr().out.count("train.dtype=bf16 runs as fp32") == 1
     d_ff = cfg.model.moe.d_ff or cfg.model.d_ff
     assert shapes == [(cfg.train.global_batch * cfg.train.seq_len, cfg.model.d_model, d_ff)]  # one rank's micro-batch
+    # bf16 kept: the warning, said once although `train` and its Trainer both check the runtime
+    kept = load_config(os.path.join(ROOT, "configs/test.yaml"), [f"run.dir={tmp_path}/run", "parallel.ep=1",
+                                                               "train.dtype=bf16", "train.bf16_on_slow_cpu=bf16"])
+    setup_runtime(kept, setup_runtime(kept))
+    assert kept.train.dtype == "bf16" and capsys.readouterr().out.count("warning: train.dtype=bf16 kept") == 1
     assert hardware.probe_shape(10**6, 4096, 14336) == (16, 4096, 2288)  # a 7B model's: the work held near PROBE_FLOPS
     assert hardware.probe_shape(8192, 256, 512) == (1144, 256, 512)
     monkeypatch.setattr(hardware, "bf16_matmul_slowdown", lambda *shape: 1.3)  # fast enough: bf16 stays

@@ -4,19 +4,20 @@ Under bf16 autocast the queries, keys and values come out of their projections i
 runs SDPA in bf16. On some CPUs that is slower than running it on fp32 copies: the CPU
 flash-attention kernel accumulates in fp32 either way, and its bf16 backward spends more on
 conversions than the bf16 products save at small head sizes (measured: ``bench/results.md``,
-"Where the step's time goes"). fp32 attention is also the more precise of the two; the output
+"The bf16 gap op by op"). fp32 attention is also the more precise of the two; the output
 goes back to bf16 for the output projection.
 
 - ``bf16``: torch's default; ``fp32``: always the fp32 copies;
 - ``auto`` (the default): before the first step every rank times one forward + backward of an
   attention layer of the model's shape both ways on one micro-batch (this rank's sequences, the
   sequence length; the projections, RoPE and the casts included, which decide it as much as the
-  kernel does), the times are reduced with MAX over the ranks (one
-  all-reduce), and every rank takes fp32 only when it is faster by more than :data:`MARGIN`, so
-  all ranks run the same kernel. On CPU the time is CPU time; elsewhere synchronised wall time.
+  kernel does), the times are reduced with MAX over the ranks (one all-reduce), and every rank
+  takes fp32 only when it is faster by more than :data:`MARGIN`, so all ranks run the same
+  kernel. On CPU the time is CPU time; elsewhere synchronised wall time.
 
 Nothing changes under ``train.dtype=fp32``, or for a router that computes the attention
-probabilities itself (``capture="probs"``).
+probabilities itself (``capture="probs"``). ``moe-dist eval`` applies the same setting, timed at
+its own batch.
 """
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ from ..config import Config
 from ..distributed.bootstrap import Runtime, shutdown
 from ..errors import CheckpointError, MissingInputError
 from ..hardware import map_large_allocations
+from .attention_choice import decide_attention_dtype
 from .checkpoint import latest_checkpoint, load_checkpoint
 from .data_setup import load_data, resolve_vocab
 from .evaluate import evaluate, format_report, unigram_baseline, validation_batches
@@ -46,6 +47,11 @@ def evaluate_run(cfg: Config, checkpoint: Optional[str] = None, rt: Optional[Run
             raise CheckpointError(f"{path} was trained with another tokenizer (sha256 {meta['tokenizer_sha256'][:12]}...) than "
                              f"the data settings give now ({data.tokenizer.sha256[:12]}...); check the data.* keys")
         batches = validation_batches(data, cfg.train.seq_len, cfg.eval, rt.groups.dp_rank, rt.groups.dp_size)
+        decision = decide_attention_dtype(model, cfg.train.attention_dtype, cfg.train.dtype,
+                                          batches[0].shape[0] if batches else 1, cfg.train.seq_len,
+                                          rt.device)  # as training does, at eval's batch
+        if decision is not None:
+            log(decision.describe())
         val = evaluate(model, batches, rt.device, cfg.train.dtype, rt.groups.dp)
         baseline = unigram_baseline(data, cfg.train.seq_len, cfg.eval)
         result = {"checkpoint": path, "step": meta.get("step"), "val_loss": val["loss"], "val_ppl": val["ppl"],

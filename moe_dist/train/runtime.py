@@ -56,6 +56,9 @@ def _largest_over_ranks(rt: Runtime):
     return agree
 
 
+_SAID: set[str] = set()  # the dtype notes this process printed
+
+
 def setup_runtime(cfg: Config, rt: Optional[Runtime] = None) -> Runtime:
     """The job's runtime (``rt``, or a new one), checked against the config's rules that need the
     number of processes. A new runtime that fails a check is shut down before the error leaves."""
@@ -75,7 +78,8 @@ def setup_runtime(cfg: Config, rt: Optional[Runtime] = None) -> Runtime:
         if owns:
             shutdown(rt)  # while the error propagates: no meeting of the ranks, the group destroyed now
         raise
-    if note and rt.is_main:
+    if note and rt.is_main and note not in _SAID:  # a runtime passed on is checked again: said once
+        _SAID.add(note)
         print(note, flush=True)
     return rt
 
