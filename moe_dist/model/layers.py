@@ -132,15 +132,12 @@ class Attention(nn.Module):
                 probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
             out = probs.to(v_all.dtype) @ v_all
         else:
-            out = self._sdpa(q, k, v, mask)
+            out = fused_attention(q, k, v, mask, self.sdpa_dtype)
         h = self.wo(out.transpose(1, 2).reshape(B, S, -1))
         if capture is None:
             return h, None
         # attention-aware routing reads the (un-repeated) keys and values
         return h, AttentionInputs(queries=q, keys=k, values=v, output=h, out_weight=self.wo.weight, probs=probs)
-
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        return fused_attention(q, k, v, mask, self.sdpa_dtype)
 
 
 def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None,

@@ -149,11 +149,15 @@ class Trainer:
         self.compiled = apply_compile(self.model)
         self.compile_clock = CompileClock()
 
+    def _sequences_per_rank(self) -> int:
+        """Sequences in one rank's micro-batch (at least 1: ``Config.check_world``)."""
+        return self.cfg.train.global_batch // self.cfg.train.grad_accum // self.rt.groups.dp_size
+
     def _agree_expert_kernels(self) -> None:
         """``model.moe.expert_kernel: auto``: one kernel per expert shape, timed on every rank and
         decided from the slowest rank's times, so every rank runs the same kernel."""
         cfg = self.cfg
-        rows = cfg.train.global_batch // cfg.train.grad_accum // self.rt.groups.dp_size * cfg.train.seq_len * cfg.model.moe.top_k
+        rows = self._sequences_per_rank() * cfg.train.seq_len * cfg.model.moe.top_k
         dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
         for decision in agree_expert_kernels(self.model, rows, dtype, self.rt.device, seed=cfg.train.seed):
             self.log(decision.describe())
@@ -162,9 +166,8 @@ class Trainer:
         """``train.attention_dtype`` (under bf16): the attention kernel's dtype, timed on every rank
         at one micro-batch's shape when ``auto`` (:mod:`~moe_dist.train.attention_choice`)."""
         cfg = self.cfg
-        batch = max(1, cfg.train.global_batch // cfg.train.grad_accum // self.rt.groups.dp_size)
-        decision = decide_attention_dtype(self.model, cfg.train.attention_dtype, cfg.train.dtype, batch,
-                                          cfg.train.seq_len, self.rt.device)
+        decision = decide_attention_dtype(self.model, cfg.train.attention_dtype, cfg.train.dtype,
+                                          self._sequences_per_rank(), cfg.train.seq_len, self.rt.device)
         if decision is not None:
             self.log(decision.describe())
 
