@@ -58,7 +58,7 @@ def test_the_clock_sums_phases_and_scales_the_split():
     with clock.phase("data"):
         pass
     with clock.phase("step", profile=True):
-        sum(range(10000))
+        sum(range(2_000_000))  # ~50 ms: a scheduling hiccup outside the profiled range stays far below half of it
     row = clock.row()
     assert set(row) == {"data_s", "step_s", "eval_s"} | {f"{p}_s" for p in SPLIT + ("compute",)}
     assert row["compute_s"] == pytest.approx(row["step_s"], rel=0.5)  # nothing but compute in this step
