@@ -168,6 +168,10 @@ class ParallelConfig:
                                            "(docs/multinode.md)", min=1)
     dense: Literal["fsdp", "replicate"] = knob("fsdp", "dense weights: FSDP2 over data-parallel ranks, or replicated")
     reshard_after_forward: bool = knob(True, "FSDP2: free gathered dense weights after forward (ZeRO-3) or keep them (ZeRO-2)")
+    expert_shard: Literal["auto", "experts", "within"] = knob(
+        "auto", "FSDP2 split of each expert weight over its replicas (edp ranks): experts (on the expert dimension, "
+        "whole experts per replica), within (inside every expert, on the first of its dimensions edp divides), auto "
+        "(experts when edp divides the local experts, else within; docs/scale.md)")
     backend: Literal["auto", "gloo", "nccl"] = knob("auto", "process-group backend (auto = nccl with CUDA, else gloo)")
     timeout_s: int = knob(600, "collective timeout in seconds", min=1)
     heartbeat_timeout_s: int = knob(30, "end every rank when a rank's heartbeat through the rendezvous store is "

@@ -78,6 +78,8 @@ def normal_rows_(t: torch.Tensor, std: float, seed: int) -> None:
     part = local_rows(t)
     if part.local.numel() == 0:
         return
+    if not part.whole_rows:  # row blocks are keyed by row: a split inside the rows would need another recipe
+        raise RuntimeError(f"normal_rows_: internal error: a tensor split inside its rows ({part.within})")
     total = part.global_shape[0] if part.global_shape else 1
     tail = tuple(part.global_shape[1:])
     for b in range(part.start // ROW_BLOCK, (part.stop - 1) // ROW_BLOCK + 1):

@@ -91,23 +91,32 @@ class GroupedExperts(nn.Module):
     def held(self, t: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         """``(global expert index, view)`` of every expert of ``t`` (a weight of this module, or a
         tensor shaped like one, e.g. its optimizer state) that this rank holds: all local experts,
-        or, when the weights are sharded over the expert-data-parallel ranks (a DTensor split
-        along the expert dimension), this rank's share of them."""
+        or, when the weights are sharded over the expert-data-parallel ranks (a DTensor), this
+        rank's share: some whole experts (split on the expert dimension) or the same block of
+        every local expert (split inside the experts; :meth:`within` says which block)."""
         part = local_rows(t)
         return [(self.offset + i, part.local[i - part.start]) for i in range(part.start, part.stop)]
+
+    @staticmethod
+    def within(t: torch.Tensor) -> tuple[slice, ...]:
+        """The block of each held expert of ``t`` this rank holds (whole experts: full slices)."""
+        return local_rows(t).within
 
     @torch.no_grad()
     def reset_parameters(self, base_seed: int) -> None:
         """Initialise each expert from a generator seeded by (base_seed, global expert index),
         so the values do not depend on how experts are split across ranks; a rank fills only
-        the experts it holds."""
+        the experts it holds. Split inside the experts, a rank still draws each of its experts'
+        whole matrices (one at a time: a generator's draws cannot start mid-tensor) and keeps
+        its block."""
         weights = [(w, std) for w, std in ((self.w1, self.init_std), (self.w3, self.init_std), (self.w2, self.out_init_std))
                    if w is not None]
-        held = [self.held(w) for w, _ in weights]
-        for row, (g, _) in enumerate(held[0]):
+        held = [(self.held(w), self.within(w)) for w, _ in weights]
+        for row, (g, _) in enumerate(held[0][0]):
             gen = torch.Generator().manual_seed(base_seed * 1009 + g)
-            for (w, std), views in zip(weights, held):
-                views[row][1].copy_(torch.randn(tuple(w.shape[1:]), generator=gen, device=gen.device) * std)
+            for (w, std), (views, block) in zip(weights, held):
+                whole = torch.randn(tuple(w.shape[1:]), generator=gen, device=gen.device)
+                views[row][1].copy_(whole[block] * std)
 
     @torch.no_grad()
     def load_dense(self, w_gate: torch.Tensor, w_down: torch.Tensor, w_up: Optional[torch.Tensor] = None,

@@ -22,6 +22,7 @@ from ..model.init import is_meta, materialize
 from ..moe import moe_layers
 from ..moe.routers import synchronize_frozen_routers
 from ..parallel import apply_expert_parallel, dense_parameters, expert_parameters, sync_gradients
+from ..parallel.expert_shard import shard_dim
 
 
 class Parallelized:
@@ -95,12 +96,22 @@ def mixed_precision(dtype: str):
     return MixedPrecisionPolicy()
 
 
-def _fully_shard(model: nn.Module, rt: Runtime, reshard_after_forward: bool, dtype: str = "fp32") -> None:
+def expert_placement(edp: int, choice: str) -> Callable[[nn.Parameter], object]:
+    """FSDP2's ``shard_placement_fn`` for an MoE layer's experts: ``Shard(d)`` with the dimension
+    :func:`moe_dist.parallel.expert_shard.shard_dim` picks for the parameter's shape."""
+    from torch.distributed.tensor import Shard
+
+    return lambda p: Shard(shard_dim(tuple(p.shape), edp, choice))
+
+
+def _fully_shard(model: nn.Module, rt: Runtime, reshard_after_forward: bool, dtype: str = "fp32",
+                 expert_shard: str = "auto") -> None:
     """FSDP2 units: under bf16 the routers, all in one unit (their math stays fp32, so they are
     gathered in fp32 whatever ``train.dtype``; one unit: one gather and one reduce-scatter per step
     for all of them, not one per layer), each MoE layer's experts over the ``edp`` ranks (the
-    replicas of those experts: weights, gradients and optimizer state split edp ways, gradients
-    reduce-scattered during backward), then each block, the embedding and the output projection
+    replicas of those experts: weights, gradients and optimizer state split edp ways, on the
+    dimension ``parallel.expert_shard`` picks, gradients reduce-scattered during backward), then
+    each block, the embedding and the output projection
     (:func:`_edge_units`) and the root over every data-parallel rank for the rest."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -113,7 +124,7 @@ def _fully_shard(model: nn.Module, rt: Runtime, reshard_after_forward: bool, dty
     for layer in moe_layers(model):
         if sharded_experts:
             fully_shard(layer.experts, mesh=rt.edp_mesh, reshard_after_forward=reshard_after_forward,
-                        mp_policy=policy)
+                        mp_policy=policy, shard_placement_fn=expert_placement(rt.groups.edp_size, expert_shard))
     experts = set() if sharded_experts else set(expert_parameters(model))  # else left out of the dense units
     units = list(getattr(model, "blocks", [])) + _edge_units(model)
     for unit in units:
@@ -157,7 +168,8 @@ def parallelize(model: nn.Module, rt: Runtime, parallel_cfg,
     apply_expert_parallel(model, rt.groups)
     fsdp = parallel_cfg.dense == "fsdp" and rt.distributed
     if fsdp:
-        _fully_shard(model, rt, parallel_cfg.reshard_after_forward, dtype)
+        _fully_shard(model, rt, parallel_cfg.reshard_after_forward, dtype,
+                     parallel_cfg.expert_shard)
     if meta:
         fill(materialize(model, rt.device))
     if rt.distributed:  # frozen routers (HyperRouter, SMoE-Dropout): broadcast from rank 0, hash-checked

@@ -84,24 +84,26 @@ def save_model_weights(model: nn.Module, directory: str, dtype: Optional[torch.d
 READ_CHUNK_BYTES = 64 << 20
 
 
-def _read_rows_into(ckpt: SafetensorsCheckpoint, name: str, start: int, out: torch.Tensor) -> None:
-    """Rows ``start ..`` of ``name`` (as many as ``out`` has) into ``out``, about
-    :data:`READ_CHUNK_BYTES` at a time: reading the whole slice and then converting it (``.to(fp32)``
-    of bf16 weights) held both copies of the largest tensor at once, the peak of a 1-process load."""
+def _read_rows_into(ckpt: SafetensorsCheckpoint, name: str, start: int, out: torch.Tensor,
+                    within: tuple[slice, ...] = ()) -> None:
+    """Rows ``start ..`` of ``name`` (as many as ``out`` has; of each, the block ``within`` of the
+    further dimensions: an expert split inside) into ``out``, about :data:`READ_CHUNK_BYTES` at a
+    time: reading the whole slice and then converting it (``.to(fp32)`` of bf16 weights) held both
+    copies of the largest tensor at once, the peak of a 1-process load."""
     rows = out.shape[0]
-    if rows == 0:
+    if rows == 0 or out.numel() == 0:
         return
     step = max(1, READ_CHUNK_BYTES // max(1, out[0].numel() * out.element_size()))
     for lo in range(0, rows, step):
         hi = min(rows, lo + step)
-        out[lo:hi].copy_(ckpt.get_rows(name, start + lo, start + hi))
+        out[lo:hi].copy_(ckpt.get_rows(name, start + lo, start + hi, within))
 
 
 @torch.no_grad()
 def load_model_weights(model: nn.Module, directory: str) -> dict:
     """Load weights written by :func:`save_model_weights` (or ``moe-dist upcycle``) into ``model``
     in place, converting dtypes. Each rank reads only what it holds: its experts' rows after
-    expert parallelism, its rows of each FSDP2-sharded (DTensor) weight. Works on a model built
+    expert parallelism, its block of each FSDP2-sharded (DTensor) weight. Works on a model built
     on the meta device once :func:`moe_dist.model.init.materialize` allocated it. Returns
     ``{"loaded": n_tensors}``."""
     ckpt = SafetensorsCheckpoint(directory)
@@ -130,9 +132,9 @@ def load_model_weights(model: nn.Module, directory: str) -> dict:
                                 f"{list(target.shape)}")
         if target.dim() == 0:
             copy_rows_(target, ckpt.get(name))
-        else:  # this rank's rows: its FSDP shard, its experts (a share of them when sharded over edp)
+        else:  # this rank's block: its FSDP shard, its experts (a share of them, or of each, when sharded over edp)
             part, base = local_rows(target), module.offset if module is not None else 0
-            _read_rows_into(ckpt, name, base + part.start, part.local)
+            _read_rows_into(ckpt, name, base + part.start, part.local, part.within)
         ckpt.close()  # unmap the file after each tensor: mapped pages read so far count as this process's memory
     ckpt.close()
     return {"loaded": len(wanted)}

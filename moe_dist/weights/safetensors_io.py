@@ -177,11 +177,12 @@ class SafetensorsCheckpoint:
             raise HFFormatError(f"{os.path.join(self.directory, shard)}: cannot read tensor {name!r} "
                                 f"(named in the index but unreadable: {e})") from None
 
-    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` of a tensor's first dimension, read without loading the rest."""
+    def get_rows(self, name: str, start: int, stop: int, within: tuple[slice, ...] = ()) -> torch.Tensor:
+        """Rows ``start:stop`` of a tensor's first dimension (and of those rows, the block
+        ``within`` of the further dimensions), read without loading the rest."""
         shard = self._shard(name)
         try:
-            return self._handle(shard).get_slice(name)[start:stop]
+            return self._handle(shard).get_slice(name)[(slice(start, stop),) + tuple(within)]
         except Exception as e:
             raise HFFormatError(f"{os.path.join(self.directory, shard)}: cannot read rows {start}:{stop} of "
                                 f"{name!r}: {e}") from None

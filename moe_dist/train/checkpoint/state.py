@@ -3,7 +3,8 @@
 * the model: ``model.state_dict()`` names, with each ``[E_local, ...]`` expert tensor replaced
   by one entry per *global* expert (``blocks.0.ffn.experts.w1.expert_5``), so a checkpoint
   written at one expert-parallel size loads at any other; replicas of an expert
-  (expert-data-parallel ranks) write it once. Router state lives in the model's parameters
+  (expert-data-parallel ranks) write it once; split inside over them, each writes its block
+  (a DTensor entry). Router state lives in the model's parameters
   and buffers (Symphony's graph, AC running statistics, HyperRouter embedding and frozen
   hypernetwork). Dense weights are kept as they are (DTensor shards under FSDP2, plain
   tensors otherwise); DCP reshards them on load.
@@ -30,6 +31,24 @@ def expert_layers(model: nn.Module) -> dict[str, MoELayer]:
     return {f"{name}.experts" if name else "experts": m for name, m in model.named_modules() if isinstance(m, MoELayer)}
 
 
+def held_entries(experts, t: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """``(global expert, entry)`` for every expert of ``t`` this rank holds. Whole experts are plain
+    views; an expert split inside over its replicas (``Shard(d)``, ``d > 0``) is a DTensor view of
+    this rank's block on the same mesh (``Shard(d - 1)`` of the expert), so DCP writes every block
+    once and reshards on load, under either split and at any number of ranks."""
+    views = experts.held(t)
+    inner = [p.dim for p in getattr(t, "placements", ()) if type(p).__name__ == "Shard" and p.dim > 0]
+    if not inner:
+        return views
+    from torch.distributed.tensor import DTensor, Shard
+
+    shape = tuple(t.shape[1:])
+    stride = tuple(torch.empty(shape, device="meta").stride())
+    placements = [Shard(p.dim - 1) if type(p).__name__ == "Shard" else p for p in t.placements]
+    return [(g, DTensor.from_local(v, t.device_mesh, placements, run_check=False, shape=shape, stride=stride))
+            for g, v in views]
+
+
 def expert_keyed_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with each ``[E_local, ...]`` expert tensor replaced by one view per
     global expert. The views share storage with the parameters, so loading into this dict
@@ -43,7 +62,7 @@ def expert_keyed_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
                 continue
             key = f"{prefix}.{pname}"
             del sd[key]
-            for g, view in experts.held(w.data):  # a share of them when sharded over edp
+            for g, view in held_entries(experts, w.data):  # a share of them (or of each) when sharded over edp
                 sd[f"{key}.expert_{g}"] = view
     return sd
 
@@ -73,7 +92,7 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
                 if value.shape != p.shape:
                     raise ValueError(f"optimizer state {name!r} of expert parameter {fqn} has shape {list(value.shape)}, "
                                      f"not the parameter's {list(p.shape)}")
-                for g, view in experts.held(value):
+                for g, view in held_entries(experts, value):
                     out[f"{key}.expert_{g}"] = view
             else:
                 out[key] = value
