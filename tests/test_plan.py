@@ -96,13 +96,20 @@ def test_memory_and_traffic_move_the_right_way():
         assert totals == sorted(totals, reverse=True)
     # hand check of one all-to-all figure: 32 layers x 4 passes x 4096 tokens x 2 copies x 4096 x 2 bytes x 7/8
     assert layouts[8]["all_to_all"]["bytes_per_gpu_per_step"] == int(32 * 4 * 4096 * 2 * 4096 * 2 * 7 / 8)
-    # FSDP2 shards each layer's [E/ep, ...] expert weights on the expert dimension: with fewer local experts
-    # than replicas the first replica holds one whole expert per layer (the dry run measures the same), so
-    # 32 x 80 GiB do not train Mixtral with moe_dist's engine, and more nodes do not help
+    # fewer local experts than replicas at every ep: each replica holds 1/edp of every local expert (split inside
+    # them), so every GPU holds 1/32 of the model, and 32 x 80 GiB train Mixtral
     counts = p["params"]
+    even = (counts["dense_params"] + counts["experts"]) / 32 * 4 / 2**30
+    assert all(m["weights"] == pytest.approx(even, abs=1e-3) for m in mem)
+    assert all(l["expert_split"] == "within" for l in layouts.values()) and p["recommended"] is not None
+    # split on the expert dimension (parallel.expert_shard=experts) the first replica holds one whole expert per
+    # layer (the dry run measures the same): 32 x 80 GiB do not train Mixtral, and more nodes do not help
+    whole = plan(os.path.join(HF, "mixtral-8x7b.json"), 4, 8, 80, ["parallel.expert_shard=experts"])
     busiest = (counts["dense_params"] / 32 + 32 * counts["per_expert"]) * 4 / 2**30
-    assert all(m["weights"] == pytest.approx(busiest, abs=1e-3) for m in mem)
-    assert p["recommended"] is None and "holds 1 whole (FSDP2 shards the experts on the expert dimension)" in p["reason"]
+    assert all(l["memory_gib"]["weights"] == pytest.approx(busiest, abs=1e-3) for l in whole["layouts"])
+    assert all(l["expert_split"] == "experts (padded)" for l in whole["layouts"])
+    assert whole["recommended"] is None
+    assert "holds 1 whole (parallel.expert_shard splits them on the expert dimension)" in whole["reason"]
     # 4 GiB GPUs: what FSDP2 gathers and the activations do not shrink with more GPUs, and the reason says so
     tiny_gpus = plan(os.path.join(HF, "mixtral-8x7b.json"), 4, 8, 4)
     assert tiny_gpus["recommended"] is None and "more nodes do not help" in tiny_gpus["reason"]
@@ -118,13 +125,13 @@ def test_recommendation_fits_and_fallbacks():
     roomy = plan(preset, 1, 8, 80)
     r = roomy["recommended"]
     assert r and not r["activation_checkpointing"] and r["memory_gib"]["total"] <= roomy["cluster"]["usable_gib"]
-    tight = plan(preset, 1, 8, 39)
+    tight = plan(preset, 1, 8, 31)  # each of ep=4's 2 replicas holds half of its one local expert per layer
     assert tight["recommended"]["activation_checkpointing"]
     assert tight["recommended"]["memory_gib"]["total_with_activation_checkpointing"] <= tight["cluster"]["usable_gib"]
-    small = plan(preset, 1, 8, 38)
+    small = plan(preset, 1, 8, 30)
     assert small["recommended"] is None and "nodes of 8 GPUs would fit" in small["reason"]
     n = int(small["reason"].split(" nodes of 8 GPUs would fit")[0].rsplit("; ", 1)[1])
-    assert plan(preset, n, 8, 38)["recommended"] is not None and plan(preset, n - 1, 8, 38)["recommended"] is None
+    assert plan(preset, n, 8, 30)["recommended"] is not None and plan(preset, n - 1, 8, 30)["recommended"] is None
 
 
 def test_plan_command(tmp_path, capsys):

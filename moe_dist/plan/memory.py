@@ -10,7 +10,7 @@ experts over their ``edp`` replicas. Stage 1 shards the optimizer state, 2 also 
 gradients, 3 also the weights. moe_dist's own engine (``parallel.dense=fsdp``) is stage 3 for
 both: FSDP2 shards the dense weights over all ranks and each MoE layer's experts over its
 ``edp`` replicas (one FSDP2 unit per layer's experts on the edp mesh; with edp = 1 they are
-whole). ``parallel.dense=replicate`` is stage 0 for both. With ``train.grad_accum > 1`` FSDP2
+whole; split on the expert dimension or inside every expert: :mod:`moe_dist.parallel.expert_shard`). ``parallel.dense=replicate`` is stage 0 for both. With ``train.grad_accum > 1`` FSDP2
 keeps each unit's *unsharded* gradient between micro-batches (it reduce-scatters only on the
 last one), so gradients take their unsharded size.
 
@@ -18,7 +18,8 @@ Transients on top of those states (the peak is the largest of them):
 
 * forward and backward: activations, plus what FSDP2 holds gathered (:func:`fsdp_gathered_bytes`:
   the root unit, two blocks, two layers' experts units when experts are sharded, each the whole
-  padded all-gather output of ``edp x ceil(E_local / edp)`` experts; 2
+  all-gather output: the layer's local experts, or ``edp x ceil(E_local / edp)`` of them when
+  they are split unevenly on the expert dimension (``parallel.expert_shard``); 2
   bytes per parameter under bf16, whose MixedPrecisionPolicy gathers bf16 copies, else 4) and
   the output head's unsharded gradient (computed first, reduced with the root unit, last);
   replicated weights under bf16 autocast keep a bf16 copy of every weight for backward (2
@@ -54,11 +55,11 @@ allocator caching and fragmentation, communication library buffers, and the data
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
 from ..model.params import BlockShape
+from ..parallel.expert_shard import busiest_share, expert_weight_shapes, gathered_fraction, shard_dim
 from .dispatch_rows import flat_rows_per_token, transfers_per_layer
 
 GIB = float(1 << 30)
@@ -105,36 +106,58 @@ def uses_fsdp(dense_mode: str, world: int) -> bool:
     return dense_mode == "fsdp" and world > 1
 
 
-def experts_per_replica(local_experts: int, edp: int) -> int:
-    """The experts of a layer's ``local_experts`` that the busiest of its ``edp`` replicas holds
-    under FSDP2, which shards the ``[experts, ...]`` weights on the expert dimension in chunks of
-    ``ceil(local_experts / edp)`` (and pads every replica's chunk to that many for its all-gather)."""
-    return math.ceil(local_experts / edp) if edp > 1 else local_experts
-
-
-def expert_shard_fraction(local_experts: int, edp: int) -> float:
-    """The largest share of a layer's local experts one of its ``edp`` replicas holds: an even
-    ``1 / edp`` only when ``edp`` divides ``local_experts`` (one local expert over 8 replicas: the
-    first holds it whole, the others nothing)."""
+def expert_shard_fraction(local_experts: int, edp: int, d_model: int = 0, d_ff: int = 0, gated: bool = True,
+                          choice: str = "auto") -> float:
+    """The largest share of a layer's local experts one of its ``edp`` replicas holds under FSDP2
+    with ``parallel.expert_shard=choice`` (:mod:`moe_dist.parallel.expert_shard`): an even ``1 / edp``
+    when split on the expert dimension with ``edp`` dividing ``local_experts``, or inside every
+    expert; otherwise the first replica's ``ceil(local_experts / edp)`` whole experts (one local
+    expert over 8 replicas on the expert dimension: the first holds it whole, the others nothing).
+    Without the experts' sizes (``d_model``/``d_ff`` 0) the split is on the expert dimension."""
     if edp <= 1 or local_experts < 1:
         return 1.0
-    return experts_per_replica(local_experts, edp) / local_experts
+    if not (d_model and d_ff):
+        choice = "experts"
+    shapes = expert_weight_shapes(local_experts, d_model or 1, d_ff or 1, gated)
+    return sum(busiest_share(shape, edp, choice) for shape in shapes) / len(shapes)  # the weights are equal in size
+
+
+def expert_gathered_fraction(local_experts: int, edp: int, d_model: int, d_ff: int, gated: bool = True,
+                             choice: str = "auto") -> float:
+    """FSDP2's all-gather (and reduce-scatter) of a layer's local experts relative to their size:
+    ``edp * ceil(local_experts / edp) / local_experts`` for an uneven split on the expert dimension
+    (padded), 1 otherwise."""
+    if edp <= 1 or local_experts < 1:
+        return 1.0
+    shapes = expert_weight_shapes(local_experts, d_model, d_ff, gated)
+    return sum(gathered_fraction(shape, edp, choice) for shape in shapes) / len(shapes)
+
+
+def expert_split(local_experts: int, edp: int, d_model: int, d_ff: int, gated: bool = True, choice: str = "auto") -> str:
+    """How a layer's experts are split over their replicas, in words for the plan: ``experts``
+    (whole experts each), ``experts (padded)`` or ``within`` (a block of every expert each)."""
+    if edp <= 1:
+        return "none"
+    dims = {shard_dim(shape, edp, choice) for shape in expert_weight_shapes(local_experts, d_model, d_ff, gated)}
+    if dims == {0}:
+        return "experts" if local_experts % edp == 0 else "experts (padded)"
+    return "within" if 0 not in dims else "mixed"
 
 
 def engine_state_bytes(dense_params: int, expert_params_local: int, world: int, ep: int, dense_mode: str,
-                       grad_accum: int = 1, local_experts: Optional[int] = None) -> dict[str, float]:
+                       grad_accum: int = 1, expert_share: Optional[float] = None) -> dict[str, float]:
     """moe_dist's trainer: with FSDP2, dense weights sharded over all ranks and experts over
     their ``edp = world / ep`` replicas (whole when edp = 1); replicated otherwise.
     ``grad_accum > 1`` under FSDP2: unsharded gradients are kept between micro-batches.
-    ``local_experts``: experts per layer on this rank (``E / ep``): the busiest replica's share
-    (:func:`expert_shard_fraction`); None: an even split."""
+    ``expert_share``: the busiest replica's share of the local experts (:func:`expert_shard_fraction`);
+    None: an even split."""
     fsdp = uses_fsdp(dense_mode, world)
     dense_shard = world if fsdp else 1
     expert_shard = world // ep if fsdp else 1
-    if fsdp and local_experts:
-        expert_shard = 1 / expert_shard_fraction(local_experts, world // ep)
+    if fsdp and expert_share:
+        expert_shard = 1 / expert_share
 
-    def part(bytes_per_param: int, dense_shard: int, expert_shard: int) -> float:
+    def part(bytes_per_param: int, dense_shard: int, expert_shard: float) -> float:
         return dense_params * bytes_per_param / dense_shard + expert_params_local * bytes_per_param / expert_shard
 
     grads = part(4, 1, 1) if fsdp and grad_accum > 1 else part(4, dense_shard, expert_shard)
@@ -280,12 +303,13 @@ def all_to_all_bytes(s: BlockShape, w: Workload, ep: int, gpus_per_node: int, ch
 
 
 def grad_sync_bytes(dense_params: int, expert_params_local: int, world: int, ep: int, dense_mode: str,
-                    grad_accum: int, dtype: str = "fp32") -> float:
+                    grad_accum: int, dtype: str = "fp32", expert_gathered: float = 1.0) -> float:
     """Bytes one GPU sends for weights and gradients per step (ring collectives). FSDP2 gathers
     weights in forward and backward of each micro-batch (bf16 copies under bf16) and
     reduce-scatters the fp32 gradients once: the dense weights over all ranks, the experts over
-    their edp replicas. Replicated weights all-reduce their gradients; so do whole experts over
-    edp when FSDP2 does not shard them."""
+    their edp replicas (``expert_gathered`` times their size: FSDP2 pads an uneven split on the
+    expert dimension, :func:`expert_gathered_fraction`). Replicated weights all-reduce their
+    gradients; so do whole experts over edp when FSDP2 does not shard them."""
     edp = world // ep
 
     def ring(n: int) -> float:
@@ -294,7 +318,7 @@ def grad_sync_bytes(dense_params: int, expert_params_local: int, world: int, ep:
     gather = gathered_bytes_per_param(dtype)
     if uses_fsdp(dense_mode, world):
         dense = dense_params * ring(world) * (2 * grad_accum * gather + 4)
-        experts = expert_params_local * ring(edp) * (2 * grad_accum * gather + 4)
+        experts = expert_params_local * expert_gathered * ring(edp) * (2 * grad_accum * gather + 4)
     else:
         dense = dense_params * 4 * 2 * ring(world)
         experts = expert_params_local * 4 * 2 * ring(edp)

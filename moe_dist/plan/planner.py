@@ -21,7 +21,7 @@ from ..config.layout import ep_sizes
 from ..hf.config import HFModelSpec, config_path, hf_model_spec, is_hf_config
 from ..model.params import block_shape, count_params, flops_per_token
 from .memory import (GIB, STAGES, Units, Workload, activation_bytes, all_to_all_bytes, autocast_copy_bytes,
-                     engine_state_bytes, expert_shard_fraction, experts_per_replica, fsdp_gathered_bytes, fsdp_head_grad_bytes, fsdp_reduce_peak_bytes,
+                     engine_state_bytes, expert_gathered_fraction, expert_shard_fraction, expert_split, fsdp_gathered_bytes, fsdp_head_grad_bytes, fsdp_reduce_peak_bytes,
                      gathered_bytes_per_param, loss_backward_bytes, grad_sync_bytes, optimizer_step_bytes, state_bytes, uses_fsdp)
 from .timing import Cluster, Links, StepWork, passes, step_time, sync_time
 from .dispatch_rows import DISPATCHES, dispatch_bytes, group_shape
@@ -49,6 +49,7 @@ class PlanInput:
     reshard_after_forward: bool = True  # FSDP2 gathers the weights again in backward
     configured_dispatch: str = "flat"  # parallel.dispatch
     configured_max_groups: Optional[int] = None  # model.moe.max_groups_per_token (groups of model.moe.router_groups)
+    expert_shard: str = "auto"  # parallel.expert_shard: how FSDP2 splits the experts over their replicas
 
 
 def _read_mapping(path: str) -> dict:
@@ -108,7 +109,8 @@ def load_plan_input(path: str, overrides: Iterable[str] = (), seq_len: Optional[
         moe_blocks = cfg.model.moe.layer_indices(cfg.model.n_layers) if plans_moe else []
         return PlanInput(source=path, kind=f"hf:{spec.family}", model=cfg.model, moe_blocks=moe_blocks,
                          seq_len=seq_len or hf_seq_len(raw), global_batch=None, grad_accum=1,
-                         dtype="bf16", dense_mode="fsdp", configured_ep=None, notes=list(spec.notes))
+                         dtype="bf16", dense_mode="fsdp", configured_ep=None, notes=list(spec.notes),
+                         expert_shard=cfg.parallel.expert_shard)
     cfg = load_config(path, overrides)
     cfg.model.vocab_size = _vocab_of(cfg)
     return PlanInput(source=path, kind="moe_dist", model=cfg.model,
@@ -117,7 +119,8 @@ def load_plan_input(path: str, overrides: Iterable[str] = (), seq_len: Optional[
                      dense_mode=cfg.parallel.dense, configured_ep=cfg.parallel.ep,
                      backend="gloo" if cfg.parallel.backend == "gloo" else "nccl",
                      reshard_after_forward=cfg.parallel.reshard_after_forward, notes=[],
-                     configured_dispatch=cfg.parallel.dispatch, configured_max_groups=cfg.model.moe.max_groups_per_token)
+                     configured_dispatch=cfg.parallel.dispatch, configured_max_groups=cfg.model.moe.max_groups_per_token,
+                     expert_shard=cfg.parallel.expert_shard)
 
 
 def _gib(x: float) -> float:
@@ -145,22 +148,24 @@ def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int
     act_ckpt = activation_bytes(s, work, checkpointing=True)
     fsdp = uses_fsdp(inp.dense_mode, world)
     sharded_experts = fsdp and world // ep > 1
-    # the gathered experts live in the whole padded all-gather output: edp x the busiest replica's share
-    padded_experts = experts_per_replica(s.num_experts // ep, world // ep) * (world // ep) if n_moe else 0
+    shape = (s.num_experts // ep, world // ep, s.d_model, s.expert_d_ff, s.gated, inp.expert_shard)
+    # the gathered experts live in the whole all-gather output: padded when split unevenly on the expert dimension
+    gathered_experts = round(n_moe and experts_local / n_moe * expert_gathered_fraction(*shape))
+    busiest_share = expert_shard_fraction(*shape) if n_moe and sharded_experts else 1.0
     split = bool(counts["lm_head"])  # untied: the embedding and the head are FSDP2 units of their own
     units = Units(root=s.d_model if split else counts["embedding"] + s.d_model, block=counts["largest_dense_block"],
-                  experts=padded_experts * counts["per_expert"] if sharded_experts else 0,
+                  experts=gathered_experts if sharded_experts else 0,
                   output_head=counts["lm_head"] or counts["embedding"], edges_split=split,
                   embedding=counts["embedding"])
     engine = engine_state_bytes(dense, experts_local, world, ep, inp.dense_mode, inp.grad_accum,
-                                local_experts=s.num_experts // ep if n_moe else None)
+                                expert_share=busiest_share if n_moe else None)
     gathered = fsdp_gathered_bytes(units, world, inp.dtype) if fsdp else 0.0
     head_grad = fsdp_head_grad_bytes(units, world, inp.dtype) if fsdp else 0.0
     reduce = fsdp_reduce_peak_bytes(units, world, inp.dtype, inp.backend, inp.grad_accum > 1) if fsdp else 0.0
     whole = (0 if sharded_experts else experts_local) + (0 if fsdp else dense)  # weights FSDP2 does not gather
     autocast = autocast_copy_bytes(whole, inp.dtype)
     largest_group = max(dense / (world if fsdp else 1),
-                        experts_local * (expert_shard_fraction(s.num_experts // ep, world // ep) if sharded_experts else 1))
+                        experts_local * busiest_share)
     opt_step = optimizer_step_bytes(largest_group)
     held = engine["weights"] + engine["optimizer"]
     grads = engine["grads"]
@@ -211,6 +216,7 @@ def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int
     a2a_ckpt = all_to_all_bytes(s, work, ep, gpus_per_node, checkpointing=True)
     return {
         "ep": ep, "edp": world // ep, "dp": world, "experts_sharded_over_edp": sharded_experts,
+        "expert_split": expert_split(*shape) if n_moe and sharded_experts else "none",
         "micro_batch": micro_batch, "ep_within_node": ep <= gpus_per_node,
         "memory_gib": {
             "weights": _gib(engine["weights"]), "grads": _gib(engine["grads"]), "optimizer": _gib(engine["optimizer"]),
@@ -227,7 +233,8 @@ def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int
                        "bytes_per_step_all_gpus": int(a2a["per_gpu"] * world),
                        "collectives_per_step": a2a["collectives"]},
         "weight_and_grad_sync_bytes_per_gpu_per_step": int(grad_sync_bytes(dense, experts_local, world, ep,
-                                                                           inp.dense_mode, inp.grad_accum, inp.dtype)),
+                                                                           inp.dense_mode, inp.grad_accum, inp.dtype,
+                                                                           expert_gathered_fraction(*shape) if n_moe else 1.0)),
     }
 
 
@@ -385,9 +392,9 @@ def _floor(inp: PlanInput, counts: dict, nodes: int, gpus_per_node: int, usable:
         experts = ", one MoE layer's experts" if far["experts_sharded_over_edp"] else ""
         local = E // far["ep"]
         whole = ""
-        if far["experts_sharded_over_edp"] and expert_shard_fraction(local, far["edp"]) * far["edp"] > 1:
+        if far["expert_split"] == "experts (padded)":
             whole = (f", and the busiest of the {far['edp']} replicas of each layer's {local} expert(s) holds "
-                     f"{experts_per_replica(local, far['edp'])} whole (FSDP2 shards the experts on the expert dimension) with "
+                     f"{-(-local // far['edp'])} whole (parallel.expert_shard splits them on the expert dimension) with "
                      f"their gradients and AdamW state")
         return text + (f"what does not shrink with more GPUs is what FSDP2 gathers ({g['fsdp_gather']:.1f} GiB: the root "
                        f"unit, two blocks{experts}) and the activations of one micro-batch "
