@@ -180,10 +180,14 @@ def test_convert_and_the_export_loader_read_a_checkpoint_split_inside_the_expert
 
     from moe_dist.cli import main
     from moe_dist.hf.export import load_our_model
+    from moe_dist.train.checkpoint.files import read_manifest
 
     run = f"{trained}/w4-ep2"  # saved by 4 ranks, each holding half of every expert of its ep group
     out = str(tmp_path / "one")
     assert main(["convert", "--checkpoint", run, "--out", out]) == 0
+    layout = json.load(open(os.path.join(out, "convert.json")))["saved_layout"]
+    assert layout["world_size"] == 4 and layout["expert_split"] == "within", layout
+    assert read_manifest(step_dir(f"{trained}/w2-ep1", STEPS))["layout"]["expert_split"] == "experts"
     weights = load_file(os.path.join(out, "model.safetensors"))
     full = read_full(step_dir(run, STEPS))
     ours, _, _ = load_our_model(run)  # what `moe-dist export` converts to a Hugging Face format

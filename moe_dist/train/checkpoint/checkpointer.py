@@ -46,7 +46,10 @@ def _layout(model: nn.Module, state: dict) -> dict:
     layers = list(expert_layers(model).values())
     ep = layers[0].num_experts // layers[0].experts.num_experts if layers else 1
     dense = "fsdp" if any(type(t).__name__ == "DTensor" for t in state.values()) else ("replicated" if world > 1 else "local")
-    return {"world_size": world, "ep": ep, "edp": world // ep, "dp": world, "dense": dense}
+    dims = {p.dim for layer in layers for w in layer.experts.expert_parameters()
+            for p in getattr(w, "placements", ()) if type(p).__name__ == "Shard"}
+    split = "none" if not dims else "experts" if dims == {0} else "within"  # how each expert is split over edp (a record)
+    return {"world_size": world, "ep": ep, "edp": world // ep, "dp": world, "dense": dense, "expert_split": split}
 
 
 class NoSpaceLeft(JobStopped):
