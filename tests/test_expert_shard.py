@@ -5,7 +5,8 @@ A 2-expert model (top-1, expert bias on, 2 micro-batches per step): at 4 ranks e
 one local expert and two replicas of it (``auto`` splits each expert on dim 1), at 4 ranks ep=1
 two local experts over four replicas (``auto``: dim 1 again), at 2 ranks ep=1 two over two
 (``auto``: whole experts, ``within`` forced: dim 1), and ``experts`` forced at 4 ranks ep=2 (whole
-experts, one replica holding none: FSDP2 pads). Every layout fills the same weights as one
+experts, one replica holding none: FSDP2 pads), and at 4 ranks ep=2 the gradients reduce-scattered
+after every micro-batch (``parallel.grad_sync=microbatch``). Every layout fills the same weights as one
 process, keeps an even share, trains to the same losses, and a checkpoint saved under one split
 resumes under the other and at another number of ranks, both ways, as the uninterrupted run.
 """
@@ -33,6 +34,7 @@ RUNS = {  # name: (world, overrides)
     "w4-ep2": (4, ["parallel.ep=2"]),  # one local expert over two replicas: split inside
     "w4-ep1": (4, ["parallel.ep=1"]),  # two over four: split inside
     "w4-ep2-experts": (4, ["parallel.ep=2", "parallel.expert_shard=experts"]),  # padded: one replica holds none
+    "w4-ep2-micro": (4, ["parallel.ep=2", "parallel.grad_sync=microbatch"]),  # reduce-scatter every micro-batch
 }
 
 
@@ -196,3 +198,47 @@ def test_convert_and_the_export_loader_read_a_checkpoint_split_inside_the_expert
         if ".experts.w" in name:
             for e in range(t.shape[0]):
                 assert torch.equal(t[e], full[f"{name}.expert_{e}"]), f"{name} expert {e}"
+
+
+# ---- the dry run and the planner count the split -----------------------------------------------------------
+DRY = ["model.n_layers=2", "train.seq_len=256", "train.global_batch=16", "model.vocab_size=4096", "train.dtype=fp32",
+       "parallel.ep=8", "eval.batch=16"]  # 16 ranks: one local expert per layer, two replicas of it
+
+
+def test_every_replica_holds_an_even_share_in_the_dry_run_and_the_planner_agrees():
+    from moe_dist.plan.dry_run import comparison_rows, dry_run, with_planner
+
+    def weights(rank, *extra):
+        result = dry_run("configs/tiny.yaml", DRY + list(extra), nodes=2, gpus_per_node=8, rank=rank)
+        return result, result["categories_bytes"]["weights"], result["categories_bytes"]["optimizer"]
+
+    first, w0, o0 = weights(0)
+    _, w8, o8 = weights(8)  # rank 8: the other replica of rank 0's experts
+    assert first["layout"]["edp"] == 2 and first["layout"]["experts_per_rank"] == 1
+    assert w8 == pytest.approx(w0, rel=0.05) and o8 == pytest.approx(o0, rel=0.05)
+    planned = with_planner(first)
+    for name, got, want in comparison_rows(planned):
+        if name in ("weights (this rank's shards)", "optimizer state", "gradients", "peak"):
+            assert want == pytest.approx(got, rel=0.05, abs=2e-3), name
+    # whole experts (parallel.expert_shard=experts): rank 0 holds its expert, rank 8 none of it
+    _, we0, _ = weights(0, "parallel.expert_shard=experts")
+    _, we8, _ = weights(8, "parallel.expert_shard=experts")
+    assert we0 > w0 > we8 and we0 - we8 == pytest.approx(2 * (w0 - we8), rel=0.05)
+
+
+@pytest.mark.parametrize("grad_sync", ["step", "microbatch"])
+def test_the_planner_counts_the_gradients_of_either_grad_sync_as_the_dry_run(grad_sync):
+    from moe_dist.plan.dry_run import comparison_rows, dry_run, with_planner
+
+    result = with_planner(dry_run("configs/tiny.yaml", DRY + ["train.grad_accum=2", "train.global_batch=32",
+                                                        f"parallel.grad_sync={grad_sync}"],
+                                  nodes=2, gpus_per_node=8))
+    rows = {name: (got, want) for name, got, want in comparison_rows(result)}
+    for name in ("gradients", "peak"):
+        got, want = rows[name]
+        assert want == pytest.approx(got, rel=0.05, abs=2e-3), (name, got, want)
+    weights = rows["weights (this rank's shards)"][0]
+    if grad_sync == "step":  # every unit's unsharded gradient: more than this rank's shards of the weights
+        assert rows["gradients"][0] > 4 * weights
+    else:  # sharded, as the weights
+        assert rows["gradients"][0] == pytest.approx(weights, rel=0.05)

@@ -128,10 +128,15 @@ def test_recommendation_fits_and_fallbacks():
     tight = plan(preset, 1, 8, 31)  # each of ep=4's 2 replicas holds half of its one local expert per layer
     assert tight["recommended"]["activation_checkpointing"]
     assert tight["recommended"]["memory_gib"]["total_with_activation_checkpointing"] <= tight["cluster"]["usable_gib"]
-    small = plan(preset, 1, 8, 30)
+    # the preset's 4 micro-batches keep unsharded gradients for the step (parallel.grad_sync=step): where those do
+    # not fit, reduce-scattering after every micro-batch (parallel.grad_sync=microbatch) is recommended
+    sharded = plan(preset, 1, 8, 30)
+    assert sharded["recommended"]["grad_sync"] == "microbatch" and "parallel.grad_sync=microbatch" in sharded["reason"]
+    assert sharded["recommended"]["memory_gib"]["grads"] < tight["recommended"]["memory_gib"]["grads"] / 3
+    small = plan(preset, 1, 8, 18)
     assert small["recommended"] is None and "nodes of 8 GPUs would fit" in small["reason"]
     n = int(small["reason"].split(" nodes of 8 GPUs would fit")[0].rsplit("; ", 1)[1])
-    assert plan(preset, n, 8, 30)["recommended"] is not None and plan(preset, n - 1, 8, 30)["recommended"] is None
+    assert plan(preset, n, 8, 18)["recommended"] is not None and plan(preset, n - 1, 8, 18)["recommended"] is None
 
 
 def test_plan_command(tmp_path, capsys):

@@ -172,6 +172,10 @@ class ParallelConfig:
         "auto", "FSDP2 split of each expert weight over its replicas (edp ranks): experts (on the expert dimension, "
         "whole experts per replica), within (inside every expert, on the first of its dimensions edp divides), auto "
         "(experts when edp divides the local experts, else within; docs/scale.md)")
+    grad_sync: Literal["step", "microbatch"] = knob(
+        "step", "FSDP2 with train.grad_accum > 1: reduce-scatter the gradients once per step, keeping every unit's "
+        "unsharded gradient between micro-batches (less traffic), or after every micro-batch into the sharded "
+        "gradient (less memory, grad_accum times the reduce-scatters)")
     backend: Literal["auto", "gloo", "nccl"] = knob("auto", "process-group backend (auto = nccl with CUDA, else gloo)")
     timeout_s: int = knob(600, "collective timeout in seconds", min=1)
     heartbeat_timeout_s: int = knob(30, "end every rank when a rank's heartbeat through the rendezvous store is "

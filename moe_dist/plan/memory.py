@@ -10,9 +10,11 @@ experts over their ``edp`` replicas. Stage 1 shards the optimizer state, 2 also 
 gradients, 3 also the weights. moe_dist's own engine (``parallel.dense=fsdp``) is stage 3 for
 both: FSDP2 shards the dense weights over all ranks and each MoE layer's experts over its
 ``edp`` replicas (one FSDP2 unit per layer's experts on the edp mesh; with edp = 1 they are
-whole; split on the expert dimension or inside every expert: :mod:`moe_dist.parallel.expert_shard`). ``parallel.dense=replicate`` is stage 0 for both. With ``train.grad_accum > 1`` FSDP2
-keeps each unit's *unsharded* gradient between micro-batches (it reduce-scatters only on the
-last one), so gradients take their unsharded size.
+whole; split on the expert dimension or inside every expert: :mod:`moe_dist.parallel.expert_shard`).
+``parallel.dense=replicate`` is stage 0 for both. With ``train.grad_accum > 1`` and
+``parallel.grad_sync=step`` FSDP2 keeps each unit's *unsharded* gradient between micro-batches
+(it reduce-scatters only on the last one), so gradients take their unsharded size; with
+``microbatch`` it reduce-scatters after each and gradients stay sharded.
 
 Transients on top of those states (the peak is the largest of them):
 
@@ -145,10 +147,12 @@ def expert_split(local_experts: int, edp: int, d_model: int, d_ff: int, gated: b
 
 
 def engine_state_bytes(dense_params: int, expert_params_local: int, world: int, ep: int, dense_mode: str,
-                       grad_accum: int = 1, expert_share: Optional[float] = None) -> dict[str, float]:
+                       grad_accum: int = 1, expert_share: Optional[float] = None,
+                       grad_sync: str = "step") -> dict[str, float]:
     """moe_dist's trainer: with FSDP2, dense weights sharded over all ranks and experts over
     their ``edp = world / ep`` replicas (whole when edp = 1); replicated otherwise.
-    ``grad_accum > 1`` under FSDP2: unsharded gradients are kept between micro-batches.
+    ``grad_accum > 1`` under FSDP2 with ``grad_sync="step"``: unsharded gradients are kept between
+    micro-batches (with ``"microbatch"`` they are reduce-scattered after each, and kept sharded).
     ``expert_share``: the busiest replica's share of the local experts (:func:`expert_shard_fraction`);
     None: an even split."""
     fsdp = uses_fsdp(dense_mode, world)
@@ -160,7 +164,7 @@ def engine_state_bytes(dense_params: int, expert_params_local: int, world: int, 
     def part(bytes_per_param: int, dense_shard: int, expert_shard: float) -> float:
         return dense_params * bytes_per_param / dense_shard + expert_params_local * bytes_per_param / expert_shard
 
-    grads = part(4, 1, 1) if fsdp and grad_accum > 1 else part(4, dense_shard, expert_shard)
+    grads = part(4, 1, 1) if fsdp and grad_accum > 1 and grad_sync == "step" else part(4, dense_shard, expert_shard)
     return {"weights": part(4, dense_shard, expert_shard), "grads": grads,
             "optimizer": part(8, dense_shard, expert_shard)}
 
@@ -303,10 +307,12 @@ def all_to_all_bytes(s: BlockShape, w: Workload, ep: int, gpus_per_node: int, ch
 
 
 def grad_sync_bytes(dense_params: int, expert_params_local: int, world: int, ep: int, dense_mode: str,
-                    grad_accum: int, dtype: str = "fp32", expert_gathered: float = 1.0) -> float:
+                    grad_accum: int, dtype: str = "fp32", expert_gathered: float = 1.0,
+                    grad_sync: str = "step") -> float:
     """Bytes one GPU sends for weights and gradients per step (ring collectives). FSDP2 gathers
     weights in forward and backward of each micro-batch (bf16 copies under bf16) and
-    reduce-scatters the fp32 gradients once: the dense weights over all ranks, the experts over
+    reduce-scatters the fp32 gradients once (``grad_sync="step"``) or after every micro-batch
+    (``"microbatch"``): the dense weights over all ranks, the experts over
     their edp replicas (``expert_gathered`` times their size: FSDP2 pads an uneven split on the
     expert dimension, :func:`expert_gathered_fraction`). Replicated weights all-reduce their
     gradients; so do whole experts over edp when FSDP2 does not shard them."""
@@ -317,8 +323,9 @@ def grad_sync_bytes(dense_params: int, expert_params_local: int, world: int, ep:
 
     gather = gathered_bytes_per_param(dtype)
     if uses_fsdp(dense_mode, world):
-        dense = dense_params * ring(world) * (2 * grad_accum * gather + 4)
-        experts = expert_params_local * expert_gathered * ring(edp) * (2 * grad_accum * gather + 4)
+        reductions = grad_accum if grad_sync == "microbatch" else 1
+        dense = dense_params * ring(world) * (2 * grad_accum * gather + 4 * reductions)
+        experts = expert_params_local * expert_gathered * ring(edp) * (2 * grad_accum * gather + 4 * reductions)
     else:
         dense = dense_params * 4 * 2 * ring(world)
         experts = expert_params_local * 4 * 2 * ring(edp)

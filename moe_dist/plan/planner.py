@@ -50,6 +50,7 @@ class PlanInput:
     configured_dispatch: str = "flat"  # parallel.dispatch
     configured_max_groups: Optional[int] = None  # model.moe.max_groups_per_token (groups of model.moe.router_groups)
     expert_shard: str = "auto"  # parallel.expert_shard: how FSDP2 splits the experts over their replicas
+    grad_sync: str = "step"  # parallel.grad_sync: reduce-scatter once per step or after every micro-batch
 
 
 def _read_mapping(path: str) -> dict:
@@ -110,7 +111,7 @@ def load_plan_input(path: str, overrides: Iterable[str] = (), seq_len: Optional[
         return PlanInput(source=path, kind=f"hf:{spec.family}", model=cfg.model, moe_blocks=moe_blocks,
                          seq_len=seq_len or hf_seq_len(raw), global_batch=None, grad_accum=1,
                          dtype="bf16", dense_mode="fsdp", configured_ep=None, notes=list(spec.notes),
-                         expert_shard=cfg.parallel.expert_shard)
+                         expert_shard=cfg.parallel.expert_shard, grad_sync=cfg.parallel.grad_sync)
     cfg = load_config(path, overrides)
     cfg.model.vocab_size = _vocab_of(cfg)
     return PlanInput(source=path, kind="moe_dist", model=cfg.model,
@@ -120,7 +121,7 @@ def load_plan_input(path: str, overrides: Iterable[str] = (), seq_len: Optional[
                      backend="gloo" if cfg.parallel.backend == "gloo" else "nccl",
                      reshard_after_forward=cfg.parallel.reshard_after_forward, notes=[],
                      configured_dispatch=cfg.parallel.dispatch, configured_max_groups=cfg.model.moe.max_groups_per_token,
-                     expert_shard=cfg.parallel.expert_shard)
+                     expert_shard=cfg.parallel.expert_shard, grad_sync=cfg.parallel.grad_sync)
 
 
 def _gib(x: float) -> float:
@@ -158,10 +159,12 @@ def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int
                   output_head=counts["lm_head"] or counts["embedding"], edges_split=split,
                   embedding=counts["embedding"])
     engine = engine_state_bytes(dense, experts_local, world, ep, inp.dense_mode, inp.grad_accum,
-                                expert_share=busiest_share if n_moe else None)
+                                expert_share=busiest_share if n_moe else None, grad_sync=inp.grad_sync)
+    # unsharded gradients kept between micro-batches: FSDP2 reduces once per step (parallel.grad_sync=step)
+    kept_unsharded = fsdp and inp.grad_accum > 1 and inp.grad_sync == "step"
     gathered = fsdp_gathered_bytes(units, world, inp.dtype) if fsdp else 0.0
     head_grad = fsdp_head_grad_bytes(units, world, inp.dtype) if fsdp else 0.0
-    reduce = fsdp_reduce_peak_bytes(units, world, inp.dtype, inp.backend, inp.grad_accum > 1) if fsdp else 0.0
+    reduce = fsdp_reduce_peak_bytes(units, world, inp.dtype, inp.backend, kept_unsharded) if fsdp else 0.0
     whole = (0 if sharded_experts else experts_local) + (0 if fsdp else dense)  # weights FSDP2 does not gather
     autocast = autocast_copy_bytes(whole, inp.dtype)
     largest_group = max(dense / (world if fsdp else 1),
@@ -234,7 +237,9 @@ def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int
                        "collectives_per_step": a2a["collectives"]},
         "weight_and_grad_sync_bytes_per_gpu_per_step": int(grad_sync_bytes(dense, experts_local, world, ep,
                                                                            inp.dense_mode, inp.grad_accum, inp.dtype,
-                                                                           expert_gathered_fraction(*shape) if n_moe else 1.0)),
+                                                                           expert_gathered_fraction(*shape) if n_moe else 1.0,
+                                                                           inp.grad_sync)),
+        "grad_sync": inp.grad_sync,
     }
 
 
@@ -287,7 +292,8 @@ def step_work(inp: PlanInput, counts: dict, world: int, gpus_per_node: int, layo
     experts_local = n_moe * (s.num_experts // ep) * counts["per_expert"] if n_moe else 0
     sync = sync_time(links, Cluster(world // gpus_per_node, gpus_per_node), ep, counts["dense_params"], experts_local,
                      counts["embedding"] + counts["lm_head"] + s.d_model, fsdp, gathered_bytes_per_param(inp.dtype),
-                     inp.grad_accum * (2 if inp.reshard_after_forward else 1), inp.backend == "gloo")
+                     inp.grad_accum * (2 if inp.reshard_after_forward else 1), inp.backend == "gloo",
+                     inp.grad_accum if inp.grad_sync == "microbatch" else 1)
     return StepWork(expert_flops=per_token["expert"] * tokens * p, other_flops=per_token["other"] * tokens * p,
                     tokens=tokens, moe_layers=n_moe, grad_accum=inp.grad_accum, d_model=s.d_model,
                     act_bytes=gathered_bytes_per_param(inp.dtype), checkpointing=checkpointing,
@@ -377,72 +383,6 @@ def recommend(layouts: list[dict], usable_gib: float) -> tuple[Optional[dict], s
                   f"{mem['fsdp_gather']:.1f}) but {usable_gib:.1f} GiB are usable")
 
 
-def _floor(inp: PlanInput, counts: dict, nodes: int, gpus_per_node: int, usable: float,
-           micro_batch: Optional[int]) -> str:
-    """Why even ``nodes`` nodes do not fit: the part of a GPU's memory that does not shrink with more GPUs."""
-    world = nodes * gpus_per_node
-    mb, _ = _micro_batch(inp, world, micro_batch)
-    E = inp.model.moe.num_experts if inp.moe_blocks else 1
-    far = min((evaluate_layout(inp, counts, world, gpus_per_node, ep, mb) for ep in ep_sizes(world, E)),
-              key=lambda l: l["memory_gib"]["total_with_activation_checkpointing"])
-    g = far["memory_gib"]
-    text = (f"even {nodes} nodes leave {g['total_with_activation_checkpointing']:.1f} GiB per GPU (ep={far['ep']}, "
-            f"activation checkpointing), more than the {usable:.1f} usable; ")
-    if uses_fsdp(inp.dense_mode, world):
-        experts = ", one MoE layer's experts" if far["experts_sharded_over_edp"] else ""
-        local = E // far["ep"]
-        whole = ""
-        if far["expert_split"] == "experts (padded)":
-            whole = (f", and the busiest of the {far['edp']} replicas of each layer's {local} expert(s) holds "
-                     f"{-(-local // far['edp'])} whole (parallel.expert_shard splits them on the expert dimension) with "
-                     f"their gradients and AdamW state")
-        return text + (f"what does not shrink with more GPUs is what FSDP2 gathers ({g['fsdp_gather']:.1f} GiB: the root "
-                       f"unit, two blocks{experts}) and the activations of one micro-batch "
-                       f"({g['activations_checkpointed']:.1f} GiB){whole}")
-    return text + (f"parallel.dense={inp.dense_mode} replicates the dense weights, their gradients and AdamW state "
-                   f"({g['weights'] + g['grads'] + g['optimizer']:.1f} GiB with the experts); parallel.dense=fsdp shards them")
-
-
-def _alternatives(inp: PlanInput, counts: dict, layouts: list[dict], nodes: int, gpus_per_node: int, usable: float,
-                  micro_batch: Optional[int], max_nodes: int = 1024) -> str:
-    """What would fit instead: more nodes (same GPUs), or ZeRO sharding of the experts too."""
-    text = ""
-
-    def fits(n: int) -> bool:
-        world = n * gpus_per_node
-        mb, _ = _micro_batch(inp, world, micro_batch)
-        E = inp.model.moe.num_experts if inp.moe_blocks else 1
-        cand = [evaluate_layout(inp, counts, world, gpus_per_node, ep, mb) for ep in ep_sizes(world, E)]
-        return bool(cand) and recommend(cand, usable)[0] is not None
-
-    # memory per GPU only falls as nodes are added (more sharding, fewer sequences each): double, then bisect
-    lo, hi = nodes, nodes * 2
-    while hi <= max_nodes and not fits(hi):
-        lo, hi = hi, hi * 2
-    if hi <= max_nodes:
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-        text += f"; {hi} nodes of {gpus_per_node} GPUs would fit"
-    else:
-        text += "; more nodes do not help: " + _floor(inp, counts, max_nodes, gpus_per_node, usable, micro_batch)
-    def fitting(stages: tuple[str, ...]) -> list[tuple[float, int, str]]:
-        return sorted((v["total_with_activation_checkpointing"], l["ep"], k) for l in layouts
-                      for k, v in l["zero_stages_gib"].items()
-                      if k in stages and v["total_with_activation_checkpointing"] <= usable)
-
-    deepspeed, zero3 = fitting(("zero1", "zero2")), fitting(("zero3",))
-    if deepspeed:  # what train.engine=deepspeed runs: ZeRO-1/2, experts sharded over their replicas
-        need, ep, stage = deepspeed[0]
-        text += (f"; DeepSpeed ZeRO-{stage[-1]} (train.engine=deepspeed deepspeed.zero_stage={stage[-1]} parallel.ep={ep}, "
-                 f"activation checkpointing) would need {need:.1f} GiB")
-    elif zero3:
-        need, ep, _ = zero3[0]
-        text += (f"; ZeRO-3 over the expert replicas (ep={ep}, activation checkpointing) would need {need:.1f} GiB: "
-                 f"moe_dist's engine runs it with parallel.dense=fsdp parallel.ep={ep} (DeepSpeed refuses MoE with ZeRO-3)")
-    return text
-
-
 def plan(path: str, nodes: int, gpus_per_node: int, gpu_mem_gib: float, overrides: Iterable[str] = (),
          seq_len: Optional[int] = None, micro_batch: Optional[int] = None, network: Optional[Network] = None) -> dict:
     """The whole plan as a JSON-serialisable dict (``total_params``, ``active_params``, ...); with
@@ -469,8 +409,12 @@ def plan(path: str, nodes: int, gpus_per_node: int, gpu_mem_gib: float, override
         for l in layouts:
             l["dispatch"] = dispatch_variants(inp, counts, world, gpus_per_node, l, network, usable)
     best, reason = recommend(layouts, usable)
+    if best is None:  # what would fit instead (a module of its own: it evaluates other layouts with this one's functions)
+        from .fallbacks import alternatives, with_microbatch_sync
+
+        best, reason = with_microbatch_sync(inp, counts, world, gpus_per_node, eps, mb, usable, network, reason)
     if best is None:
-        reason += _alternatives(inp, counts, layouts, nodes, gpus_per_node, usable, micro_batch)
+        reason += alternatives(inp, counts, layouts, nodes, gpus_per_node, usable, micro_batch)
     m = inp.model
     return {
         "source": inp.source, "kind": inp.kind,

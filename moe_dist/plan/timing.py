@@ -164,16 +164,18 @@ def passes(checkpointing: bool) -> int:
 
 
 def sync_time(links: Links, cluster: Cluster, ep: int, dense_params: int, expert_params_local: int,
-              root_params: int, fsdp: bool, gather_bytes: int, gathers_per_step: int, gloo: bool) -> dict[str, float]:
+              root_params: int, fsdp: bool, gather_bytes: int, gathers_per_step: int, gloo: bool,
+              reductions_per_step: int = 1) -> dict[str, float]:
     """Seconds of one step's weight gathers and gradient reductions (ring collectives): FSDP2
     gathers the dense weights over all ranks and sharded experts over their ``edp`` replicas
-    ``gathers_per_step`` times and reduce-scatters fp32 gradients once; replicated weights
+    ``gathers_per_step`` times and reduce-scatters fp32 gradients ``reductions_per_step`` times
+    (once, or after every micro-batch: ``parallel.grad_sync``); replicated weights
     all-reduce their gradients. ``first_last``: the root unit's gather and reduction;
     ``bytes_per_gpu``: what one rank sends (a ring crosses a node's uplink with one rank's share)."""
     world, g = cluster.world, cluster.gpus_per_node
     edp = world // ep
     spans = cluster.nodes > 1
-    reduce_factor = 2 if gloo else 1  # gloo reduce-scatters by an all-reduce
+    reduce_factor = (2 if gloo else 1) * reductions_per_step  # gloo reduce-scatters by an all-reduce
 
     def ring(nbytes: float, members: int, rings: int) -> float:
         return ring_s(nbytes, members, spans, rings, links)

@@ -28,15 +28,17 @@ from ..parallel.expert_shard import shard_dim
 class Parallelized:
     """What the trainer needs to know about how ``model`` is spread."""
 
-    def __init__(self, model: nn.Module, rt: Runtime, dense: str):
-        self.model, self.rt, self.dense = model, rt, dense
+    def __init__(self, model: nn.Module, rt: Runtime, dense: str, grad_sync: str = "step"):
+        self.model, self.rt, self.dense, self.grad_sync = model, rt, dense, grad_sync
         self.fsdp = dense == "fsdp" and rt.distributed
         self.sharded_experts = shards_experts(rt, dense)
 
     def set_gradient_sync(self, enabled: bool) -> None:
-        """FSDP2: skip the reduce-scatter on micro-batches before the last one of a step."""
+        """FSDP2 (``parallel.grad_sync``): ``step`` skips the reduce-scatter on micro-batches before
+        the last one of a step (each unit keeps its unsharded gradient until then); ``microbatch``
+        reduce-scatters after every micro-batch, FSDP2 summing into the sharded gradient."""
         if self.fsdp:
-            self.model.set_requires_gradient_sync(enabled)
+            self.model.set_requires_gradient_sync(enabled or self.grad_sync == "microbatch")
 
     def finish_gradients(self) -> None:
         """After the last backward of a step: sum what FSDP did not already reduce."""
@@ -177,4 +179,4 @@ def parallelize(model: nn.Module, rt: Runtime, parallel_cfg,
     if rt.distributed and not fsdp:
         for p in dense_parameters(model):  # replicas start equal by construction; make sure of it
             dist.broadcast(p.data, src=0, group=rt.groups.dp)
-    return Parallelized(model, rt, parallel_cfg.dense)
+    return Parallelized(model, rt, parallel_cfg.dense, parallel_cfg.grad_sync)
