@@ -80,9 +80,13 @@ def format_plan(p: dict) -> str:
     lines.append("")
     r = p["recommended"]
     if r:
+        grad_sync = f" parallel.grad_sync={r['grad_sync']}" if r.get("grad_sync", "step") != "step" else ""
         lines.append(f"recommended: ep={r['ep']}, edp={r['edp']}, dp={r['dp']}, activation checkpointing "
                      f"{'on' if r['activation_checkpointing'] else 'off'} "
-                     f"(parallel.ep={r['ep']} train.activation_checkpointing={str(r['activation_checkpointing']).lower()})")
+                     f"(parallel.ep={r['ep']} train.activation_checkpointing={str(r['activation_checkpointing']).lower()}"
+                     f"{grad_sync})")
+        if r.get("expert_split", "none") != "none":  # how FSDP2 splits each layer's experts over their edp replicas
+            lines.append(f"  experts over their {r['edp']} replicas: split {r['expert_split']} (parallel.expert_shard)")
         a = r["all_to_all"]
         per_gpu = a["bytes_per_gpu_per_step_checkpointed" if r["activation_checkpointing"] else "bytes_per_gpu_per_step"]
         lines.append(f"  all-to-all per step: {_bytes(per_gpu)} sent per GPU, {_bytes(per_gpu * r['dp'])} over all GPUs, "
