@@ -1,15 +1,17 @@
 """The two splits of the experts over their replicas (``parallel.expert_shard``), paired.
 
     python -m moe_dist.bench.expert_shard [--what gather,train] [--nproc 2] [--rounds 5]
-        [--experts 8] [--d-model 256] [--d-ff 512] [--repeats 20]
+        [--experts 8] [--d-model 256] [--d-ff 512] [--repeats 20] [--rows 128]
         [--config configs/tiny.yaml] [--steps 30] [--skip 5] [KEY=VALUE ...]
 
 ``gather``: on ``--nproc`` gloo processes (every rank one replica of the same experts), one layer's
 experts as an FSDP2 unit split on the expert dimension and the same experts split inside them;
 each round times ``--repeats`` gathers and frees (``unshard`` + ``reshard``, what FSDP2 does
 around the layer's forward and backward) of one unit, then of the other (order swapped every
-round), and reports the rounds' times and the per-round ratio within / experts. The split inside
-needs a copy after the all-gather to put every expert's blocks back in place.
+round), then as many forward + backward passes through each (``--rows`` rows per expert: two
+gathers, the loop kernel, a reduce-scatter), and reports the rounds' times and the per-round
+ratio within / experts. The split inside needs a copy after the all-gather to put every expert's
+blocks back in place, and one before the reduce-scatter.
 
 ``train``: the main job (``--config``) with ``parallel.ep=1`` (every rank holds all experts, the
 ``edp`` ranks split them) under ``parallel.expert_shard=experts`` and ``=within``, alternating
@@ -32,8 +34,11 @@ import torch
 SPLITS = ("experts", "within")
 
 
-def _gather_rank(rank: int, world: int, experts: int, d_model: int, d_ff: int, repeats: int, rounds: int) -> dict:
-    """Each round: ``repeats`` unshard + reshard of each split's unit, alternating which goes first."""
+def _gather_rank(rank: int, world: int, experts: int, d_model: int, d_ff: int, repeats: int, rounds: int,
+                 rows_per_expert: int) -> dict:
+    """Each round: ``repeats`` gathers and frees (unshard + reshard) of each split's unit, then
+    ``repeats`` forward + backward passes of ``rows_per_expert`` rows per expert through it,
+    alternating which split goes first."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -47,18 +52,29 @@ def _gather_rank(rank: int, world: int, experts: int, d_model: int, d_ff: int, r
         module = GroupedExperts(experts, d_model, d_ff)
         fully_shard(module, mesh=mesh, shard_placement_fn=expert_placement(world, split), reshard_after_forward=True)
         units[split] = module
-    times = {split: [] for split in SPLITS}
+    rows = [rows_per_expert] * experts
+    x = torch.randn(sum(rows), d_model, generator=torch.Generator().manual_seed(rank))
+
+    def gather() -> None:
+        unit.unshard()
+        unit.reshard()
+
+    def step() -> None:  # gathered for forward, again for backward, gradients reduce-scattered
+        unit(x, rows).square().mean().backward()
+
+    times = {f"{what} {split}": [] for what in ("gather", "step") for split in SPLITS}
     for r in range(rounds + 1):  # round 0 warms up both
         order = SPLITS if r % 2 == 0 else SPLITS[::-1]
-        for split in order:
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(repeats):
-                units[split].unshard()
-                units[split].reshard()
-            elapsed = time.perf_counter() - t0
-            if r:
-                times[split].append(elapsed / repeats)
+        for what, fn in (("gather", gather), ("step", step)):
+            for split in order:
+                unit = units[split]
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(repeats):
+                    fn()
+                elapsed = time.perf_counter() - t0
+                if r:
+                    times[f"{what} {split}"].append(elapsed / repeats)
     return times
 
 
@@ -83,18 +99,21 @@ def bench_gather(args) -> None:
 
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(_gather_worker, args=(args.nproc, out_dir, (args.experts, args.d_model, args.d_ff,
-                                                                        args.repeats, args.rounds)),
+                                                                        args.repeats, args.rounds, args.rows)),
                            nprocs=args.nproc, start_method="spawn")
         with open(os.path.join(out_dir, "times.json"), encoding="utf-8") as f:
-            times = json.load(f)  # every rank waits for the same collectives: rank 0's times stand for all
+                    times = json.load(f)  # every rank waits for the same collectives: rank 0's times stand for all
     mib = args.experts * 3 * args.d_model * args.d_ff * 4 / 2**20
-    print(f"gather + free of one layer's experts ({args.experts} x 3 x {args.d_model} x {args.d_ff} fp32, "
-          f"{mib:.1f} MiB gathered) over {args.nproc} gloo ranks, {args.repeats} per round:")
-    for split in SPLITS:
-        print(f"  {split:7s}: {' / '.join(f'{1e3 * t:.2f}' for t in times[split])} ms per gather, "
-              f"median {1e3 * statistics.median(times[split]):.2f}")
-    ratios = [b / a for a, b in zip(times["experts"], times["within"])]
-    print(f"  within / experts per round: {' / '.join(f'{v:.3f}' for v in ratios)}, median {statistics.median(ratios):.3f}")
+    print(f"one layer's experts ({args.experts} x 3 x {args.d_model} x {args.d_ff} fp32, {mib:.1f} MiB gathered) "
+          f"as an FSDP2 unit over {args.nproc} gloo ranks, {args.repeats} per round; gather: unshard + reshard; "
+          f"step: forward + backward of {args.rows} rows per expert (two gathers and a reduce-scatter):")
+    for what in ("gather", "step"):
+        for split in SPLITS:
+            t = times[f"{what} {split}"]
+            print(f"  {what} {split:7s}: {' / '.join(f'{1e3 * v:.2f}' for v in t)} ms, median {1e3 * statistics.median(t):.2f}")
+        ratios = [b / a for a, b in zip(times[f"{what} experts"], times[f"{what} within"])]
+        print(f"  {what} within / experts per round: {' / '.join(f'{v:.3f}' for v in ratios)}, "
+              f"median {statistics.median(ratios):.3f}")
 
 
 def bench_train(args) -> None:
@@ -128,6 +147,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--d-ff", type=int, default=512)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--rows", type=int, default=128, help="rows per expert in a step of the unit")
     p.add_argument("--config", default="configs/tiny.yaml")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the median")
