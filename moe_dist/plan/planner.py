@@ -128,6 +128,34 @@ def _gib(x: float) -> float:
     return round(x / GIB, 3)
 
 
+def _zero_stages(dense: int, experts_local: int, world: int, ep: int, stage3_gather: float, act: float,
+                 act_ckpt: float) -> dict:
+    """Each ZeRO stage's states (GiB per GPU) and totals with the activations, without and with
+    activation checkpointing; stage 3 also holds what FSDP2 gathers."""
+    stages = {}
+    for stage in STAGES:
+        st = state_bytes(dense, experts_local, world, ep, stage)
+        gather = stage3_gather if stage == 3 else 0.0
+        stages[f"zero{stage}"] = {k: _gib(v) for k, v in st.items()} | {
+            "total": _gib(sum(st.values()) + act + gather),
+            "total_with_activation_checkpointing": _gib(sum(st.values()) + act_ckpt + gather)}
+    return stages
+
+
+def _expert_split(inp: PlanInput, s, ep: int, world: int, experts_local: int, sharded: bool) -> dict:
+    """How a layout's experts are split over their ``edp`` replicas (``parallel.expert_shard``):
+    the experts unit FSDP2 gathers (its padded all-gather output when split unevenly on the expert
+    dimension), the busiest replica's share, that output over the experts' size, and in words."""
+    n_moe = len(inp.moe_blocks)
+    if not n_moe:
+        return {"gathered": 0, "share": 1.0, "fraction": 1.0, "split": "none"}
+    shape = (s.num_experts // ep, world // ep, s.d_model, s.expert_d_ff, s.gated, inp.expert_shard)
+    fraction = expert_gathered_fraction(*shape)
+    return {"gathered": round(experts_local / n_moe * fraction) if sharded else 0,
+            "share": expert_shard_fraction(*shape) if sharded else 1.0, "fraction": fraction,
+            "split": expert_split(*shape) if sharded else "none"}
+
+
 def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int, ep: int, micro_batch: int) -> dict:
     """Memory (GiB per GPU) and traffic of one (world, ep) layout."""
     m = inp.model
@@ -149,17 +177,15 @@ def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int
     act_ckpt = activation_bytes(s, work, checkpointing=True)
     fsdp = uses_fsdp(inp.dense_mode, world)
     sharded_experts = fsdp and world // ep > 1
-    shape = (s.num_experts // ep, world // ep, s.d_model, s.expert_d_ff, s.gated, inp.expert_shard)
-    # the gathered experts live in the whole all-gather output: padded when split unevenly on the expert dimension
-    gathered_experts = round(n_moe and experts_local / n_moe * expert_gathered_fraction(*shape))
-    busiest_share = expert_shard_fraction(*shape) if n_moe and sharded_experts else 1.0
+    split_of = _expert_split(inp, s, ep, world, experts_local, sharded_experts)
+    busiest_share = split_of["share"]
     split = bool(counts["lm_head"])  # untied: the embedding and the head are FSDP2 units of their own
     units = Units(root=s.d_model if split else counts["embedding"] + s.d_model, block=counts["largest_dense_block"],
-                  experts=gathered_experts if sharded_experts else 0,
+                  experts=split_of["gathered"],
                   output_head=counts["lm_head"] or counts["embedding"], edges_split=split,
                   embedding=counts["embedding"])
     engine = engine_state_bytes(dense, experts_local, world, ep, inp.dense_mode, inp.grad_accum,
-                                expert_share=busiest_share if n_moe else None, grad_sync=inp.grad_sync)
+                                expert_share=busiest_share, grad_sync=inp.grad_sync)
     # unsharded gradients kept between micro-batches: FSDP2 reduces once per step (parallel.grad_sync=step)
     kept_unsharded = fsdp and inp.grad_accum > 1 and inp.grad_sync == "step"
     gathered = fsdp_gathered_bytes(units, world, inp.dtype) if fsdp else 0.0
@@ -208,18 +234,12 @@ def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int
                 **{key: _gib(held_by.get(key, 0.0))
                    for key in ("activations", "fsdp_gather", "fsdp_reduce", "temporaries")}}
 
-    stages = {}
-    for stage in STAGES:
-        st = state_bytes(dense, experts_local, world, ep, stage)
-        gather = fsdp_gathered_bytes(units, world, inp.dtype) if stage == 3 else 0.0
-        stages[f"zero{stage}"] = {k: _gib(v) for k, v in st.items()} | {
-            "total": _gib(sum(st.values()) + act + gather),
-            "total_with_activation_checkpointing": _gib(sum(st.values()) + act_ckpt + gather)}
+    stages = _zero_stages(dense, experts_local, world, ep, fsdp_gathered_bytes(units, world, inp.dtype), act, act_ckpt)
     a2a = all_to_all_bytes(s, work, ep, gpus_per_node, checkpointing=False)
     a2a_ckpt = all_to_all_bytes(s, work, ep, gpus_per_node, checkpointing=True)
     return {
         "ep": ep, "edp": world // ep, "dp": world, "experts_sharded_over_edp": sharded_experts,
-        "expert_split": expert_split(*shape) if n_moe and sharded_experts else "none",
+        "expert_split": split_of["split"],
         "micro_batch": micro_batch, "ep_within_node": ep <= gpus_per_node,
         "memory_gib": {
             "weights": _gib(engine["weights"]), "grads": _gib(engine["grads"]), "optimizer": _gib(engine["optimizer"]),
@@ -237,8 +257,7 @@ def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int
                        "collectives_per_step": a2a["collectives"]},
         "weight_and_grad_sync_bytes_per_gpu_per_step": int(grad_sync_bytes(dense, experts_local, world, ep,
                                                                            inp.dense_mode, inp.grad_accum, inp.dtype,
-                                                                           expert_gathered_fraction(*shape) if n_moe else 1.0,
-                                                                           inp.grad_sync)),
+                                                                           split_of["fraction"], inp.grad_sync)),
         "grad_sync": inp.grad_sync,
     }
 
