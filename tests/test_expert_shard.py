@@ -66,11 +66,13 @@ def test_the_rule_splits_on_experts_when_even_else_inside_them():
         shard_dim((2, 6, 10), 4, "within")
 
 
-def test_the_config_key_names_its_values():
+@pytest.mark.parametrize("key,values", [("parallel.expert_shard", ("auto", "experts", "within")),
+                                        ("parallel.grad_sync", ("step", "microbatch"))])
+def test_the_config_keys_name_their_values(key, values):
     with pytest.raises(ConfigError) as e:
-        config("/tmp", "x", "parallel.expert_shard=rows")
+        config("/tmp", "x", f"{key}=rows")
     msg = str(e.value)
-    assert "parallel.expert_shard" in msg and all(v in msg for v in ("auto", "experts", "within")) and "\n" not in msg
+    assert msg.startswith(key) and all(v in msg for v in values) and "\n" not in msg
 
 
 # ---- filled rank-locally: the same weights as one process, an even share each --------------------------------
