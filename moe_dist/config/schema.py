@@ -256,8 +256,9 @@ class TrainConfig:
                                               "clipped to train.grad_clip, is applied; it counts toward a divergence); "
                                               "null = off", gt=1)
     detect_collapse: bool = knob(True, "a step whose loss is back at ln(vocab) (a uniform guess) after the median of "
-                                 "the last train.spike_window healthy losses was below 0.9 ln(vocab), or whose gradient "
-                                 "norm is exactly 0 after non-zero ones, is a bad step (applied; counted)")
+                                 "the last train.spike_window healthy losses was below 0.9 ln(vocab), and not falling "
+                                 "(more than 1% below the step before's), or whose gradient norm is exactly 0 after "
+                                 "non-zero ones, is a bad step (applied; counted)")
     on_divergence: Literal["stop", "rollback"] = knob("stop", "after train.max_nonfinite_steps bad steps (within "
                                                       "train.bad_step_window): stop "
                                                       "(exit 1; resume=auto continues from the last checkpoint before "
