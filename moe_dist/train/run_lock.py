@@ -59,13 +59,9 @@ def _open(path: str, *, create: bool = True) -> Optional[int]:
     flags = os.O_RDWR | (os.O_CREAT if create else 0)
     try:
         return open_lock_file(path, flags)
-    except UnsafePath:
-        raise
     except OSError:
         try:  # a directory this process may only read: lock what is there
             return open_lock_file(path, os.O_RDONLY)
-        except UnsafePath:
-            raise
         except OSError:
             return None
 
@@ -94,7 +90,14 @@ class RunDirLock:
         self._read_fd: Optional[int] = None
 
     def acquire(self) -> Optional[str]:
-        """Take both locks; returns None, or why the directory cannot be used (another run, or a reader, holds it)."""
+        """Take both locks; returns None, or why the directory cannot be used (another run, or a reader, holds
+        it; a lock file that is a link or not a regular file)."""
+        try:
+            return self._acquire()
+        except UnsafePath as e:
+            return str(e)
+
+    def _acquire(self) -> Optional[str]:
         os.makedirs(self.run_dir, exist_ok=True)
         fd = open_lock_file(self.path, os.O_RDWR | os.O_CREAT)
         if not _try_lock(fd, fcntl.LOCK_EX):
@@ -143,7 +146,10 @@ class RunDirReadLock:
         """Take the shared lock, waiting up to ``wait_s`` while a run starts or prunes; returns None,
         or why the directory cannot be read now. A directory this process cannot write, without a
         ``read.lock``, is read without one (no run of this process's user can change it)."""
-        fd = _open(os.path.join(self.run_dir, READ_LOCK_FILE))
+        try:
+            fd = _open(os.path.join(self.run_dir, READ_LOCK_FILE))
+        except UnsafePath as e:
+            return str(e)
         if fd is None:
             return None
         deadline = time.monotonic() + wait_s

@@ -93,7 +93,7 @@ class Trainer:
         refusal = self.lock.acquire()
         if refusal is not None:
             return refusal
-        try:
+        try:  # before anything is written there
             for name in RUN_SUBDIRS:
                 refuse_link(os.path.join(self.run_dir, name), "a directory a run writes into")
             for name in ("checkpoints", "plots"):

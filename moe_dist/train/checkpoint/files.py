@@ -85,10 +85,6 @@ def shard(names: list[str], rank: int, world: int) -> list[str]:
     return names[rank::world]
 
 
-def _fsync_dir(path: str) -> None:
-    fsync_directory(path)
-
-
 def write_json_durably(path: str, obj: dict) -> None:
     """Write ``path`` through a fresh temporary file in the same directory, fsync, rename (a link at
     ``path`` is replaced, never followed)."""
@@ -193,13 +189,13 @@ def publish(partial: str, final: str) -> None:
 
     An existing directory of that name (a checkpoint of an earlier attempt at the same step) is
     moved aside first and deleted after the rename."""
-    _fsync_dir(partial)
+    fsync_directory(partial)
     aside = None
     if os.path.exists(final):
         aside = f"{final}.superseded-{time.monotonic_ns()}"
         os.rename(final, aside)
     os.rename(partial, final)
-    _fsync_dir(os.path.dirname(final))
+    fsync_directory(os.path.dirname(final))
     if aside:
         shutil.rmtree(aside, ignore_errors=True)
 
@@ -275,8 +271,10 @@ def _delete(path: str) -> bool:
 
 
 def _tree_bytes(path: str) -> int:
-    if os.path.islink(path) or not os.path.isdir(path):
-        return os.lstat(path).st_size if os.path.lexists(path) and not os.path.islink(path) else 0
+    if os.path.islink(path) or not os.path.lexists(path):
+        return 0
+    if not os.path.isdir(path):
+        return os.lstat(path).st_size
     return sum(os.lstat(os.path.join(d, f)).st_size for d, _, files in os.walk(path) for f in files
                if os.path.lexists(os.path.join(d, f)))
 
