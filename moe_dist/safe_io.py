@@ -111,11 +111,13 @@ def read_text(path: str, limit: int) -> str:
     return decode_utf8(read_bytes(path, limit), path)
 
 
-def parse_json(text: str, source: str) -> Any:
-    """Strict JSON (see the module's docstring); :class:`UnreadableFile` names ``source`` and the problem."""
+def parse_json(text: str, source: str, nonfinite: bool = False) -> Any:
+    """Strict JSON (see the module's docstring); :class:`UnreadableFile` names ``source`` and the problem.
+    ``nonfinite``: accept NaN, Infinity and -Infinity, as Python's json writes them (a metrics row of a
+    skipped non-finite step)."""
     try:
-        value = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant,
-                           parse_int=_bounded_int, parse_float=_finite_float)
+        value = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=float if nonfinite else _no_constant,
+                           parse_int=_bounded_int, parse_float=float if nonfinite else _finite_float)
     except _Refused as e:
         raise UnreadableFile(source, f"not accepted as JSON: {e}") from None
     except RecursionError:
@@ -133,16 +135,16 @@ def read_json(path: str, limit: int = 16 * MIB) -> Any:
 
 
 def read_json_lines(path: str, limit: int) -> tuple[list[dict], list[tuple[int, str, str]]]:
-    """``(rows, bad)`` of a JSON-lines file (each line an object): the whole rows in order, and
-    ``(line number, the line, why)`` for every line that is not one (a line cut by a crash, a line
-    of another program). Blank lines are neither."""
+    """``(rows, bad)`` of a JSON-lines log (each line an object; NaN and Infinity allowed, as a log of
+    figures holds them): the whole rows in order, and ``(line number, the line, why)`` for every line
+    that is not one (a line cut by a crash, a line of another program). Blank lines are neither."""
     data = read_bytes(path, limit)
     rows, bad = [], []
     for number, raw in enumerate(data.split(b"\n"), start=1):
         if not raw.strip():
             continue
         try:
-            row = parse_json(decode_utf8(raw, path), f"{path} line {number}")
+            row = parse_json(decode_utf8(raw, path), f"{path} line {number}", nonfinite=True)
         except UnreadableFile as e:
             bad.append((number, raw.decode("utf-8", "replace"), e.why))
             continue

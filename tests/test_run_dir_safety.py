@@ -423,3 +423,11 @@ def test_inputs_that_are_not_regular_files_or_not_utf8_get_one_line(tmp_path):
     with pytest.raises(InputError, match=r"c.jsonl:2: not UTF-8 text \(byte 0xff at column 15\)"):
         list(read_documents(str(corpus)))
     assert all(isinstance(e, UserError) for e in (InputError("x"), ConfigError("x")))
+
+
+def test_metrics_rows_of_non_finite_steps_are_whole_rows(tmp_path):
+    """Python's json writes a skipped step's NaN loss as NaN: such a row is whole, kept on resume."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"step": 1, "loss": float("nan"), "grad_norm": float("inf")}) + "\n")
+    rows, bad = read_json_lines(str(path), 1 << 20)
+    assert not bad and rows[0]["step"] == 1 and rows[0]["grad_norm"] == float("inf")

@@ -87,17 +87,18 @@ class RunHealth:
             return
         skipped = 0
         if self.cfg.resume == "auto":
-            self.skipped_steps = max(self.skipped_steps, int(pending["skipped_steps"]))
-            self.rollback_count = max(self.rollback_count, int(pending["rollbacks"]) + int(pending["automatic"]))
+            self.skipped_steps = max(self.skipped_steps, int(pending.get("skipped_steps", 0)))
+            automatic = bool(pending.get("automatic"))
+            self.rollback_count = max(self.rollback_count, int(pending.get("rollbacks", 0)) + int(automatic))
             first = int(pending["first_bad_step"])
             if self.cfg.train.skip_divergent_batches and first > step:
                 skipped = first - step
                 sampler.skip_steps(skipped)
                 self.log(f"resume: skipped the batches of steps {step + 1}..{first} (up to the first bad step "
                          "of the divergence; train.skip_divergent_batches=true)")
-            event = {"first_bad_step": first, "stopped_at": pending["stopped_at"], "resumed_at": step,
-                     "skipped_batches": skipped, "automatic": bool(pending["automatic"])}
-            if pending["automatic"]:
+            event = {"first_bad_step": first, "stopped_at": pending.get("stopped_at", first), "resumed_at": step,
+                     "skipped_batches": skipped, "automatic": automatic}
+            if automatic:
                 self.rollbacks.append(event)
             metrics.log({"step": step, "rollback": event})
         if self.is_main:

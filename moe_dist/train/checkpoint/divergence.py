@@ -32,7 +32,7 @@ RECORD_LIMIT = 16 * MIB
 PENDING = Obj({"first_bad_step": Integer(0), "last_good_step": Integer(0), "stopped_at": Integer(0), "reason": Text(),
                "set_aside": ListOf(Text()), "set_aside_later": Boolean(), "resume_from": Nullable(Text()),
                "resume_step": Integer(0), "skipped_steps": Integer(0), "rollbacks": Integer(0), "automatic": Boolean()},
-              required=("first_bad_step", "last_good_step", "stopped_at", "skipped_steps", "rollbacks", "automatic"))
+              required=("first_bad_step", "last_good_step"))
 RECORD_FIELDS = Obj({"pending": Nullable(PENDING), "history": ListOf(Obj({"resumed_at": Nullable(Number())}))})
 
 
@@ -69,8 +69,8 @@ def read_record(run_dir: str, log: Callable[[str], None] = print) -> dict:
         problem = e.why
     if problem is not None:
         aside = set_aside(path)
-        log(f"{path}: {problem}; set aside as {aside} (checkpoints set aside as *{DIVERGED_SUFFIX} stay so; the "
-            "divergence counters it held start again)")
+        log(f"{path}: {problem}; set aside as {aside} (what it recorded is lost: the divergence's counters, and "
+            f"checkpoints it had still to set aside as *{DIVERGED_SUFFIX} at this start)")
         return {"pending": None, "history": []}
     return {"pending": record.get("pending"), "history": list(record.get("history") or [])}
 
