@@ -100,7 +100,7 @@ def read_yaml(path: str) -> dict:
     try:
         raw = yaml.safe_load(read_text(path, CONFIG_LIMIT))
     except UnreadableFile as e:
-        raise ConfigError(f"--config: file {path!r}: {e.why}") from None
+        raise ConfigError(f"--config: file {path!r} {e.why}") from None
     except RecursionError:
         raise ConfigError(f"--config: {path!r} nests deeper than YAML is read here") from None
     except yaml.YAMLError as e:
