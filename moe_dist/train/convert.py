@@ -97,7 +97,7 @@ def consolidate(checkpoint: str, out_dir: str, dtype: str = "auto", force: bool 
         tensors = _write_weights(model, os.path.join(tmp, WEIGHTS), torch_dtype,
                                  {**{k: v if isinstance(v, str) else json.dumps(v) for k, v in record.items()},
                                   "config": json.dumps(config, sort_keys=True), **output.metadata})
-        save_config(cfg, os.path.join(tmp, "config.yaml"))
+        save_config(cfg, os.path.join(tmp, "config.yaml"), home=os.path.abspath(out_dir))
         record.update(tensors=tensors, bytes=os.path.getsize(os.path.join(tmp, WEIGHTS)))
         output.finish(record)
     log(f"consolidated {path} (step {record['step']}, saved by {(record['saved_layout'] or {}).get('world_size', '?')} "
