@@ -71,6 +71,35 @@ def test_upcycle_command_writes_a_loadable_model(tmp_path):
     assert info["preserves_function"] is True and info["tokenizer_entries"] <= 96
 
 
+def test_a_converted_directory_moved_elsewhere_still_trains(tmp_path):
+    """The config an upcycle writes names its weights and tokenizer relative to its own directory
+    (``${config_dir}``), so the directory copied, moved or mounted at another path (a container) trains
+    as it is; a run directory's config.yaml does the same for run.dir. No absolute path of the old place
+    is left in either."""
+    import shutil
+
+    dense_dir, out, moved = str(tmp_path / "llama"), str(tmp_path / "up"), str(tmp_path / "mnt" / "model")
+    build_dense("llama", dense_dir)
+    add_sentencepiece(dense_dir, ["def f(x):\n    return x + 1\n" * 20, "The quick brown fox.\n" * 20], vocab_size=90)
+    assert cli(["upcycle", "--dense", dense_dir, "--out", out, *MOE]) == 0
+    text = open(os.path.join(out, "config.yaml")).read()
+    assert "init_from: ${config_dir}\n" in text and "tokenizer: ${config_dir}/tokenizer.model\n" in text, text
+    assert os.path.abspath(out) not in text
+    shutil.move(out, moved)
+    cfg = load_config(os.path.join(moved, "config.yaml"))
+    assert cfg.ckpt.init_from == moved and cfg.data.tokenizer == os.path.join(moved, "tokenizer.model")
+    run = str(tmp_path / "run")
+    corpus = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data", "python-docs")
+    assert cli(["train", "--config", os.path.join(moved, "config.yaml"), f"run.dir={run}", "train.steps=1",
+                "train.global_batch=2", "train.seq_len=16", "eval.every=0", "eval.max_sequences=2", "eval.batch=2",
+                "ckpt.every=0", "run.plots=false", "run.tensorboard=false", "run.progress=false",
+                f"data.corpus={corpus}", "data.val_fraction=0.2", f"data.cache_dir={tmp_path / 'cache'}"]) == 0
+    written = open(os.path.join(run, "config.yaml")).read()
+    assert "dir: ${config_dir}\n" in written and run not in written, written
+    assert "init_from: " + moved in written  # outside the run directory: kept absolute
+    assert load_config(os.path.join(run, "config.yaml")).run.dir == run
+
+
 def test_sharded_checkpoint_and_missing_shard(tmp_path):
     dense_dir = str(tmp_path / "phi3")
     hf = build_dense("phi3", dense_dir, max_shard_size="20KB")

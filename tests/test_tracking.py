@@ -11,9 +11,8 @@ import subprocess
 import sys
 
 import pytest
-import yaml
 
-from moe_dist.config import ConfigError, load_config
+from moe_dist.config import ConfigError, config_to_dict, load_config
 from moe_dist.train.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -114,7 +113,8 @@ def two_runs(tmp_path_factory):
     first = moe_dist(env, *common, f"train.steps={STEPS}")
     assert first.returncode == 0, first.stdout + first.stderr
     rows_first = read_metrics(str(run_dir / "metrics.jsonl"))
-    config_first = yaml.safe_load(open(run_dir / "config.yaml"))
+    # config.yaml names run.dir as ${config_dir}; read as a config it is the resolved config again
+    config_first = json.loads(json.dumps(config_to_dict(load_config(str(run_dir / "config.yaml")))))
     records_first = wandb_runs(run_dir, env, tmp)
     second = moe_dist(env, *common, f"train.steps={RESUMED_STEPS}", "resume=auto")
     assert second.returncode == 0, second.stdout + second.stderr

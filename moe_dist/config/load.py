@@ -16,6 +16,12 @@ from typing import Any, Iterable, Optional
 import yaml
 
 from ..checks import check_field, describe_type, describe_value
+from ..safe_io import MIB, UnreadableFile, read_text, write_atomically
+
+CONFIG_LIMIT = 16 * MIB  # a config file is a few KB
+# in a config file's string values: the directory that holds the file (what moe-dist writes into a model or
+# run directory for the paths inside it)
+CONFIG_DIR = "${config_dir}"
 from .schema import Config, ConfigError
 
 
@@ -95,40 +101,70 @@ def _resolve_cross_section_defaults(cfg: Config) -> None:
 
 
 def read_yaml(path: str) -> dict:
+    """A config file's mapping, ``${config_dir}`` (:data:`CONFIG_DIR`) in its strings replaced by the
+    directory that holds it."""
     try:
-        with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"--config: file {path!r} does not exist") from None
+        raw = yaml.safe_load(read_text(path, CONFIG_LIMIT))
+    except UnreadableFile as e:
+        raise ConfigError(f"--config: file {path!r} {e.why}") from None
+    except RecursionError:
+        raise ConfigError(f"--config: {path!r} nests deeper than YAML is read here") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"--config: {path!r} is not valid YAML: {e}") from None
     if raw is None:
         return {}
     if not isinstance(raw, dict):
         raise ConfigError(f"--config: {path!r} must hold a mapping of sections (run, model, parallel, data, train, eval, ckpt)")
-    return raw
+    return _expand_config_dir(raw, os.path.dirname(os.path.abspath(path)))
 
 
 def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> Config:
-    """Schema defaults, then the YAML file (if any), then the overrides; checked."""
-    raw = read_yaml(path) if path else {}
-    return config_from_dict(apply_overrides(raw, overrides))
+    """Schema defaults, then the YAML file (if any), then the overrides; checked. ``${config_dir}`` in
+    a string value stands for the directory that holds the file (:data:`CONFIG_DIR`)."""
+    return config_from_dict(apply_overrides(read_yaml(path) if path else {}, overrides))
+
+
+def _expand_config_dir(value: Any, directory: str) -> Any:
+    if isinstance(value, str):
+        return value.replace(CONFIG_DIR, directory)
+    if isinstance(value, dict):
+        return {k: _expand_config_dir(v, directory) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_expand_config_dir(v, directory) for v in value]
+    return value
+
+
+def _portable(value: Any, root: str) -> Any:
+    """``value`` with every absolute path at or under ``root`` written relative to :data:`CONFIG_DIR`."""
+    if isinstance(value, str) and os.path.isabs(value):
+        path = os.path.normpath(value)
+        if path == root or path.startswith(root + os.sep):
+            return CONFIG_DIR + path[len(root):]
+        return value
+    if isinstance(value, dict):
+        return {k: _portable(v, root) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_portable(v, root) for v in value]
+    return value
 
 
 def config_to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def dump_config(cfg: Config) -> str:
-    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False)
+def dump_config(cfg: Config, portable_root: Optional[str] = None) -> str:
+    values = config_to_dict(cfg)
+    if portable_root is not None:
+        values = _portable(values, os.path.normpath(os.path.abspath(portable_root)))
+    return yaml.safe_dump(values, sort_keys=False, default_flow_style=False)
 
 
-def save_config(cfg: Config, path: str) -> None:
-    """Write ``path`` whole or not at all (a reader, e.g. ``moe-dist eval``, never sees half of it)."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(dump_config(cfg))
-    os.replace(tmp, path)
+def save_config(cfg: Config, path: str, home: Optional[str] = None) -> None:
+    """Write ``path`` whole or not at all (a reader, e.g. ``moe-dist eval``, never sees half of it). Absolute
+    paths inside ``home`` (the directory the file lives in once written: default, its directory now) are
+    written as ``${config_dir}/...`` (:data:`CONFIG_DIR`), so the directory still works moved, copied or
+    mounted elsewhere (a container)."""
+    write_atomically(path, dump_config(cfg, portable_root=home or os.path.dirname(os.path.abspath(path))))
 
 
 def describe_schema(cls: type = Config, prefix: str = "") -> list[tuple[str, str, Any, str]]:

@@ -14,6 +14,7 @@ from typing import Iterable
 import numpy as np
 
 from ..errors import InputError
+from ..safe_io import MIB, UnreadableFile, read_json
 
 MANIFEST = "manifest.json"
 FORMAT = "moe_dist.tokens/1"
@@ -55,9 +56,11 @@ def write_manifest(directory: str, manifest: dict) -> None:
 
 
 def read_manifest(directory: str) -> dict:
-    with open(os.path.join(directory, MANIFEST), encoding="utf-8") as f:
-        manifest = json.load(f)
-    if manifest.get("format") != FORMAT:
+    try:
+        manifest = read_json(os.path.join(directory, MANIFEST), 16 * MIB)
+    except UnreadableFile as e:
+        raise InputError(str(e)) from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise InputError(f"{directory}: manifest format {manifest.get('format')!r}, expected {FORMAT!r}")
     return manifest
 

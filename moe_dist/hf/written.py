@@ -58,7 +58,7 @@ def write_converted(kind: str, source_dir: str, source_name: str, out_dir: str, 
         for name, t in tensors():
             writer.add(name, t.to(out_dtype))
         files = writer.close()
-        save_config(cfg, os.path.join(out.path, "config.yaml"))
+        save_config(cfg, os.path.join(out.path, "config.yaml"), home=target)
         counts = count_params(cfg.model)
         info = {"source": os.path.abspath(source_dir), "family": ckpt.family, "notes": ckpt.spec.notes,
                 **record(out_dtype),

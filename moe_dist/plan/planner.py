@@ -13,13 +13,14 @@ import os
 from dataclasses import dataclass, replace
 from typing import Iterable, Optional, Union
 
-import yaml
 
 from ..config import ConfigError, apply_overrides, config_from_dict, load_config
 from ..config.granularity import expand_granularity
+from ..config.load import read_yaml
 from ..config.layout import ep_sizes
 from ..hf.config import HFModelSpec, config_path, hf_model_spec, is_hf_config
 from ..model.params import block_shape, count_params, flops_per_token
+from ..safe_io import UnreadableFile, read_json
 from .memory import (GIB, STAGES, Units, Workload, activation_bytes, all_to_all_bytes, autocast_copy_bytes,
                      engine_state_bytes, expert_gathered_fraction, expert_shard_fraction, expert_split, fsdp_gathered_bytes, fsdp_head_grad_bytes, fsdp_reduce_peak_bytes,
                      gathered_bytes_per_param, loss_backward_bytes, grad_sync_bytes, optimizer_step_bytes, state_bytes, uses_fsdp)
@@ -54,15 +55,12 @@ class PlanInput:
 
 
 def _read_mapping(path: str) -> dict:
+    if not path.endswith(".json"):
+        return read_yaml(path)  # ${config_dir} expanded, as `moe-dist train` reads it
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise ConfigError(f"--config: file {path!r} does not exist") from None
-    try:
-        raw = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
-        raise ConfigError(f"--config: {path!r} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: {e}") from None
+        raw = read_json(path)
+    except UnreadableFile as e:
+        raise ConfigError(f"--config: file {path!r} {e.why}") from None
     return raw if isinstance(raw, dict) else {}
 
 

@@ -29,8 +29,8 @@ import torch
 
 from ..config import config_from_dict, load_config, save_config
 from ..config.load import config_to_dict
-from .checkpoint import (META, CheckpointError, config_sha256, latest_checkpoint, load_checkpoint, read_manifest,
-                         read_meta)
+from .checkpoint import (META, CheckpointError, check_model_tensors, config_sha256, latest_checkpoint, load_checkpoint,
+                         read_manifest, read_meta)
 from ..errors import MissingInputError, UsageError
 from ..weights import OutputDirectory
 
@@ -81,8 +81,12 @@ def consolidate(checkpoint: str, out_dir: str, dtype: str = "auto", force: bool 
     with output:
         cfg = checkpoint_config(path, meta)
         cfg.ckpt.init_from, cfg.resume = None, "none"  # the written weights replace both
-        # allocated but not initialised: every tensor is loaded below (the loaders refuse a missing one)
-        model = materialize(build_model(cfg.model, cfg.model.vocab_size, device="meta"), "cpu")
+        # checked against the checkpoint's tensors on the meta device first (a meta.json whose config does not
+        # match them is refused before anything is allocated), then allocated but not initialised: every tensor
+        # is loaded below (the loaders refuse a missing one)
+        model = build_model(cfg.model, cfg.model.vocab_size, device="meta")
+        check_model_tensors(path, model)
+        model = materialize(model, "cpu")
         load_checkpoint(model, path)  # verifies the files and that every tensor (every expert) is there
         torch_dtype = DTYPES.get(dtype)
         config = config_to_dict(cfg)
@@ -93,7 +97,7 @@ def consolidate(checkpoint: str, out_dir: str, dtype: str = "auto", force: bool 
         tensors = _write_weights(model, os.path.join(tmp, WEIGHTS), torch_dtype,
                                  {**{k: v if isinstance(v, str) else json.dumps(v) for k, v in record.items()},
                                   "config": json.dumps(config, sort_keys=True), **output.metadata})
-        save_config(cfg, os.path.join(tmp, "config.yaml"))
+        save_config(cfg, os.path.join(tmp, "config.yaml"), home=os.path.abspath(out_dir))
         record.update(tensors=tensors, bytes=os.path.getsize(os.path.join(tmp, WEIGHTS)))
         output.finish(record)
     log(f"consolidated {path} (step {record['step']}, saved by {(record['saved_layout'] or {}).get('world_size', '?')} "
