@@ -18,16 +18,15 @@ import random
 import signal
 import subprocess
 import sys
-import warnings
 
 import numpy as np
 import pytest
 import torch
 
+from helpers.checkpoint_reading import read_full, rel_diff
 from helpers.dist_harness import run_ranks
 from moe_dist.config import load_config
 from moe_dist.train.checkpoint import IncompleteCheckpoint, latest_checkpoint, load_checkpoint, step_dir
-from moe_dist.train.checkpoint.files import SafeFileSystemReader
 
 pytestmark = pytest.mark.slow  # real gloo ranks and the CLI
 
@@ -61,19 +60,6 @@ def fluctuation(rows, step):
 def rows_of(root, router, name):
     with open(os.path.join(root, router, name, "metrics.jsonl"), encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-def read_full(path):
-    """Every tensor of a checkpoint, whole, read on this one process."""
-    import torch.distributed.checkpoint as dcp
-
-    reader = SafeFileSystemReader(path)
-    saved = reader.read_metadata().state_dict_metadata
-    state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in saved.items()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(state, storage_reader=reader, no_dist=True)
-    return {k: v for k, v in state.items() if not k.startswith("rng.")}
 
 
 # ---- 4 ranks: the reference runs and the same-layout resume -------------------------------------------
@@ -129,11 +115,6 @@ def _resume_in_this_process(root, name, extra):
         _resume_at(0, 1, root, name, extra)
     random.setstate(states[0])
     np.random.set_state(states[1])
-
-
-def rel_diff(a, b):
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30)) if b.numel() else 0.0
 
 
 LAYOUTS = {  # name: (world, overrides)

@@ -18,12 +18,13 @@ import numpy as np
 import pytest
 import torch
 
+from helpers.checkpoint_reading import read_full, rel_diff
 from helpers.dist_harness import run_ranks
+from helpers.model_pieces import local_numel, pieces
 from moe_dist.config import load_config
 from moe_dist.errors import ConfigError
 from moe_dist.parallel.expert_shard import busiest_share, gathered_fraction, padded_experts, shard_dim
 from moe_dist.train.checkpoint import step_dir
-from test_checkpoint import read_full, rel_diff
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, AT = 4, 2
@@ -81,14 +82,13 @@ def _fill(rank, world, root, extra, weights):
     from moe_dist.parallel import expert_parameters
     from moe_dist.train.model_setup import build_meta_model, weights_filler
     from moe_dist.train.parallelize import parallelize
-    from test_scale_layout import _local_numel, _pieces
 
     cfg = config(root, "fill", *extra)
     rt = init_distributed(cfg.parallel.ep, cfg.model.moe.num_experts, backend="gloo")
     model = build_meta_model(cfg, 512)
     parallelize(model, rt, cfg.parallel, fill=weights_filler(cfg, weights))
     dims = sorted({p.placements[0].dim for p in expert_parameters(model) if hasattr(p, "placements")})
-    return {"pieces": _pieces(model), "expert_numel": _local_numel(expert_parameters(model)), "dims": dims}
+    return {"pieces": pieces(model), "expert_numel": local_numel(expert_parameters(model)), "dims": dims}
 
 
 @pytest.mark.parametrize("name,source", [("w4-ep2", "seed"), ("w4-ep1", "weights"), ("w2-ep1-within", "weights")])

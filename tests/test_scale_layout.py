@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from helpers.dist_harness import run_ranks
+from helpers.model_pieces import local_numel, pieces
 from moe_dist.config import load_config
 from moe_dist.model import build_model
 from moe_dist.model.init import is_meta
@@ -24,18 +25,6 @@ def cfg_for(tmp, *extra):
         f"run.dir={tmp}/run", f"data.cache_dir={tmp}/cache", f"data.corpus={ROOT}/tests/data/python-docs",
         "run.tensorboard=false", "run.plots=false", "ckpt.save_final=false", "model.vocab_size=512",
         "model.moe.router=symphony", *extra])
-
-
-def _pieces(model) -> dict:
-    """What this rank holds, as whole tensors by layout-independent key (dense DTensors gathered)."""
-    out = {}
-    for key, t in expert_keyed_state_dict(model).items():
-        out[key] = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
-    return out
-
-
-def _local_numel(tensors) -> int:
-    return sum((t.to_local() if hasattr(t, "to_local") else t).numel() for t in tensors)
 
 
 def _build_and_fill(rank, world, tmp, ep, weights):
@@ -57,8 +46,8 @@ def _build_and_fill(rank, world, tmp, ep, weights):
     parallelize(model, rt, cfg.parallel, fill=fill)
     assert not is_meta(model) and not seen["meta_before_fill"]
     experts = expert_parameters(model)
-    return {"pieces": _pieces(model), "expert_numel": _local_numel(experts),
-            "total_numel": _local_numel(model.parameters())}
+    return {"pieces": pieces(model), "expert_numel": local_numel(experts),
+            "total_numel": local_numel(model.parameters())}
 
 
 @pytest.mark.parametrize("world,ep,source", [(2, 2, "seed"), (4, 2, "seed"), (4, 2, "weights")])
@@ -99,7 +88,7 @@ def _optimizer_state(rank, world, tmp, ep):
         row = trainer.train_step()
         experts = set(expert_parameters(trainer.model))
         state = [v for p, s in trainer.engine.optimizer.state.items() if p in experts for v in s.values() if v.dim() > 0]
-        return {"expert_state_numel": _local_numel(state), "loss": row["loss"], "grad_norm": row["grad_norm"]}
+        return {"expert_state_numel": local_numel(state), "loss": row["loss"], "grad_norm": row["grad_norm"]}
     finally:
         trainer.close()
 

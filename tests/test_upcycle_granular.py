@@ -85,7 +85,7 @@ def test_upcycle_command_writes_the_expanded_config_and_the_planner_agrees(dense
     with torch.no_grad():
         assert rel_err(model(x), want) <= TOL
     from moe_dist.model import count_parameters
-    from moe_dist.plan.planner import load_plan_input
+    from moe_dist.plan.plan_input import load_plan_input
     from moe_dist.model.params import count_params
 
     inp = load_plan_input(d, MOE + ["model.moe.granularity=2", "model.moe.layers=every_other", "model.moe.shared_d_ff=8"])

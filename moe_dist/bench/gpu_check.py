@@ -353,7 +353,7 @@ def read_run(run_dir: str, skip_steps: int) -> dict:
 def train_flops_per_token(config_yaml: str) -> float:
     """Training FLOPs of one token (:func:`moe_dist.model.params.train_flops_per_token`)."""
     from ..model.params import train_flops_per_token as per_token
-    from ..plan.planner import load_plan_input
+    from ..plan.plan_input import load_plan_input
 
     inp = load_plan_input(config_yaml)
     return per_token(inp.model, inp.seq_len, inp.moe_blocks)

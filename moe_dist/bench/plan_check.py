@@ -77,7 +77,8 @@ CASES = [
 def planned(case: Case, run_dir: str) -> dict:
     """The planner's per-rank memory for this case's layout and workload (its functions, called directly)."""
     from moe_dist.model.params import count_params
-    from moe_dist.plan.planner import evaluate_layout, load_plan_input
+    from moe_dist.plan.plan_input import load_plan_input
+    from moe_dist.plan.planner import evaluate_layout
 
     inp = load_plan_input(PRESETS[case.preset], case.overrides(run_dir))
     counts = count_params(inp.model, inp.moe_blocks)

@@ -6,7 +6,8 @@ each layout's dispatch bytes and predicted step time.
     p = plan("configs/olmoe-1b-7b.yaml", 8, 8, 80, network=make_network(inter_gbps=400))  # + layouts[i]["dispatch"]
 """
 from ..model.params import count_params
-from .planner import load_plan_input, make_network, plan
+from .plan_input import load_plan_input
+from .planner import make_network, plan
 from .report import format_plan
 
 __all__ = ["count_params", "plan", "load_plan_input", "format_plan", "make_network"]

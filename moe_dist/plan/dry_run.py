@@ -175,7 +175,7 @@ def busiest_rank(cfg, routing: RoutingModel, world: int, gpus_per_node: int) -> 
 def _load(config: str, overrides: Iterable[str], world: int, gpus_per_node: int, micro_batch: Optional[int]):
     """The config as the trainer of that world would run it, on fake CPU tensors: the world's nodes
     declared, bf16 kept as bf16 (this CPU's speed says nothing of the target's)."""
-    from .planner import hf_config, hf_seq_len, read_source
+    from .plan_input import hf_config, hf_seq_len, read_source
 
     extra = ["run.device=cpu", f"parallel.ranks_per_node={gpus_per_node}", "train.bf16_on_slow_cpu=bf16"]
     path, raw, hf = read_source(config)
@@ -190,7 +190,7 @@ def _load(config: str, overrides: Iterable[str], world: int, gpus_per_node: int,
     if cfg.train.engine != "native":
         raise ConfigError(f"train.engine={cfg.train.engine!r}: the dry run runs the native engine (FSDP2); allowed: native")
     if not cfg.model.vocab_size:  # the tokenizer's size, as the planner reads it (data.tokenizer or data.vocab_size)
-        from .planner import _vocab_of
+        from .plan_input import _vocab_of
 
         cfg.model.vocab_size = _vocab_of(cfg)
     return cfg

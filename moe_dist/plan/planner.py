@@ -2,124 +2,26 @@
 
 The input is one of our YAML configs or a Hugging Face ``config.json`` (dense or MoE);
 ``KEY=VALUE`` overrides apply to either (for a dense Hugging Face config, any ``model.moe.*``
-override plans its upcycled MoE instead of the dense model).
+override plans its upcycled MoE instead of the dense model): :mod:`moe_dist.plan.plan_input`.
 """
 from __future__ import annotations
 
 
-import json
 import math
-import os
 from dataclasses import dataclass, replace
-from typing import Iterable, Optional, Union
+from typing import Iterable, Optional
 
-
-from ..config import ConfigError, apply_overrides, config_from_dict, load_config
-from ..config.granularity import expand_granularity
-from ..config.load import read_yaml
+from ..config import ConfigError
 from ..config.layout import ep_sizes
-from ..hf.config import HFModelSpec, config_path, hf_model_spec, is_hf_config
 from ..model.params import block_shape, count_params, flops_per_token
-from ..safe_io import UnreadableFile, read_json
 from .memory import (GIB, STAGES, Units, Workload, activation_bytes, all_to_all_bytes, autocast_copy_bytes,
                      engine_state_bytes, expert_gathered_fraction, expert_shard_fraction, expert_split, fsdp_gathered_bytes, fsdp_head_grad_bytes, fsdp_reduce_peak_bytes,
                      gathered_bytes_per_param, loss_backward_bytes, grad_sync_bytes, optimizer_step_bytes, state_bytes, uses_fsdp)
 from .timing import Cluster, Links, StepWork, passes, step_time, sync_time
 from .dispatch_rows import DISPATCHES, dispatch_bytes, group_shape
+from .plan_input import PlanInput, load_plan_input
 
 USABLE_FRACTION = 0.9  # leave 10% of each GPU for the framework, allocator fragmentation and buffers
-DEFAULT_HF_SEQ_LEN = 4096
-
-
-@dataclass
-class PlanInput:
-    """What is planned: the model, its MoE blocks, and the training settings."""
-
-    source: str
-    kind: str  # "moe_dist" or "hf:<family>"
-    model: object  # moe_dist.config.ModelConfig
-    moe_blocks: list[int]
-    seq_len: int
-    global_batch: Optional[int]
-    grad_accum: int
-    dtype: str
-    dense_mode: str
-    configured_ep: Union[int, str, None]  # parallel.ep: a size, "auto" or none
-    notes: list[str]
-    backend: str = "nccl"  # "gloo" (parallel.backend=gloo) adds the copy its reduce-scatter makes
-    reshard_after_forward: bool = True  # FSDP2 gathers the weights again in backward
-    configured_dispatch: str = "flat"  # parallel.dispatch
-    configured_max_groups: Optional[int] = None  # model.moe.max_groups_per_token (groups of model.moe.router_groups)
-    expert_shard: str = "auto"  # parallel.expert_shard: how FSDP2 splits the experts over their replicas
-    grad_sync: str = "step"  # parallel.grad_sync: reduce-scatter once per step or after every micro-batch
-
-
-def _read_mapping(path: str) -> dict:
-    if not path.endswith(".json"):
-        return read_yaml(path)  # ${config_dir} expanded, as `moe-dist train` reads it
-    try:
-        raw = read_json(path)
-    except UnreadableFile as e:
-        raise ConfigError(f"--config: file {path!r} {e.why}") from None
-    return raw if isinstance(raw, dict) else {}
-
-
-def _vocab_of(cfg) -> int:
-    if cfg.model.vocab_size:
-        return cfg.model.vocab_size
-    if cfg.data.tokenizer and os.path.isfile(cfg.data.tokenizer):
-        from ..data import Tokenizer  # sentencepiece or tokenizer.json
-
-        return Tokenizer.load(cfg.data.tokenizer).vocab_size
-    return cfg.data.vocab_size  # the tokenizer the trainer would train
-
-
-def read_source(path: str) -> tuple[str, dict, bool]:
-    """``--config`` as given: (the file read, its mapping, whether it is a Hugging Face config); a
-    Hugging Face checkpoint directory is read through its ``config.json``."""
-    if os.path.isdir(path):
-        path = config_path(path)
-    raw = _read_mapping(path)
-    return path, raw, path.endswith(".json") or is_hf_config(raw)
-
-
-def hf_seq_len(raw: dict) -> int:
-    """Tokens per sequence planned for a Hugging Face model: 4096, or its context if shorter."""
-    return min(DEFAULT_HF_SEQ_LEN, int(raw.get("max_position_embeddings") or DEFAULT_HF_SEQ_LEN))
-
-
-def hf_config(raw: dict, where: str, overrides: Iterable[str], sections: Optional[dict] = None):
-    """(the model's :class:`HFModelSpec`, our Config of it): its model (granular upcycling expanded,
-    as `moe-dist upcycle` would write it) with ``sections`` (e.g. ``train``) and the overrides."""
-    spec: HFModelSpec = hf_model_spec(raw, where=where)
-    ours = apply_overrides({**(sections or {}), "model": json.loads(json.dumps(spec.model))}, list(overrides))
-    moe = ours["model"].setdefault("moe", {}) if isinstance(ours.get("model"), dict) else None
-    if isinstance(moe, dict):  # granular upcycling: what `moe-dist upcycle` would write
-        expand_granularity(moe, spec.model["d_ff"])
-    return spec, config_from_dict(ours)
-
-
-def load_plan_input(path: str, overrides: Iterable[str] = (), seq_len: Optional[int] = None) -> PlanInput:
-    overrides = list(overrides)
-    path, raw, hf = read_source(path)
-    if hf:
-        spec, cfg = hf_config(raw, path, overrides)
-        plans_moe = spec.is_moe or any(o.split("=", 1)[0].strip().startswith("model.moe.") for o in overrides)
-        moe_blocks = cfg.model.moe.layer_indices(cfg.model.n_layers) if plans_moe else []
-        return PlanInput(source=path, kind=f"hf:{spec.family}", model=cfg.model, moe_blocks=moe_blocks,
-                         seq_len=seq_len or hf_seq_len(raw), global_batch=None, grad_accum=1,
-                         dtype="bf16", dense_mode="fsdp", configured_ep=None, notes=list(spec.notes),
-                         expert_shard=cfg.parallel.expert_shard, grad_sync=cfg.parallel.grad_sync)
-    cfg = load_config(path, overrides)
-    cfg.model.vocab_size = _vocab_of(cfg)
-    return PlanInput(source=path, kind="moe_dist", model=cfg.model,
-                     moe_blocks=cfg.model.moe.layer_indices(cfg.model.n_layers), seq_len=seq_len or cfg.train.seq_len,
-                     global_batch=cfg.train.global_batch, grad_accum=cfg.train.grad_accum, dtype=cfg.train.dtype,
-                     dense_mode=cfg.parallel.dense, configured_ep=cfg.parallel.ep,
-                     backend="gloo" if cfg.parallel.backend == "gloo" else "nccl",
-                     reshard_after_forward=cfg.parallel.reshard_after_forward, notes=[],
-                     configured_dispatch=cfg.parallel.dispatch, configured_max_groups=cfg.model.moe.max_groups_per_token,
-                     expert_shard=cfg.parallel.expert_shard, grad_sync=cfg.parallel.grad_sync)
 
 
 def _gib(x: float) -> float:
@@ -400,6 +302,95 @@ def recommend(layouts: list[dict], usable_gib: float) -> tuple[Optional[dict], s
                   f"{mem['fsdp_gather']:.1f}) but {usable_gib:.1f} GiB are usable")
 
 
+def _floor(inp: PlanInput, counts: dict, nodes: int, gpus_per_node: int, usable: float,
+           micro_batch: Optional[int]) -> str:
+    """Why even ``nodes`` nodes do not fit: the part of a GPU's memory that does not shrink with more GPUs."""
+    world = nodes * gpus_per_node
+    mb, _ = _micro_batch(inp, world, micro_batch)
+    E = inp.model.moe.num_experts if inp.moe_blocks else 1
+    far = min((evaluate_layout(inp, counts, world, gpus_per_node, ep, mb) for ep in ep_sizes(world, E)),
+              key=lambda l: l["memory_gib"]["total_with_activation_checkpointing"])
+    g = far["memory_gib"]
+    text = (f"even {nodes} nodes leave {g['total_with_activation_checkpointing']:.1f} GiB per GPU (ep={far['ep']}, "
+            f"activation checkpointing), more than the {usable:.1f} usable; ")
+    if uses_fsdp(inp.dense_mode, world):
+        experts = ", one MoE layer's experts" if far["experts_sharded_over_edp"] else ""
+        local = E // far["ep"]
+        whole = ""
+        if far["expert_split"] == "experts (padded)":
+            whole = (f", and the busiest of the {far['edp']} replicas of each layer's {local} expert(s) holds "
+                     f"{-(-local // far['edp'])} whole (parallel.expert_shard splits them on the expert dimension) with "
+                     f"their gradients and AdamW state")
+        return text + (f"what does not shrink with more GPUs is what FSDP2 gathers ({g['fsdp_gather']:.1f} GiB: the root "
+                       f"unit, two blocks{experts}) and the activations of one micro-batch "
+                       f"({g['activations_checkpointed']:.1f} GiB){whole}")
+    return text + (f"parallel.dense={inp.dense_mode} replicates the dense weights, their gradients and AdamW state "
+                   f"({g['weights'] + g['grads'] + g['optimizer']:.1f} GiB with the experts); parallel.dense=fsdp shards them")
+
+
+def _alternatives(inp: PlanInput, counts: dict, layouts: list[dict], nodes: int, gpus_per_node: int, usable: float,
+                  micro_batch: Optional[int], max_nodes: int = 1024) -> str:
+    """What would fit instead: more nodes (same GPUs), or ZeRO sharding of the experts too."""
+    text = ""
+
+    def fits(n: int) -> bool:
+        world = n * gpus_per_node
+        mb, _ = _micro_batch(inp, world, micro_batch)
+        E = inp.model.moe.num_experts if inp.moe_blocks else 1
+        eps = ep_sizes(world, E)
+        cand = [evaluate_layout(inp, counts, world, gpus_per_node, ep, mb) for ep in eps]
+        return bool(cand) and (recommend(cand, usable)[0] is not None or
+                               _with_microbatch_sync(inp, counts, world, gpus_per_node, eps, mb, usable, None, "")[0]
+                               is not None)
+
+    # memory per GPU only falls as nodes are added (more sharding, fewer sequences each): double, then bisect
+    lo, hi = nodes, nodes * 2
+    while hi <= max_nodes and not fits(hi):
+        lo, hi = hi, hi * 2
+    if hi <= max_nodes:
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+        text += f"; {hi} nodes of {gpus_per_node} GPUs would fit"
+    else:
+        text += "; more nodes do not help: " + _floor(inp, counts, max_nodes, gpus_per_node, usable, micro_batch)
+    def fitting(stages: tuple[str, ...]) -> list[tuple[float, int, str]]:
+        return sorted((v["total_with_activation_checkpointing"], l["ep"], k) for l in layouts
+                      for k, v in l["zero_stages_gib"].items()
+                      if k in stages and v["total_with_activation_checkpointing"] <= usable)
+
+    deepspeed, zero3 = fitting(("zero1", "zero2")), fitting(("zero3",))
+    if deepspeed:  # what train.engine=deepspeed runs: ZeRO-1/2, experts sharded over their replicas
+        need, ep, stage = deepspeed[0]
+        text += (f"; DeepSpeed ZeRO-{stage[-1]} (train.engine=deepspeed deepspeed.zero_stage={stage[-1]} parallel.ep={ep}, "
+                 f"activation checkpointing) would need {need:.1f} GiB")
+    elif zero3:
+        need, ep, _ = zero3[0]
+        text += (f"; ZeRO-3 over the expert replicas (ep={ep}, activation checkpointing) would need {need:.1f} GiB: "
+                 f"moe_dist's engine runs it with parallel.dense=fsdp parallel.ep={ep} (DeepSpeed refuses MoE with ZeRO-3)")
+    return text
+
+
+def _with_microbatch_sync(inp: PlanInput, counts: dict, world: int, gpus_per_node: int, eps: list[int], mb: int,
+                          usable: float, network: Optional[Network], reason: str) -> tuple[Optional[dict], str]:
+    """Where nothing fits while FSDP2 keeps unsharded gradients for the whole step
+    (``parallel.grad_sync=step`` with ``grad_accum > 1``): the layout that fits when they are
+    reduce-scattered after every micro-batch instead, if one does (more traffic, less memory)."""
+    if inp.grad_sync != "step" or inp.grad_accum == 1 or not uses_fsdp(inp.dense_mode, world):
+        return None, reason
+    other = replace(inp, grad_sync="microbatch")
+    layouts = [evaluate_layout(other, counts, world, gpus_per_node, ep, mb) for ep in eps]
+    best, why = recommend(layouts, usable)
+    if best is None:
+        need = min(l["memory_gib"]["total_with_activation_checkpointing"] for l in layouts)
+        return None, reason + (f"; with parallel.grad_sync=microbatch (gradients kept sharded) the smallest need is "
+                               f"{need:.1f} GiB") if reason else reason
+    if network is not None:
+        best["dispatch"] = dispatch_variants(other, counts, world, gpus_per_node, best, network, usable)
+    return best, (f"with parallel.grad_sync=microbatch (gradients reduce-scattered after every micro-batch, kept "
+                  f"sharded; the step's unsharded gradients do not fit): {why}")
+
+
 def plan(path: str, nodes: int, gpus_per_node: int, gpu_mem_gib: float, overrides: Iterable[str] = (),
          seq_len: Optional[int] = None, micro_batch: Optional[int] = None, network: Optional[Network] = None) -> dict:
     """The whole plan as a JSON-serialisable dict (``total_params``, ``active_params``, ...); with
@@ -426,12 +417,10 @@ def plan(path: str, nodes: int, gpus_per_node: int, gpu_mem_gib: float, override
         for l in layouts:
             l["dispatch"] = dispatch_variants(inp, counts, world, gpus_per_node, l, network, usable)
     best, reason = recommend(layouts, usable)
-    if best is None:  # what would fit instead (a module of its own: it evaluates other layouts with this one's functions)
-        from .fallbacks import alternatives, with_microbatch_sync
-
-        best, reason = with_microbatch_sync(inp, counts, world, gpus_per_node, eps, mb, usable, network, reason)
+    if best is None:  # what would fit instead
+        best, reason = _with_microbatch_sync(inp, counts, world, gpus_per_node, eps, mb, usable, network, reason)
     if best is None:
-        reason += alternatives(inp, counts, layouts, nodes, gpus_per_node, usable, micro_batch)
+        reason += _alternatives(inp, counts, layouts, nodes, gpus_per_node, usable, micro_batch)
     m = inp.model
     return {
         "source": inp.source, "kind": inp.kind,
