@@ -76,6 +76,18 @@ def test_the_config_keys_name_their_values(key, values):
     assert msg.startswith(key) and all(v in msg for v in values) and "\n" not in msg
 
 
+def test_within_is_refused_before_launch_where_no_dimension_divides(tmp_path, capsys):
+    from moe_dist.cli import main
+
+    # 3 replicas of 4 local experts of 64 x 64: neither the experts nor either dimension split 3 ways
+    assert main(["train", "--config", os.path.join(ROOT, "configs/test.yaml"), "--nproc", "3", "parallel.ep=1",
+                 "train.global_batch=9", "parallel.expert_shard=within", f"run.dir={tmp_path}/run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("parallel.expert_shard: within, but edp=3 divides no dimension of the expert weights "
+                            "[64, 64]; allowed: auto, experts"), err
+    assert not os.path.exists(tmp_path / "run")
+
+
 # ---- filled rank-locally: the same weights as one process, an even share each --------------------------------
 def _fill(rank, world, root, extra, weights):
     from moe_dist.distributed.bootstrap import init_distributed

@@ -57,6 +57,21 @@ def check_resume(cfg: Config) -> None:
         raise ConfigError(error)
 
 
+def check_expert_shard(cfg: Config, world_size: int) -> None:
+    """``parallel.expert_shard=within`` needs a dimension of the expert weights that the replicas
+    (``edp = world / ep``) divide: refused here, once, rather than by every rank in ``fully_shard``
+    (``parallel.ep=auto`` depends on the ranks' hosts: its ranks check it themselves)."""
+    ep = cfg.parallel.ep
+    if cfg.parallel.dense != "fsdp" or world_size == 1 or not isinstance(ep, int) or cfg.train.engine != "native":
+        return
+    from ..parallel.expert_shard import expert_weight_shapes, shard_dim
+
+    m = cfg.model
+    for shape in expert_weight_shapes(m.moe.num_experts // ep, m.d_model, m.moe.d_ff or m.d_ff,
+                                      m.moe.activation == "swiglu"):
+        shard_dim(shape, world_size // ep, cfg.parallel.expert_shard)
+
+
 def check_before_launch(cfg: Config, world_size: int, *, training: bool = True) -> None:
     """Raise a :class:`~moe_dist.errors.UserError` for the first problem found. ``training``: also
     what only training needs (``resume``, the engine, ``log.wandb``); evaluation reads a checkpoint
@@ -64,6 +79,7 @@ def check_before_launch(cfg: Config, world_size: int, *, training: bool = True) 
     from .tracking import check_tracking
 
     cfg.check_world(world_size)
+    check_expert_shard(cfg, world_size)
     if training:
         check_tracking(cfg)
         check_resume(cfg)
