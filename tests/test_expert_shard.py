@@ -274,3 +274,26 @@ def test_every_rank_of_a_real_gloo_world_with_experts_split_inside_equals_its_dr
         for key, value in want.items():
             assert got[key] == pytest.approx(value, rel=1e-3, abs=4096), (rank, key)
         assert fake["peak_bytes"] == pytest.approx(real[rank]["peak_bytes"], rel=1e-3)
+
+
+def _on_meta_default(rank, world, root):
+    """Train 2 steps, save, resume for a third with the experts split inside and the default
+    device on ``meta``: a tensor made without a device (the GPU-readiness check of
+    tests/test_default_device_meta.py) fails at its first use beside real ones."""
+    from moe_dist.train.trainer import train
+
+    losses_of = []
+    for steps, extra in ((2, []), (3, ["resume=auto"])):
+        torch.set_default_device("meta")
+        try:
+            train(config(root, "meta", "parallel.ep=1", "parallel.expert_shard=within", f"train.steps={steps}",
+                         "ckpt.every=2", *extra))
+        finally:
+            torch.set_default_device("cpu")
+        losses_of.append(losses(root, "meta")[1])
+    return losses_of
+
+
+def test_the_split_inside_trains_saves_and_resumes_with_the_default_device_on_meta(tmp_path):
+    first, resumed = run_ranks(_on_meta_default, 2, args=(str(tmp_path),), timeout=300)[0]
+    assert len(first) == 2 and len(resumed) == 3 and all(torch.isfinite(torch.tensor(resumed)))
