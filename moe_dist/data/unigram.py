@@ -18,3 +18,12 @@ def unigram_perplexity(log_probs: np.ndarray, targets: np.ndarray) -> float:
     if targets.size == 0:
         raise ValueError("no target tokens to evaluate the unigram baseline on")
     return math.exp(-float(log_probs[targets].mean()))
+
+
+def blend_log_probs(parts: list, vocab_size: int) -> np.ndarray:
+    """The unigram model of a blend: each source's smoothed frequencies, mixed by its weight
+    (``parts``: (weight, tokens)); one source gives :func:`unigram_log_probs` exactly."""
+    if len(parts) == 1:
+        return unigram_log_probs(parts[0][1], vocab_size)
+    probs = sum(w * np.exp(unigram_log_probs(t, vocab_size)) for w, t in parts)
+    return np.log(probs / probs.sum())
