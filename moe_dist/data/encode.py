@@ -50,7 +50,8 @@ def _texts(chunk) -> tuple[list, list, list, int]:
                 bad.append((where, "not UTF-8"))
                 continue
             except json.JSONDecodeError as e:
-                bad.append((where, f"not valid JSON ({e.msg} at column {e.colno})"))
+                # json's message may end with "at" where it names a position ("Invalid control character at")
+                bad.append((where, f"not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})"))
                 continue
             if not isinstance(rec, dict) or key not in rec:
                 bad.append((where, f"no field {key!r}" + ("" if isinstance(rec, dict) else " (not a JSON object)")))
@@ -61,6 +62,7 @@ def _texts(chunk) -> tuple[list, list, list, int]:
             else:
                 names.append(where)
                 texts.append(rec[key])
+        bad.sort(key=lambda b: int(b[0].rsplit(":", 1)[1]) if ":" in b[0] else 0)  # in line order
     elif chunk.kind == "parquet":
         fname = chunk.names[0]
         for i, value in enumerate(chunk.records):

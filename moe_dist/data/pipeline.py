@@ -47,16 +47,23 @@ class PrepareSettings:
     val_fraction: float = 0.01
     workers: int = 0  # 0: one per core; 1: in this process
     memory_mb: int = 2048
-    shard_mb: int = 1024  # input per shard
+    shard_mb: float = 1024  # input MiB per shard
     max_record_mb: int = 64
     progress: bool = True
+    chunk_kb: Optional[int] = None  # input per worker task (None: from memory_mb)
+    task: int = 0  # this task's slice of the input files, of ``tasks`` (a Slurm array: contiguous, by size)
+    tasks: int = 1
 
     def check(self) -> None:
         if not 0 <= self.val_fraction <= 0.5:
             raise UserError(f"val_fraction={self.val_fraction}: allowed 0 to 0.5")
-        for key in ("memory_mb", "shard_mb", "max_record_mb"):
+        for key in ("memory_mb", "max_record_mb"):
             if getattr(self, key) < 1:
                 raise UserError(f"{key}={getattr(self, key)}: allowed at least 1")
+        if not self.shard_mb > 0:
+            raise UserError(f"shard_mb={self.shard_mb}: allowed a number > 0")
+        if not 0 <= self.task < self.tasks:
+            raise UserError(f"task {self.task} of {self.tasks}: allowed 0 <= task < tasks")
         if self.workers < 0:
             raise UserError(f"workers={self.workers}: allowed 0 (one per core) or more")
 
@@ -67,6 +74,8 @@ def _plan(s: PrepareSettings) -> tuple[int, int, int]:
     in_flight = 2 * workers if workers > 1 else 1
     spare = max(s.memory_mb - 100 - (WORKER_MB * workers if workers > 1 else 0), 16) * 2**20
     chunk = int(min(max(spare / (in_flight * EXPANSION), 256 << 10), 16 << 20))
+    if s.chunk_kb:
+        chunk = s.chunk_kb << 10
     return workers, in_flight, chunk
 
 
@@ -76,6 +85,19 @@ def _fingerprint(s: PrepareSettings, files, tok: Tokenizer) -> str:
             "field": s.field, "format": s.format, "val_fraction": s.val_fraction, "shard_mb": s.shard_mb,
             "max_record_mb": s.max_record_mb, "format_version": FORMAT}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+
+def task_files(files: list, task: int, tasks: int) -> list:
+    """Task ``task``'s contiguous run of ``files``, the runs about equal in bytes (a file is never split)."""
+    if tasks == 1:
+        return files
+    total = max(sum(f.size for f in files), 1)
+    out, before = [], 0
+    for f in files:
+        if min(before * tasks // total, tasks - 1) == task:
+            out.append(f)
+        before += f.size
+    return out
 
 
 def _write_json(path: str, obj: dict) -> None:
@@ -125,7 +147,7 @@ def _bar(s: PrepareSettings, total: int, done: int):
     from tqdm import tqdm
 
     # a compressed input's offsets count its decompressed bytes: no total (and no time left) for those
-    return tqdm(total=total, initial=done, unit="B", unit_scale=True, unit_divisor=1 << 20, desc="prepare",
+    return tqdm(total=total, initial=done, unit="B", unit_scale=True, unit_divisor=1024, desc="prepare",
                 dynamic_ncols=True, smoothing=0.1)
 
 
@@ -144,7 +166,7 @@ def run_prepare(s: PrepareSettings, tokenizer: Optional[Tokenizer] = None, log: 
             raise UserError("prepare needs a tokenizer: --tokenizer names a tokenizer.model, a tokenizer.json or a "
                             "model directory holding one")
         tokenizer = Tokenizer.resolve(s.tokenizer)
-    files = find_inputs(s.inputs, s.format, s.pattern)
+    files = task_files(find_inputs(s.inputs, s.format, s.pattern), s.task, s.tasks)
     os.makedirs(out, exist_ok=True)
     fp = _fingerprint(s, files, tokenizer)
     progress_path = os.path.join(out, PROGRESS)
@@ -194,7 +216,7 @@ def run_prepare(s: PrepareSettings, tokenizer: Optional[Tokenizer] = None, log: 
             bar.set_postfix_str(f"{done_docs + shard.train.documents + shard.val.documents:,} docs, "
                                 f"{done_tok + shard.train.tokens + shard.val.tokens:,} tokens", refresh=False)
             bar.update(nbytes)
-        if shard.input_bytes >= s.shard_mb << 20:
+        if shard.input_bytes >= s.shard_mb * 2**20:
             _close(shard, end)
             shards.append(shard.record(end))
             shard = _open_shard(out, len(shards), dtype)
@@ -265,6 +287,7 @@ def _manifest(s: PrepareSettings, files, tok: Tokenizer, dtype, shards: list[dic
         "empty_records": sum(sh["empty_records"] for sh in shards),
         "bad": {"count": sum(sh["bad_count"] for sh in shards), "first": [list(b) for b in bad]},
         "seconds": round(seconds, 2),
+        "task": [s.task, s.tasks],
     }
 
 
