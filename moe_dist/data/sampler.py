@@ -83,7 +83,7 @@ class TrainSampler:
         return [c / n for c, n in zip(self.counts, self.source_windows)]
 
     def pop_notes(self) -> list[str]:
-        """Lines to log: a source that starts another epoch (its data repeat)."""
+        """Lines to log: a source that starts its 2nd, 3rd, 5th, 9th, ... epoch (its data repeat)."""
         notes, self._notes = self._notes, []
         return notes
 
@@ -99,8 +99,9 @@ class TrainSampler:
                 lag = [w * g - c for w, c in zip(self.weights, self.counts)]
                 d = lag.index(max(lag))
             j = self.counts[d]
-            if j and j % self.source_windows[d] == 0:
-                self._notes.append(f"data: {self.names[d]} repeats: epoch {j // self.source_windows[d] + 1} of its "
+            done, pos = divmod(j, self.source_windows[d])
+            if done and not pos and not done & (done - 1):  # epochs 2, 3, 5, 9, 17, ...: said, not every one
+                self._notes.append(f"data: {self.names[d]} repeats: epoch {done + 1} of its "
                                    f"{self.source_windows[d]:,} windows begins at window {self.consumed + len(out):,}")
             out.append((d, j))
             self.counts[d] += 1
