@@ -104,6 +104,15 @@ def _megatron_parts(files: list[IndexedFile], val_fraction: float, separate_val:
     return train, val, docs
 
 
+def check_paths(spec, key: str) -> None:
+    """Each path of a blend is a prepared directory, a Megatron prefix or a directory of prefixes (nothing opened)."""
+    for _, path in parse_blend(spec):
+        if not (os.path.isfile(os.path.join(path, MANIFEST)) or is_prefix(path)
+                or (os.path.isdir(path) and glob.glob(os.path.join(path, "*.idx")))):
+            raise MissingInputError(f"{key}: {path!r} is neither a prepared directory (manifest.json), a Megatron "
+                                    "dataset prefix (PATH.bin + PATH.idx) nor a directory of them")
+
+
 def open_source(path: str, weight: float = 1.0, val_fraction: float = 0.05, separate_val: bool = False) -> Source:
     if os.path.isfile(os.path.join(path, MANIFEST)):
         with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
@@ -127,8 +136,7 @@ def open_source(path: str, weight: float = 1.0, val_fraction: float = 0.05, sepa
     elif os.path.isdir(path) and (idx := sorted(glob.glob(os.path.join(path, "*.idx")))):
         files = [IndexedFile(p[:-4]) for p in idx]
     else:
-        raise MissingInputError(f"data.paths: {path!r} is neither a prepared directory (manifest.json), a Megatron "
-                                "dataset prefix (PATH.bin + PATH.idx) nor a directory of them")
+        check_paths(path, "data.paths")
     train, val, docs = _megatron_parts(files, val_fraction, separate_val)
     return Source(path, weight, TokenStream(train), TokenStream(val), docs)
 
