@@ -194,3 +194,29 @@ def test_interrupted_prepare_resumes_to_the_same_bytes(tmp_path, tok, monkeypatc
     with pytest.raises(ValueError, match="holds a prepare of other inputs or settings"):
         os.remove(out / "manifest.json")
         run_prepare(quiet(output=str(out), **{**settings, "val_fraction": 0.2}))
+
+
+def test_slurm_array_tasks_and_the_combining_step(tmp_path, tok):
+    """launch/slurm/prepare.sbatch as each task of a 3-task array runs it (Slurm's variables set by
+    hand): each writes its part, the last to finish combines them into one dataset."""
+    texts = paragraphs()
+    for i in range(5):
+        write_jsonl(tmp_path / f"in{i}.jsonl", texts[i * 100:(i + 1) * 100])
+    out = tmp_path / "out"
+    env = {**os.environ, "SLURM_ARRAY_TASK_COUNT": "3", "PYTHON": sys.executable, "MOE_DIST_HOME": ROOT}
+    for task in (2, 0, 1):
+        res = subprocess.run(["bash", os.path.join(ROOT, "launch", "slurm", "prepare.sbatch"), str(out), "--tokenizer",
+                              tok, "--val-fraction", "0.1", str(tmp_path / "in*.jsonl")],
+                             env={**env, "SLURM_ARRAY_TASK_ID": str(task)}, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert (out / "manifest.json").exists() == (task == 1)
+    m = json.load(open(out / "manifest.json"))
+    assert m["parts"] == 3 and m["documents"] == 500 and m["source"]["files"] == 5
+    assert [sh["train"].split("/")[0] for sh in m["shards"]] == ["part-00000", "part-00001", "part-00002"]
+    whole = run_prepare(quiet(inputs=[str(tmp_path / "in*.jsonl")], output=str(tmp_path / "whole"), tokenizer=tok,
+                              val_fraction=0.1, workers=1))
+    from moe_dist.data import open_blend
+
+    spread, one = open_blend(str(out))[0][0], open_blend(str(tmp_path / "whole"))[0][0]
+    np.testing.assert_array_equal(spread.train.array(), one.train.array())  # the same tokens as one prepare
+    assert m["splits"] == whole["splits"]
