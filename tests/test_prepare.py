@@ -56,23 +56,34 @@ def megatron_read(prefix):
 
 def test_round_trip_through_megatron_core(tmp_path, tok):
     pytest.importorskip("megatron.core")
-    zstd = pytest.importorskip("zstandard")
-    pq = pytest.importorskip("pyarrow.parquet")
-    import pyarrow as pa
-
     texts = paragraphs()
     a, b, c, d = texts[:150], texts[150:300], texts[300:450], texts[450:]
     inputs = tmp_path / "in"
     inputs.mkdir()
     write_jsonl(inputs / "a.jsonl", a)
     write_jsonl(inputs / "b.jsonl.gz", b, gzip.open)
-    with open(inputs / "c.jsonl.zst", "wb") as raw:
-        raw.write(zstd.ZstdCompressor().compress("".join(json.dumps({"text": t}) + "\n" for t in c).encode()))
-    pq.write_table(pa.table({"text": d, "id": list(range(len(d)))}), inputs / "d.parquet", row_group_size=40)
+    try:  # .zst and Parquet inputs need the `data` extra; without it those records go in as plain JSON lines
+        import zstandard
+
+        with open(inputs / "c.jsonl.zst", "wb") as raw:
+            raw.write(zstandard.ZstdCompressor().compress("".join(json.dumps({"text": t}) + "\n" for t in c).encode()))
+        c_name = "c.jsonl.zst"
+    except ImportError:
+        c_name = "c.jsonl"
+        write_jsonl(inputs / c_name, c)
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"text": d, "id": list(range(len(d)))}), inputs / "d.parquet", row_group_size=40)
+        d_name = "d.parquet"
+    except ImportError:
+        d_name = "d.jsonl"
+        write_jsonl(inputs / d_name, d)
     m = run_prepare(quiet(inputs=[str(inputs)], output=str(tmp_path / "out"), tokenizer=tok, workers=2,
                           val_fraction=0.1, shard_mb=0.02, memory_mb=256, chunk_kb=8))
     names = [(f"a.jsonl:{i + 1}", t) for i, t in enumerate(a)] + [(f"b.jsonl.gz:{i + 1}", t) for i, t in enumerate(b)]
-    names += [(f"c.jsonl.zst:{i + 1}", t) for i, t in enumerate(c)] + [(f"d.parquet:{i + 1}", t) for i, t in enumerate(d)]
+    names += [(f"{c_name}:{i + 1}", t) for i, t in enumerate(c)] + [(f"{d_name}:{i + 1}", t) for i, t in enumerate(d)]
     ref = reference(Tokenizer.load(tok), names, 0.1)
     assert len(m["shards"]) > 3 and m["bad"]["count"] == 0 and m["documents"] == len(texts)
     for split in ("train", "val"):
