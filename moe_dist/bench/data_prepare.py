@@ -12,8 +12,10 @@
 4. **prepare**: ``moe-dist prepare`` on the whole corpus with ``--workers``, in a cgroup (v1) whose
    memory limit is ``--memory-limit-mb`` (needs root; without it the run is unlimited and says so);
    peak RSS = the largest sum of the resident sets of the cgroup's processes, sampled every 0.1 s;
-5. **loader**: the training sampler over the prepared dataset at ``--seq-len`` / ``--global-batch``,
-   one rank of ``--ranks``: tokens delivered per second to that rank.
+5. **loader**: the training sampler over a blend of the prepared dataset with itself at
+   ``--seq-len`` / ``--global-batch`` / ``--grad-accum``, one rank of ``--ranks`` (default: the
+   OLMoE-1B-7B preset as ``moe-dist plan`` lays it out on 8 GPUs): tokens delivered per second to
+   that rank (``--loader-only``: this alone, over a kept ``--keep`` output).
 
 Prints one JSON object per measurement and a summary; the ratio prepare / bare (target >= 0.8)
 compares the same text on the same cores.
@@ -158,18 +160,21 @@ def prepare(corpus: str, tok_path: str, out: str, workers: int, limit_mb: int) -
             "mib_per_s": round(m["source"]["bytes"] / 2**20 / wall, 2), "summary": output.strip().splitlines()[-1]}
 
 
-def loader(out: str, seq_len: int, global_batch: int, ranks: int, steps: int) -> dict:
-    """Tokens/s the sampler delivers to rank 0 of ``ranks`` over the prepared dataset."""
+def loader(out: str, seq_len: int, global_batch: int, grad_accum: int, ranks: int, steps: int) -> dict:
+    """Tokens/s the sampler delivers to rank 0 of ``ranks``, over a blend of the prepared dataset with
+    itself (weights 0.7 / 0.3: the blend's bookkeeping is timed too)."""
     from ..data import TrainSampler, open_blend
 
-    sources, _ = open_blend(out)
-    s = TrainSampler([x.train for x in sources], seq_len, global_batch, 1, 0, ranks, seed=0)
+    sources, _ = open_blend(f"0.7 {out} 0.3 {out}")
+    s = TrainSampler([x.train for x in sources], seq_len, global_batch, grad_accum, 0, ranks, seed=0,
+                     weights=[x.weight for x in sources])
     s.next_step()
     t0 = time.perf_counter()
     rows = sum(b.shape[0] for _ in range(steps) for b in s.next_step())
     dt = time.perf_counter() - t0
-    return {"what": "loader", "seq_len": seq_len, "global_batch": global_batch, "ranks": ranks, "steps": steps,
-            "ms_per_step": round(1000 * dt / steps, 2), "tokens_per_s_per_rank": round(rows * seq_len / dt)}
+    return {"what": "loader", "seq_len": seq_len, "global_batch": global_batch, "grad_accum": grad_accum,
+            "ranks": ranks, "steps": steps, "ms_per_step": round(1000 * dt / steps, 3),
+            "tokens_per_s_per_rank": round(rows * seq_len / dt)}
 
 
 def main(argv=None) -> int:
@@ -180,9 +185,13 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--bare-mb", type=int, default=64)
     p.add_argument("--work", default="/tmp/data-bench")
+    # the loader at the OLMoE-1B-7B preset's planned layout on 1 node x 8 GPUs (moe-dist plan): 4 micro-batches
+    # of 1 x 4096 tokens per GPU per step
     p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--global-batch", type=int, default=512)
-    p.add_argument("--ranks", type=int, default=64)
+    p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--grad-accum", type=int, default=4)
+    p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--loader-only", action="store_true", help="only the loader, over WORK/prepared-<size> (--keep)")
     p.add_argument("--keep", action="store_true", help="keep the prepared output (the corpus is always kept)")
     args = p.parse_args(argv)
     import shutil
@@ -191,18 +200,21 @@ def main(argv=None) -> int:
 
     os.makedirs(args.work, exist_ok=True)
     print(json.dumps({"cpu": torch.backends.cpu.get_cpu_capability(), "cores": len(os.sched_getaffinity(0))}), flush=True)
+    out = os.path.join(args.work, f"prepared-{args.size_mb}")
+    if args.loader_only:
+        print(json.dumps(loader(out, args.seq_len, args.global_batch, args.grad_accum, args.ranks, 200)), flush=True)
+        return 0
     corpus = os.path.join(args.work, f"corpus-{args.size_mb}.jsonl")
     generate(corpus, args.size_mb)
     tok = tokenizer(os.path.join(args.work, f"bpe-{args.vocab}.model"), args.vocab)
     b = bare(corpus, tok, args.bare_mb, args.workers)
     print(json.dumps(b), flush=True)
-    out = os.path.join(args.work, f"prepared-{args.size_mb}")
     shutil.rmtree(out, ignore_errors=True)
     r = prepare(corpus, tok, out, args.workers, args.memory_limit_mb)
     print(json.dumps(r), flush=True)
     if r["exit"]:
         return 1
-    lo = loader(out, args.seq_len, args.global_batch, args.ranks, 50)
+    lo = loader(out, args.seq_len, args.global_batch, args.grad_accum, args.ranks, 200)
     print(json.dumps(lo), flush=True)
     print(f"prepare / bare tokenizer: {r['chars_per_s'] / b['chars_per_s']:.2f}x (characters per second, "
           f"{args.workers} workers); peak RSS {r['peak_rss_mib']} MiB under a {args.memory_limit_mb} MiB limit")
