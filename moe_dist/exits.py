@@ -28,6 +28,7 @@ import traceback
 from typing import Callable, Optional
 
 from .errors import UserError
+from .safe_io import write_json_atomically
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -60,9 +61,7 @@ def write_report(directory: str, rank: int, report: dict) -> None:
     """Atomically write ``rank_<rank>.json`` (best effort: a full disk must not hide the real error)."""
     path = os.path.join(directory, f"rank_{rank}.json")
     try:
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            json.dump(report, f)
-        os.replace(path + ".tmp", path)
+        write_json_atomically(path, report, indent=None)
     except OSError:
         pass
 

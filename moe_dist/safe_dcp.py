@@ -18,11 +18,13 @@ import enum
 import io
 import os
 import pickle
+from typing import Optional
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from .errors import DamagedCheckpoint, UnsafeCheckpoint
+from .safe_io import UnreadableFile, open_regular
 
 # Every class a DCP ``.metadata`` pickle refers to, written out. The set was found by saving real
 # checkpoints (moe_dist's checkpointer at 1 and 2 ranks, sync and async, FSDP and DeepSpeed; raw DCP
@@ -106,6 +108,11 @@ def _refuse_unsafe_entries(directory: str, metadata, allow_objects: bool = False
             raise UnsafeCheckpoint(f"checkpoint {directory} declares entry {key!r} as {type(md).__name__}, not a "
                                    "tensor; a moe_dist checkpoint holds only tensors and JSON, and reading this entry "
                                    "would unpickle arbitrary objects, so nothing was loaded")
+        if isinstance(md, TensorStorageMetadata):
+            problem = _tensor_metadata_problem(md)
+            if problem:
+                raise DamagedCheckpoint(f"{directory}: its .metadata declares entry {key!r} with {problem}; nothing "
+                                        "was loaded")
     files = set(os.listdir(directory)) if os.path.isdir(directory) else set()
     for index, info in storage.items():
         where = getattr(index, "fqn", index)
@@ -120,6 +127,29 @@ def _refuse_unsafe_entries(directory: str, metadata, allow_objects: bool = False
         if where not in entries:
             raise UnsafeCheckpoint(f"checkpoint {directory}: storage record for {where!r}, an entry the metadata does "
                                    "not declare; nothing was loaded")
+
+
+def _tensor_metadata_problem(md) -> Optional[str]:
+    """What of a tensor entry's metadata is not of the form DCP writes (properties with a dtype, a
+    size and chunks of non-negative integers that fit in it), or None."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties
+
+    def dims(value) -> bool:
+        return isinstance(value, (torch.Size, tuple, list)) and all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 62 for d in value)
+
+    if not isinstance(md.properties, TensorProperties) or not isinstance(md.properties.dtype, torch.dtype):
+        return f"properties {type(md.properties).__name__} (expected TensorProperties with a dtype)"
+    if not dims(md.size):
+        return f"size {md.size!r} (expected non-negative integers)"
+    if not isinstance(md.chunks, list):
+        return f"chunks {type(md.chunks).__name__} (expected a list)"
+    for chunk in md.chunks:
+        if (not isinstance(chunk, ChunkStorageMetadata) or not dims(chunk.offsets) or not dims(chunk.sizes)
+                or len(chunk.offsets) != len(md.size) or len(chunk.sizes) != len(md.size)
+                or any(o + s > d for o, s, d in zip(chunk.offsets, chunk.sizes, md.size))):
+            return f"a chunk {chunk!r} that is not a block of its {list(md.size)} tensor"
+    return None
 
 
 def _record(stream, info) -> io.BytesIO:
@@ -165,8 +195,11 @@ class SafeFileSystemReader(FileSystemReader):
     def read_metadata(self, *args, **kwargs):
         rank = kwargs.get("rank")
         path = self._get_metadata_path(rank)
-        with self.fs.create_stream(path, "rb") as f:
-            data = f.read()
+        try:
+            with open_regular(str(path)) as f:  # never a FIFO or a device: a reader must not hang or fill memory
+                data = f.read()
+        except UnreadableFile as e:
+            raise DamagedCheckpoint(f"{e}; nothing was loaded") from None
         try:
             metadata = _MetadataUnpickler(io.BytesIO(data)).load()
         except _Refused as e:

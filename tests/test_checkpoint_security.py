@@ -136,12 +136,21 @@ def test_storage_records_outside_the_checkpoint_are_refused(saved, tmp_path):
 
 
 def test_rng_entries_of_another_shape_are_refused(saved, tmp_path):
-    """RNG entries get the same shape and dtype check as the model's and the optimizer's."""
+    """RNG entries get the same shape and dtype check as the model's and the optimizer's (the entry's
+    stored chunk made to fit its new size: a chunk beyond its tensor is refused earlier, as not DCP's form)."""
+    import dataclasses
+
     cfg, path = saved
     ckpt = copy_of(path, tmp_path)
     metadata = planted.read_metadata(ckpt)
     key = planted.entry_keys(ckpt)["rng state"]
-    metadata.state_dict_metadata[key].size = torch.Size([7])
+    entry = metadata.state_dict_metadata[key]
+    entry.size = torch.Size([7])
+    planted.write_metadata(ckpt, metadata)
+    planted.reseal(ckpt)
+    with pytest.raises(CheckpointError, match=r"a chunk .* that is not a block of its \[7\] tensor"):
+        Checkpointer(str(tmp_path / "run")).load(ckpt, *fresh(cfg), rng_device=torch.device("cpu"))
+    entry.chunks = [dataclasses.replace(chunk, sizes=torch.Size([7])) for chunk in entry.chunks]
     planted.write_metadata(ckpt, metadata)
     planted.reseal(ckpt)
     with pytest.raises(CheckpointError, match="another shape or dtype"):

@@ -285,3 +285,39 @@ def test_bad_steps_add_up_within_the_window_and_applied_ones_count():
     for loss, norm in ((4.0, 1.0), (4.0, 1.0), (4.0, 1.0), (uniform, 0.0), (4.0, 50.0)):
         assert _step(t, check, loss, norm) is None
     assert not t.bad_steps
+
+
+def test_a_loss_passing_ln_vocab_on_its_way_down_is_no_collapse():
+    """One bad update sends the loss above ln(vocab); the following steps fall back through it by more
+    than 1% a step: only the jump is a bad step, no divergence. A loss that stays at ln(vocab) is a
+    collapse every step, and its divergence is caught."""
+    uniform = math.log(512)
+    t, check = _health(max_nonfinite_steps=3, bad_step_window=20)
+    for _ in range(5):
+        assert _step(t, check, 4.0, 1.0) is None
+    for loss in (1.28 * uniform, 1.21 * uniform, 1.16 * uniform, 1.12 * uniform, 1.05 * uniform, 0.99 * uniform,
+                 0.95 * uniform, 0.9 * uniform):
+        assert _step(t, check, loss, 1.0) is None
+    assert list(t.bad_steps) == [6], t.bad_steps
+    t, check = _health(max_nonfinite_steps=3, bad_step_window=20)
+    for _ in range(5):
+        assert _step(t, check, 4.0, 1.0) is None
+    got = [_step(t, check, loss, 1.0) for loss in (uniform, 1.001 * uniform, 0.999 * uniform)]
+    assert got[:2] == [None, None] and got[2] is not None and "steps 6, 7, 8 were bad" in got[2].why, got
+    assert list(t.bad_steps) == [6, 7, 8] and "the model collapsed" in t.applied_bad_step({"loss": uniform,
+                                                                                          "grad_norm": 1.0})
+
+
+def test_a_run_recovering_from_one_large_step_is_not_stopped(tmp_path):
+    """The reported case: 20 steps, one step at train.lr=3, then the run continues at its rate: the loss
+    passes back through ln(vocab) on its way down and the run ends normally (it was stopped at step 26
+    for 'steps 22-26 were bad' while its loss fell every step)."""
+    run = tmp_path / "run"
+    common = ["train.global_batch=8", "eval.every=0"]
+    for extra in (["train.steps=20"], ["train.steps=21", "resume=auto", "train.lr=3"],
+                  ["train.steps=40", "resume=auto"]):
+        code, out, err = train(tmp_path, run, *common, *extra)
+        assert code == 0, out + err
+    losses = {r["step"]: r["loss"] for r in rows(run) if "loss" in r}
+    assert losses[22] > math.log(512) and losses[40] < 0.9 * math.log(512), losses
+    assert len([r for r in rows(run) if r.get("bad")]) < 5

@@ -97,6 +97,7 @@ LAYERS = (
     ("moe_dist.moe",),
     ("moe_dist.distributed",),
     ("moe_dist.checks", "moe_dist.safe_dcp"),
+    ("moe_dist.safe_io",),
     ("moe_dist.errors", "moe_dist.hardware", "moe_dist.ports", "moe_dist.quiet"),
 )
 

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 import typing
 from typing import Any, Iterable, Optional
 
 import yaml
 
 from ..checks import check_field, describe_type, describe_value
+from ..safe_io import MIB, UnreadableFile, read_text, write_atomically
+
+CONFIG_LIMIT = 16 * MIB  # a config file is a few KB
 from .schema import Config, ConfigError
 
 
@@ -96,10 +98,11 @@ def _resolve_cross_section_defaults(cfg: Config) -> None:
 
 def read_yaml(path: str) -> dict:
     try:
-        with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"--config: file {path!r} does not exist") from None
+        raw = yaml.safe_load(read_text(path, CONFIG_LIMIT))
+    except UnreadableFile as e:
+        raise ConfigError(f"--config: file {path!r} {e.why}") from None
+    except RecursionError:
+        raise ConfigError(f"--config: {path!r} nests deeper than YAML is read here") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"--config: {path!r} is not valid YAML: {e}") from None
     if raw is None:
@@ -125,10 +128,7 @@ def dump_config(cfg: Config) -> str:
 
 def save_config(cfg: Config, path: str) -> None:
     """Write ``path`` whole or not at all (a reader, e.g. ``moe-dist eval``, never sees half of it)."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(dump_config(cfg))
-    os.replace(tmp, path)
+    write_atomically(path, dump_config(cfg))
 
 
 def describe_schema(cls: type = Config, prefix: str = "") -> list[tuple[str, str, Any, str]]:

@@ -17,6 +17,9 @@ from ..moe.args import MoEArgs
 from .layout import AUTO, check_ep, expert_parallel_size
 
 DEFAULT_CORPUS = "/usr/share/doc/python3.11/html/_sources"
+# upper bounds of the model's sizes: far above any published model, low enough that a value typed or
+# planted by mistake is refused here instead of an allocation failing later
+MAX_VOCAB, MAX_WIDTH, MAX_COUNT = 1 << 24, 1 << 20, 1 << 16
 MOE_LAYER_PATTERNS = ("every", "every_other")
 
 
@@ -127,12 +130,13 @@ def _check_rope_scaling(scaling: dict, head_dim: int) -> None:
 class ModelConfig:
     """Decoder-only language model."""
 
-    vocab_size: Optional[int] = knob(None, "vocabulary size (null = the tokenizer's)", min=2)
-    d_model: int = knob(256, "hidden size", min=1)
-    n_layers: int = knob(4, "transformer blocks", min=1)
-    n_heads: int = knob(8, "query heads", min=1)
-    n_kv_heads: Optional[int] = knob(None, "key/value heads for grouped-query attention (null = n_heads)", min=1)
-    d_ff: int = knob(768, "hidden size of a dense SwiGLU feed-forward layer", min=1)
+    vocab_size: Optional[int] = knob(None, "vocabulary size (null = the tokenizer's)", min=2, max=MAX_VOCAB)
+    d_model: int = knob(256, "hidden size", min=1, max=MAX_WIDTH)
+    n_layers: int = knob(4, "transformer blocks", min=1, max=MAX_COUNT)
+    n_heads: int = knob(8, "query heads", min=1, max=MAX_COUNT)
+    n_kv_heads: Optional[int] = knob(None, "key/value heads for grouped-query attention (null = n_heads)", min=1,
+                                     max=MAX_COUNT)
+    d_ff: int = knob(768, "hidden size of a dense SwiGLU feed-forward layer", min=1, max=MAX_WIDTH)
     rope_theta: float = knob(10000.0, "rotary embedding base", gt=0)
     rope_scaling: Optional[dict] = knob(None, "RoPE frequency scaling of long-context checkpoints: null, {type: linear, "
                                         "factor: F} or {type: llama3, factor, low_freq_factor, high_freq_factor, "
@@ -215,10 +219,10 @@ class DataConfig:
 class TrainConfig:
     """Optimisation."""
 
-    steps: int = knob(100, "optimizer steps", min=1)
-    global_batch: int = knob(16, "sequences per optimizer step, whatever the number of ranks", min=1)
+    steps: int = knob(100, "optimizer steps", min=1, max=1 << 40)
+    global_batch: int = knob(16, "sequences per optimizer step, whatever the number of ranks", min=1, max=1 << 30)
     grad_accum: int = knob(1, "micro-batches per step (global_batch / grad_accum sequences per forward, over all ranks)", min=1)
-    seq_len: int = knob(256, "tokens per sequence", min=2)
+    seq_len: int = knob(256, "tokens per sequence", min=2, max=1 << 24)
     seed: int = knob(0, "seed of the model initialisation and the data order", min=0)
     lr: float = knob(3e-3, "peak learning rate", gt=0)
     min_lr_ratio: float = knob(0.1, "final learning rate / peak after the cosine decay", min=0, max=1)
@@ -262,8 +266,9 @@ class TrainConfig:
                                               "clipped to train.grad_clip, is applied; it counts toward a divergence); "
                                               "null = off", gt=1)
     detect_collapse: bool = knob(True, "a step whose loss is back at ln(vocab) (a uniform guess) after the median of "
-                                 "the last train.spike_window healthy losses was below 0.9 ln(vocab), or whose gradient "
-                                 "norm is exactly 0 after non-zero ones, is a bad step (applied; counted)")
+                                 "the last train.spike_window healthy losses was below 0.9 ln(vocab), and not falling "
+                                 "(more than 1% below the step before's), or whose gradient norm is exactly 0 after "
+                                 "non-zero ones, is a bad step (applied; counted)")
     on_divergence: Literal["stop", "rollback"] = knob("stop", "after train.max_nonfinite_steps bad steps (within "
                                                       "train.bad_step_window): stop "
                                                       "(exit 1; resume=auto continues from the last checkpoint before "

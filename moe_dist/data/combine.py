@@ -9,13 +9,12 @@ dataset.
 from __future__ import annotations
 
 import glob
-import json
 import os
 import shutil
 
 from ..errors import InputError
 from .indexed import IndexedFile
-from .pipeline import MANIFEST, _write_json
+from .pipeline import MANIFEST, _write_json, read_record
 
 
 def part_dir(out: str, task: int) -> str:
@@ -32,8 +31,7 @@ def combine_parts(out: str) -> dict:
         path = os.path.join(p, MANIFEST)
         if not os.path.isfile(path):
             raise InputError(f"{p}: not finished (no {MANIFEST}); run its task again, it resumes")
-        with open(path, encoding="utf-8") as f:
-            manifests.append(json.load(f))
+        manifests.append(read_record(path))
     tasks = {m["task"][1] for m in manifests}
     seen = sorted(m["task"][0] for m in manifests)
     if len(tasks) != 1 or seen != list(range(next(iter(tasks)))):

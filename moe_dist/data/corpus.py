@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from ..errors import InputError, MissingInputError
+from ..safe_io import kind_of, open_regular
 
 TEXT_SUFFIXES = (".txt", ".rst", ".md", ".text")
 JSONL_SUFFIXES = (".jsonl", ".json")
@@ -35,6 +36,9 @@ def corpus_files(corpus: str, pattern: Optional[str] = None) -> list[Path]:
     root = Path(corpus)
     if root.is_file():
         return [root]
+    if os.path.exists(corpus) and not root.is_dir():
+        raise InputError(f"data.corpus={corpus!r} is {kind_of(os.stat(corpus).st_mode)}; allowed: a text or JSON-lines "
+                         "file, or a directory of them")
     if not root.is_dir():
         hint = (" (the default corpus comes from Debian's python3.11-doc package: run scripts/setup.sh as root "
                 "or `apt-get install python3.11-doc`)") if "python3.11" in str(root) else ""
@@ -78,10 +82,18 @@ def read_documents(corpus: str, pattern: Optional[str] = None, fmt: str = "auto"
     for path in corpus_files(corpus, pattern):
         rel = _relative(path, corpus)
         if _is_jsonl(path, fmt):
-            with open(path, encoding="utf-8", errors="replace" if bad is not None else "strict") as f:
-                for i, line in enumerate(f):
-                    if not line.strip():
+            with open_regular(str(path)) as f:
+                for i, raw in enumerate(f):
+                    if not raw.strip():
                         continue
+                    try:
+                        line = raw.decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        if bad is not None:
+                            bad.append((f"{rel}:{i + 1}", "not UTF-8"))
+                            continue
+                        raise InputError(f"{path}:{i + 1}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+                                         f"{e.start + 1}); data.format='jsonl' expects UTF-8 JSON lines") from None
                     try:
                         rec = json.loads(line)
                     except json.JSONDecodeError as e:
@@ -100,7 +112,8 @@ def read_documents(corpus: str, pattern: Optional[str] = None, fmt: str = "auto"
                     if rec[jsonl_field]:
                         yield Document(f"{rel}:{i + 1}", rec[jsonl_field])
         else:
-            data = path.read_bytes()
+            with open_regular(str(path)) as f:
+                data = f.read()
             why = not_text(data)
             if why:
                 if skipped is not None:

@@ -18,7 +18,6 @@ are ``"A"`` or ``"0.7 A"``; weights are normalised, a missing weight is 1.
 from __future__ import annotations
 
 import glob
-import json
 import os
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -27,7 +26,7 @@ import numpy as np
 
 from ..errors import InputError, MissingInputError
 from .indexed import IndexedFile, is_prefix
-from .pipeline import FORMAT, MANIFEST
+from .pipeline import FORMAT, MANIFEST, read_record
 from .stream import TokenStream
 
 
@@ -115,8 +114,7 @@ def check_paths(spec, key: str) -> None:
 
 def open_source(path: str, weight: float = 1.0, val_fraction: float = 0.05, separate_val: bool = False) -> Source:
     if os.path.isfile(os.path.join(path, MANIFEST)):
-        with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
-            m = json.load(f)
+        m = read_record(os.path.join(path, MANIFEST))
         if m.get("format") != FORMAT:
             raise InputError(f"{path}/{MANIFEST}: format {m.get('format')!r}, expected {FORMAT!r} (re-run moe-dist prepare)")
         train, val = [], []

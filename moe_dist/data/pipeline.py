@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
 from ..errors import InputError, UserError
+from ..safe_io import MIB, UnreadableFile, read_json
 from .encode import encode_chunk, init_worker
 from .indexed import IndexedWriter, token_dtype
 from .sources import find_inputs, read_chunks
@@ -100,6 +101,17 @@ def task_files(files: list, task: int, tasks: int) -> list:
     return out
 
 
+def read_record(path: str) -> dict:
+    """A manifest or shard record, read bounded (a FIFO, a device or a file cut short: one line)."""
+    try:
+        value = read_json(path, 256 * MIB)
+    except UnreadableFile as e:
+        raise InputError(f"{e}; prepare it again") from None
+    if not isinstance(value, dict):
+        raise InputError(f"{path}: not a JSON object; prepare it again")
+    return value
+
+
 def _write_json(path: str, obj: dict) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -112,8 +124,7 @@ def _write_json(path: str, obj: dict) -> None:
 def _finished_shards(out: str) -> list[dict]:
     shards = []
     while os.path.isfile(path := os.path.join(out, f"shard-{len(shards):05d}.json")):
-        with open(path, encoding="utf-8") as f:
-            shards.append(json.load(f))
+        shards.append(read_record(path))
     return shards
 
 
@@ -157,8 +168,7 @@ def run_prepare(s: PrepareSettings, tokenizer: Optional[Tokenizer] = None, log: 
     t0 = time.perf_counter()
     out = s.output
     if os.path.isfile(os.path.join(out, MANIFEST)):
-        with open(os.path.join(out, MANIFEST), encoding="utf-8") as f:
-            manifest = json.load(f)
+        manifest = read_record(os.path.join(out, MANIFEST))
         log(f"prepare: {out} is already complete ({manifest['token_count']:,} tokens); nothing to do")
         return manifest
     if tokenizer is None:
@@ -172,10 +182,9 @@ def run_prepare(s: PrepareSettings, tokenizer: Optional[Tokenizer] = None, log: 
     progress_path = os.path.join(out, PROGRESS)
     shards = []
     if os.path.isfile(progress_path):
-        with open(progress_path, encoding="utf-8") as f:
-            if json.load(f).get("fingerprint") != fp:
-                raise InputError(f"{out} holds a prepare of other inputs or settings (files, sizes, tokenizer, "
-                                 "field, val_fraction, shard_mb); name another output directory or delete it")
+        if read_record(progress_path).get("fingerprint") != fp:
+            raise InputError(f"{out} holds a prepare of other inputs or settings (files, sizes, tokenizer, "
+                             "field, val_fraction, shard_mb); name another output directory or delete it")
         shards = _finished_shards(out)
     else:
         _write_json(progress_path, {"fingerprint": fp, "settings": asdict(s)})

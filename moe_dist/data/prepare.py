@@ -22,7 +22,7 @@ from typing import Optional
 
 from .corpus import corpus_fingerprint, is_validation, read_documents
 from .datasets import Source, open_blend, open_source
-from .pipeline import FORMAT, MANIFEST, PrepareSettings, run_prepare
+from .pipeline import FORMAT, MANIFEST, PrepareSettings, read_record, run_prepare
 from .stream import TokenStream
 from .tokenizer import Tokenizer, train_tokenizer
 from ..errors import InputError
@@ -167,8 +167,7 @@ def _check_tokenizer(tok: Tokenizer, source: Source) -> None:
 def load_prepared(directory: str) -> PreparedData:
     source = open_source(directory)
     tok = Tokenizer.load(source.tokenizer_file)
-    with open(os.path.join(directory, MANIFEST), encoding="utf-8") as f:
-        manifest = json.load(f)
+    manifest = read_record(os.path.join(directory, MANIFEST))
     if tok.sha256 != source.tokenizer_sha256:
         raise InputError(f"{directory}: {os.path.basename(source.tokenizer_file)} does not match the manifest's hash; "
                          "delete the directory to rebuild")

@@ -15,6 +15,9 @@ import sentencepiece as spm
 
 from ..checks import check_choice
 from ..errors import InputError, MissingInputError
+from ..safe_io import MIB, UnreadableFile, read_bytes
+
+TOKENIZER_LIMIT = 512 * MIB  # a sentencepiece model is a few MB, a tokenizer.json tens of MB
 
 
 class Tokenizer:
@@ -34,11 +37,12 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str) -> "Tokenizer":
+        if not os.path.exists(path):
+            raise MissingInputError(f"data.tokenizer={path!r} does not exist")
         try:
-            with open(path, "rb") as f:
-                return cls(f.read())
-        except FileNotFoundError:
-            raise MissingInputError(f"data.tokenizer={path!r} does not exist") from None
+            return cls(read_bytes(path, TOKENIZER_LIMIT))
+        except UnreadableFile as e:
+            raise InputError(f"data.tokenizer={path!r}: {e.why}") from None
         except RuntimeError as e:
             raise InputError(f"data.tokenizer={path!r} is not a sentencepiece model: {e}") from None
 

@@ -9,9 +9,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from ..safe_io import write_figure  # noqa: E402
+
 
 def _save(fig, path: str) -> str:
-    fig.savefig(path, bbox_inches="tight")
+    write_figure(fig, path, bbox_inches="tight")
     plt.close(fig)
     return path
 

@@ -9,7 +9,6 @@ reported as notes instead.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from typing import Any, Optional
 
 from ..config.schema import ROPE_SCALING_KEYS
 from ..errors import HFFormatError
+from ..safe_io import MIB, UnreadableFile, read_json
 from .architectures import MOE_ARCHITECTURES
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "phi3")
@@ -61,14 +61,13 @@ def config_path(path: str) -> str:
 def read_hf_config(path: str) -> dict:
     """The parsed config.json of a checkpoint directory (or the file itself)."""
     cfg_file = config_path(path)
-    try:
-        with open(cfg_file, encoding="utf-8") as f:
-            raw = json.load(f)
-    except FileNotFoundError:
+    if not os.path.exists(cfg_file):
         raise HFFormatError(f"{cfg_file}: no config.json (a Hugging Face checkpoint directory holds config.json and "
-                            "*.safetensors)") from None
-    except json.JSONDecodeError as e:
-        raise HFFormatError(f"{cfg_file}: not valid JSON ({e})") from None
+                            "*.safetensors)")
+    try:
+        raw = read_json(cfg_file, 16 * MIB)
+    except UnreadableFile as e:
+        raise HFFormatError(str(e)) from None
     if not isinstance(raw, dict):
         raise HFFormatError(f"{cfg_file}: expected a JSON object, got {type(raw).__name__}")
     return raw

@@ -14,7 +14,6 @@ length, ``router_aux_loss_coef``), which our config does not hold.
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Callable, Iterable, Optional
 
@@ -23,6 +22,7 @@ import torch
 from ..config import load_config
 from .config import KEPT_KEYS, HFFormatError
 from ..errors import MissingInputError, UsageError
+from ..safe_io import MIB, UnreadableFile, read_json
 from ..weights import OutputDirectory, read_record
 
 FORMATS = ("mixtral", "olmoe", "qwen2_moe")  # keys of hf.architectures.MOE_ARCHITECTURES
@@ -88,8 +88,13 @@ def tokenizer_source(path: str, cfg) -> Optional[str]:
             return directory
     run_json = os.path.join(path, "run.json")
     if os.path.exists(run_json):
-        data_dir = json.load(open(run_json, encoding="utf-8")).get("data", {}).get("directory")
-        if data_dir and os.path.exists(os.path.join(data_dir, "tokenizer.model")):
+        try:
+            run_info = read_json(run_json, 16 * MIB)
+        except UnreadableFile as e:
+            raise HFFormatError(str(e)) from None
+        data = run_info.get("data") if isinstance(run_info, dict) else None
+        data_dir = data.get("directory") if isinstance(data, dict) else None
+        if isinstance(data_dir, str) and os.path.exists(os.path.join(data_dir, "tokenizer.model")):
             return data_dir
     return None
 

@@ -27,9 +27,9 @@ class MoEArgs:
 
     router: str = knob("topk", "router name (see moe_dist.moe.routers)")
     router_options: dict = knob({}, "keyword options of the router (its __init__ arguments)")
-    num_experts: int = knob(8, "experts per MoE layer", min=1)
-    top_k: int = knob(2, "experts per token", min=1)
-    d_ff: Optional[int] = knob(None, "hidden size of one expert (null = model.d_ff)", min=1)
+    num_experts: int = knob(8, "experts per MoE layer", min=1, max=1 << 16)
+    top_k: int = knob(2, "experts per token", min=1, max=1 << 16)
+    d_ff: Optional[int] = knob(None, "hidden size of one expert (null = model.d_ff)", min=1, max=1 << 20)
     capacity_factor: Optional[float] = knob(None, "tokens per expert = cf * tokens * k / E; null = dropless", gt=0)
     eval_capacity_factor: Optional[float] = knob(None, "capacity factor in evaluation (null = capacity_factor)", gt=0)
     min_capacity: int = knob(0, "lower bound on the per-expert capacity", min=0)

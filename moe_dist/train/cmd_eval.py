@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from typing import Optional
 
 from .cmd_common import add_overrides_argument, run_config_path, user_errors
 from ..errors import MissingInputError, UsageError
+from ..safe_io import write_json_atomically
 
 HELP = "evaluate a checkpoint on the validation split (perplexity vs a unigram baseline)"
 LAUNCHABLE = True
@@ -130,8 +130,7 @@ def _write_json(path, result) -> None:
 
     if path and is_rank0():
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+        write_json_atomically(path, result, indent=2)
 
 
 @contextlib.contextmanager
@@ -175,8 +174,7 @@ def run(args) -> int:
                     cfg_k = _config(args, f"model.moe.router_options.eval_k={k}")
                     results.append({"k": k, **evaluate_run(cfg_k, args.checkpoint, rt, write_json=write)})
                 if rt.is_main and write:
-                    with open(os.path.join(args.run_dir, "eval_k.json"), "w", encoding="utf-8") as f:
-                        json.dump(results, f, indent=2)
+                    write_json_atomically(os.path.join(args.run_dir, "eval_k.json"), results, indent=2)
                 _write_json(args.json, results)
                 if rt.is_main:
                     print("k  val_ppl  (unigram_ppl)")

@@ -29,8 +29,8 @@ import torch
 
 from ..config import config_from_dict, load_config, save_config
 from ..config.load import config_to_dict
-from .checkpoint import (META, CheckpointError, config_sha256, latest_checkpoint, load_checkpoint, read_manifest,
-                         read_meta)
+from .checkpoint import (META, CheckpointError, check_model_tensors, config_sha256, latest_checkpoint, load_checkpoint,
+                         read_manifest, read_meta)
 from ..errors import MissingInputError, UsageError
 from ..weights import OutputDirectory
 
@@ -81,8 +81,12 @@ def consolidate(checkpoint: str, out_dir: str, dtype: str = "auto", force: bool 
     with output:
         cfg = checkpoint_config(path, meta)
         cfg.ckpt.init_from, cfg.resume = None, "none"  # the written weights replace both
-        # allocated but not initialised: every tensor is loaded below (the loaders refuse a missing one)
-        model = materialize(build_model(cfg.model, cfg.model.vocab_size, device="meta"), "cpu")
+        # checked against the checkpoint's tensors on the meta device first (a meta.json whose config does not
+        # match them is refused before anything is allocated), then allocated but not initialised: every tensor
+        # is loaded below (the loaders refuse a missing one)
+        model = build_model(cfg.model, cfg.model.vocab_size, device="meta")
+        check_model_tensors(path, model)
+        model = materialize(model, "cpu")
         load_checkpoint(model, path)  # verifies the files and that every tensor (every expert) is there
         torch_dtype = DTYPES.get(dtype)
         config = config_to_dict(cfg)

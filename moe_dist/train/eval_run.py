@@ -2,7 +2,6 @@
 a safetensors model directory) next to the unigram baseline's, at any world size and ep."""
 from __future__ import annotations
 
-import json
 import os
 from typing import Optional
 
@@ -10,6 +9,7 @@ from ..config import Config
 from ..distributed.bootstrap import Runtime, shutdown
 from ..errors import CheckpointError, MissingInputError
 from ..hardware import map_large_allocations
+from ..safe_io import write_json_atomically
 from .attention_choice import decide_attention_dtype
 from .checkpoint import latest_checkpoint, load_checkpoint
 from .data_setup import load_data, resolve_vocab
@@ -61,8 +61,7 @@ def evaluate_run(cfg: Config, checkpoint: Optional[str] = None, rt: Optional[Run
         if rt.is_main:
             if write_json:
                 os.makedirs(cfg.run.dir, exist_ok=True)
-                with open(os.path.join(cfg.run.dir, "eval.json"), "w", encoding="utf-8") as f:
-                    json.dump(result, f, indent=2)
+                write_json_atomically(os.path.join(cfg.run.dir, "eval.json"), result, indent=2)
             log(f"checkpoint {path} (step {meta.get('step')}), {rt.world_size} process(es), ep={rt.groups.ep_size}, "
                 f"peak memory per process {max(result['peak_rss_gib']):.2f} GiB")
             log(format_report(val, baseline))

@@ -24,6 +24,9 @@ from .checkpoint.collective import broadcast
 from .checkpoint.divergence import last_good_step, read_record, record_divergence, take_pending
 
 HEALTHY_BEFORE_CHECKS = 3  # healthy steps seen before a gradient-norm spike or a collapse can be judged
+# a loss at ln(vocab) that fell by more than this share since the step before is on its way down (a model
+# recovering from one bad update), not a collapse: a collapsed model's loss stays at ln(vocab)
+RECOVERING_DROP = 0.01
 
 
 class TrainingDiverged(JobStopped):
@@ -63,13 +66,15 @@ class RunHealth:
         self.rollback_count = max(int(counters.get("rollbacks", 0)), len(self.rollbacks))
         self.recent_losses = deque(counters.get("recent_losses", []), maxlen=self.cfg.train.spike_window)
         self.recent_grad_norms = deque(counters.get("recent_grad_norms", []), maxlen=self.cfg.train.spike_window)
+        self.last_loss: Optional[float] = counters.get("last_loss")  # the step before's, whatever its verdict
         self.bad_steps: deque[int] = deque()  # the bad steps within the last train.bad_step_window
         self.first_bad_step: Optional[int] = None
 
     def counters(self) -> dict:
         """What a checkpoint keeps of the run's health (JSON)."""
         return {"skipped_steps": self.skipped_steps, "rollbacks": self.rollback_count,
-                "recent_losses": list(self.recent_losses), "recent_grad_norms": list(self.recent_grad_norms)}
+                "recent_losses": list(self.recent_losses), "recent_grad_norms": list(self.recent_grad_norms),
+                "last_loss": self.last_loss}
 
     def take_up_divergence(self, step: int, checkpoints, sampler, metrics) -> None:
         """After ``resume=auto`` from before a divergence (a stop or a rollback): continue its counters,
@@ -82,17 +87,18 @@ class RunHealth:
             return
         skipped = 0
         if self.cfg.resume == "auto":
-            self.skipped_steps = max(self.skipped_steps, int(pending["skipped_steps"]))
-            self.rollback_count = max(self.rollback_count, int(pending["rollbacks"]) + int(pending["automatic"]))
+            self.skipped_steps = max(self.skipped_steps, int(pending.get("skipped_steps", 0)))
+            automatic = bool(pending.get("automatic"))
+            self.rollback_count = max(self.rollback_count, int(pending.get("rollbacks", 0)) + int(automatic))
             first = int(pending["first_bad_step"])
             if self.cfg.train.skip_divergent_batches and first > step:
                 skipped = first - step
                 sampler.skip_steps(skipped)
                 self.log(f"resume: skipped the batches of steps {step + 1}..{first} (up to the first bad step "
                          "of the divergence; train.skip_divergent_batches=true)")
-            event = {"first_bad_step": first, "stopped_at": pending["stopped_at"], "resumed_at": step,
-                     "skipped_batches": skipped, "automatic": bool(pending["automatic"])}
-            if pending["automatic"]:
+            event = {"first_bad_step": first, "stopped_at": pending.get("stopped_at", first), "resumed_at": step,
+                     "skipped_batches": skipped, "automatic": automatic}
+            if automatic:
                 self.rollbacks.append(event)
             metrics.log({"step": step, "rollback": event})
         if self.is_main:
@@ -123,6 +129,8 @@ class RunHealth:
         while self.bad_steps and self.bad_steps[0] <= step - window:
             self.bad_steps.popleft()
         why = self._bad_step_words(row) if row.get("skipped") else self.applied_bad_step(row)
+        if math.isfinite(row["loss"]):
+            self.last_loss = row["loss"]
         if why is None:
             if not self.bad_steps:
                 self.first_bad_step = None
@@ -149,7 +157,8 @@ class RunHealth:
     def applied_bad_step(self, row: dict) -> Optional[str]:
         """Why an applied step is a sign of divergence, or None: its gradient norm beyond
         ``train.grad_spike_factor`` x the recent healthy median, or (``train.detect_collapse``) its loss
-        back at ln(vocab) after training had brought it well below, or a gradient of exactly zero after
+        back at ln(vocab) after training had brought it well below and not falling since the step before
+        (a loss passing ln(vocab) on its way down is a run recovering), or a gradient of exactly zero after
         non-zero ones. The same answer on every rank: global figures."""
         cfg = self.cfg.train
         if len(self.recent_grad_norms) < min(cfg.spike_window, HEALTHY_BEFORE_CHECKS):
@@ -161,9 +170,12 @@ class RunHealth:
         if not cfg.detect_collapse:
             return None
         uniform, median_loss = math.log(self.cfg.model.vocab_size), statistics.median(self.recent_losses)
-        if median_loss < 0.9 * uniform and row["loss"] >= 0.98 * uniform:
+        falling = self.last_loss is not None and row["loss"] < (1 - RECOVERING_DROP) * self.last_loss
+        if median_loss < 0.9 * uniform and row["loss"] >= 0.98 * uniform and not falling:
+            before = f"; {self.last_loss:.4f} the step before" if self.last_loss is not None else ""
             return (f"loss {row['loss']:.4f} is back at ln(vocab) = {uniform:.4f} (a uniform guess) after a median of "
-                    f"{median_loss:.4f} over the last {len(self.recent_losses)} healthy steps: the model collapsed")
+                    f"{median_loss:.4f} over the last {len(self.recent_losses)} healthy steps{before}: the model "
+                    "collapsed")
         if norm == 0.0 and median_norm > 0.0:
             return "gradient norm exactly 0 after non-zero ones: the model collapsed"
         return None

@@ -11,6 +11,7 @@ import torch.nn as nn
 from ..distributed.collectives import all_reduce_sum
 from ..moe import MoELayer
 from ..moe.layer_stats import spans_summary
+from ..safe_io import LOG_LIMIT, open_append, read_json_lines
 
 STANDARD_STATS = ("expert_counts", "dropped_fraction", "aux_loss", "z_loss", "entropy", "tokens", "capacity")
 
@@ -192,7 +193,7 @@ class MetricsLogger:
 
     def __init__(self, run_dir: Optional[str], tensorboard: bool, tracker=None, first_step: int = 1):
         self.path = os.path.join(run_dir, "metrics.jsonl") if run_dir else None
-        self._file = open(self.path, "a", encoding="utf-8") if self.path else None
+        self._file = open_append(self.path) if self.path else None
         self._tb = None
         self._tracker = tracker
         if run_dir and tensorboard:
@@ -235,5 +236,6 @@ class MetricsLogger:
 
 
 def read_metrics(path: str) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The whole rows of a metrics.jsonl (a line a crash cut short is left out: see
+    :func:`~moe_dist.train.checkpoint.resume.TrainingCheckpoints` for where it is set aside)."""
+    return read_json_lines(path, LOG_LIMIT)[0]

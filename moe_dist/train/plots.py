@@ -9,6 +9,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from ..safe_io import own_directory, write_figure  # noqa: E402
 from .metrics import read_metrics  # noqa: E402
 
 
@@ -28,7 +29,7 @@ def plot_losses(rows: list[dict], path: str, baseline_loss: float | None = None)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    write_figure(fig, path)
     plt.close(fig)
 
 
@@ -54,7 +55,7 @@ def plot_expert_load(rows: list[dict], path: str) -> None:
     axes[-1, 0].set_xlabel("optimizer step")
     axes[0, 0].set_title(f"Expert load: share of routed token-expert pairs (balanced = 1/{E} = {1 / E:.3f})")
     fig.colorbar(image, ax=axes[:, 0].tolist(), fraction=0.03, pad=0.02, label="share")
-    fig.savefig(path, bbox_inches="tight")
+    write_figure(fig, path, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -79,14 +80,13 @@ def plot_expert_bias(rows: list[dict], path: str) -> None:
     if len(axes[0, 0].get_legend_handles_labels()[0]):
         axes[0, 0].legend(fontsize=6, ncol=8, loc="upper left")
     fig.tight_layout()
-    fig.savefig(path)
+    write_figure(fig, path)
     plt.close(fig)
 
 
 def make_plots(run_dir: str, baseline_loss: float | None = None) -> list[str]:
     rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
-    out_dir = os.path.join(run_dir, "plots")
-    os.makedirs(out_dir, exist_ok=True)
+    out_dir = own_directory(run_dir, "plots")
     paths = [os.path.join(out_dir, "loss.png"), os.path.join(out_dir, "expert_load.png")]
     plot_losses(rows, paths[0], baseline_loss)
     plot_expert_load(rows, paths[1])

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import platform
 import sys
@@ -23,6 +22,7 @@ from ..diagnostics import RoutingDiagnostics, format_routing_summary, routing_su
 from ..distributed.bootstrap import Runtime
 from ..hardware import cuda_memory_gib
 from ..moe.dispatch.hierarchical import dispatch_note
+from ..safe_io import write_json_atomically
 from .data_setup import small_corpus_note
 from .evaluate import format_report
 from .metrics import read_metrics
@@ -83,8 +83,7 @@ class RunReport:
                      "token_count": data.manifest["token_count"]},
             "torch": torch.__version__, "python": platform.python_version(),
         }
-        with open(os.path.join(self.run_dir, "run.json"), "w", encoding="utf-8") as f:
-            json.dump(info, f, indent=2)
+        write_json_atomically(os.path.join(self.run_dir, "run.json"), info, indent=2)
 
     def describe_start(self, params: dict, moe_layers: int, dense_layout: str, data: PreparedData) -> None:
         """The model, the parallel layout and the data the loop is about to train with, and the
@@ -161,8 +160,7 @@ class RunReport:
         must be complete (the routing summary reads it)."""
         if not self.is_main:
             return
-        with open(os.path.join(self.run_dir, "summary.json"), "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=2)
+        write_json_atomically(os.path.join(self.run_dir, "summary.json"), summary, indent=2)
         if self.cfg.run.plots:
             from .plots import make_plots
 

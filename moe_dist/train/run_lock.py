@@ -25,6 +25,8 @@ import socket
 import time
 from typing import Iterator, Optional
 
+from ..safe_io import UnsafePath, open_lock_file
+
 LOCK_FILE = "run.lock"
 READ_LOCK_FILE = "read.lock"
 READ_WAIT_S = 10.0  # how long a reader waits for a run's start (or a pruning) before it gives up
@@ -54,12 +56,12 @@ def _read_holder(fd: int, default: str) -> str:
 
 def _open(path: str, *, create: bool = True) -> Optional[int]:
     """A descriptor of the lock file ``path`` (created if needed), or None where it cannot be opened."""
-    flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+    flags = os.O_RDWR | (os.O_CREAT if create else 0)
     try:
-        return os.open(path, flags, 0o644)
+        return open_lock_file(path, flags)
     except OSError:
         try:  # a directory this process may only read: lock what is there
-            return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            return open_lock_file(path, os.O_RDONLY)
         except OSError:
             return None
 
@@ -88,15 +90,26 @@ class RunDirLock:
         self._read_fd: Optional[int] = None
 
     def acquire(self) -> Optional[str]:
-        """Take both locks; returns None, or why the directory cannot be used (another run, or a reader, holds it)."""
+        """Take both locks; returns None, or why the directory cannot be used (another run, or a reader, holds
+        it; a lock file that is a link or not a regular file)."""
+        try:
+            return self._acquire()
+        except UnsafePath as e:
+            return str(e)
+
+    def _acquire(self) -> Optional[str]:
         os.makedirs(self.run_dir, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = open_lock_file(self.path, os.O_RDWR | os.O_CREAT)
         if not _try_lock(fd, fcntl.LOCK_EX):
             holder = _read_holder(fd, "another process")
             os.close(fd)
             return (f"run.dir={self.run_dir!r} is in use by a live run ({holder}); wait for it to end, stop it, or choose "
                     "another run.dir")
-        read_fd = os.open(os.path.join(self.run_dir, READ_LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            read_fd = open_lock_file(os.path.join(self.run_dir, READ_LOCK_FILE), os.O_RDWR | os.O_CREAT)
+        except BaseException:
+            _unlock(fd)
+            raise
         if not _try_lock(read_fd, fcntl.LOCK_EX):
             reader = _read_holder(read_fd, "another process")
             os.close(read_fd)
@@ -133,7 +146,10 @@ class RunDirReadLock:
         """Take the shared lock, waiting up to ``wait_s`` while a run starts or prunes; returns None,
         or why the directory cannot be read now. A directory this process cannot write, without a
         ``read.lock``, is read without one (no run of this process's user can change it)."""
-        fd = _open(os.path.join(self.run_dir, READ_LOCK_FILE))
+        try:
+            fd = _open(os.path.join(self.run_dir, READ_LOCK_FILE))
+        except UnsafePath as e:
+            return str(e)
         if fd is None:
             return None
         deadline = time.monotonic() + wait_s

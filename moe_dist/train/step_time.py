@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 import time
 from typing import Iterable, Optional
 
@@ -33,6 +34,7 @@ import torch
 
 from ..distributed.ranges import A2A, COLLECTIVE, GRAD_REDUCE, OPTIMIZER, PREFIX
 from ..quiet import native_stderr_silenced
+from ..safe_io import own_directory
 
 PHASES = ("data", "step", "eval", "logging", "checkpoint", "other")
 SPLIT = ("a2a", "weight_gather", "grad_reduce", "collectives", "optimizer")  # first wins an overlap
@@ -147,9 +149,13 @@ class _StepProfile:
         the profile there as a Chrome trace (chrome://tracing, Perfetto)."""
         with native_stderr_silenced():  # the profiler's start and stop lines
             result = self._disable()
-        if trace:
-            os.makedirs(os.path.dirname(trace) or ".", exist_ok=True)
-            result.save(trace)
+        if trace:  # written beside and renamed over (a link planted at the name is replaced, not followed)
+            parent, name = os.path.split(os.path.dirname(os.path.abspath(trace)))
+            directory = own_directory(parent, name)
+            fd, tmp = tempfile.mkstemp(prefix=".trace.", suffix=".tmp", dir=directory)
+            os.close(fd)
+            result.save(tmp)
+            os.replace(tmp, trace)
         return split_events(result.events())
 
 

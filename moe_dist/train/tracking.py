@@ -19,7 +19,6 @@ run is written under ``run.dir/wandb/offline-run-*``; ``wandb sync`` uploads it 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import secrets
 import string
@@ -28,8 +27,9 @@ from typing import Any, Optional
 
 from ..config import Config
 from ..config.load import config_to_dict
-from ..errors import ConfigError
+from ..errors import ConfigError, UserError
 from ..exits import EXIT_PREEMPTED, exit_code_of
+from ..safe_io import UnreadableFile, read_json, write_json_atomically
 from .metrics import layer_tag, max_load_ratio, scalar_tag
 
 STATE_FILE = "wandb_run.json"
@@ -59,15 +59,19 @@ def read_state(run_dir: str) -> Optional[dict]:
     path = os.path.join(run_dir, STATE_FILE)
     if not os.path.exists(path):
         return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        state = read_json(path, 64 * 1024)
+    except UnreadableFile as e:
+        raise UserError(f"{e}; the W&B state of this run directory (remove it to start a new W&B run)") from None
+    if not isinstance(state, dict) or not isinstance(state.get("id"), str):
+        raise UserError(f"{path}: not the W&B state moe-dist writes (an object with a string \"id\"); remove it to "
+                        "start a new W&B run")
+    return state
 
 
 def write_state(run_dir: str, state: dict) -> None:
     path = os.path.join(run_dir, STATE_FILE)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(state, f)
-    os.replace(path + ".tmp", path)
+    write_json_atomically(path, state, indent=None)
 
 
 def new_run_id() -> str:

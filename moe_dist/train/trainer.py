@@ -31,6 +31,7 @@ from ..hardware import batch_to_device, cuda_memory_gib
 from ..model import count_parameters
 from ..parallel.kernel_choice import agree_expert_kernels
 from ..moe import moe_layers
+from ..safe_io import UnsafePath, own_directory, refuse_link
 from .attention_choice import decide_attention_dtype
 from .checkpoint import TrainingCheckpoints
 from .compile import CompileClock, apply_compile, cache_dir, describe_compile, eager_router_reason, use_cache_dir
@@ -49,6 +50,10 @@ from .runtime import setup_runtime
 from .step import TrainStep
 from .step_time import StepClock, time_summary
 from .tracking import check_tracking, start_tracking
+
+
+# the directories a run writes into inside run.dir (checkpoints, plots, TensorBoard events, Chrome traces)
+RUN_SUBDIRS = ("checkpoints", "plots", "tb", "traces")
 
 
 class Trainer:
@@ -74,7 +79,7 @@ class Trainer:
     def _take_run_dir(self) -> None:
         """Rank 0 locks run.dir for the run's life (before anything in it is touched); all ranks
         refuse together if another live run holds it."""
-        refusal = self.lock.acquire() if self.is_main else None
+        refusal = self._claim_run_dir() if self.is_main else None
         if self.rt.distributed:
             box = [refusal]
             dist.broadcast_object_list(box, src=0)
@@ -82,14 +87,27 @@ class Trainer:
         if refusal:
             raise ConfigError(refusal)
 
+    def _claim_run_dir(self) -> Optional[str]:
+        """Rank 0: lock run.dir and make sure what the run writes into is its own (no link to elsewhere
+        for checkpoints/, plots/, tb/, traces/); why not, or None."""
+        refusal = self.lock.acquire()
+        if refusal is not None:
+            return refusal
+        try:  # before anything is written there
+            for name in RUN_SUBDIRS:
+                refuse_link(os.path.join(self.run_dir, name), "a directory a run writes into")
+            for name in ("checkpoints", "plots"):
+                own_directory(self.run_dir, name)
+        except UnsafePath as e:
+            self.lock.release()
+            return str(e)
+        return None
+
     def _setup(self) -> None:
         cfg = self.cfg
         check_weights_directory(cfg, cfg.ckpt.init_from)  # before anything is written
         check_tracking(cfg)  # every rank: log.wandb needs the wandb package
         self._take_run_dir()
-        if self.is_main:
-            os.makedirs(os.path.join(self.run_dir, "checkpoints"), exist_ok=True)
-            os.makedirs(os.path.join(self.run_dir, "plots"), exist_ok=True)
         self.data = load_data(cfg, self.rt, self.log)
         vocab = resolve_vocab(cfg, self.data)
 

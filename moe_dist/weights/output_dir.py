@@ -26,6 +26,7 @@ import sys
 from typing import Optional
 
 from ..errors import CheckpointError, ConfigError, UsageError, UserError
+from ..safe_io import MIB, UnreadableFile, read_json
 from .records import RECORDS, WRITTEN_BY, writer_of
 from .safetensors_io import SafetensorsCheckpoint
 
@@ -44,10 +45,9 @@ def read_record(directory: str) -> tuple[Optional[str], Optional[dict]]:
         path = os.path.join(directory, name)
         if os.path.isfile(path):
             try:
-                with open(path, encoding="utf-8") as f:
-                    return writer, json.load(f)
-            except ValueError as e:
-                raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+                return writer, read_json(path, 16 * MIB)
+            except UnreadableFile as e:
+                raise CheckpointError(str(e)) from None
     return None, None
 
 

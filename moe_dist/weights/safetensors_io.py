@@ -18,12 +18,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import HFFormatError
+from ..safe_io import MIB, UnreadableFile, UnsafePath, confined, open_regular, read_text
 from .records import check_complete
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 _HEADER_SIZE_BYTES = 8  # a file starts with its JSON header's length, a little-endian u64
 _MAX_HEADER_BYTES = 100_000_000  # the safetensors library refuses longer headers itself
+_MAX_INDEX_BYTES = 256 * MIB  # an index names every tensor once: a few MB for the largest models
 
 
 # ---- JSON that names nothing twice ----------------------------------------------------------
@@ -63,11 +65,13 @@ def check_header_names(path: str) -> None:
     """Refuse a safetensors file whose JSON header names a tensor twice, or an entry's field twice.
     Other defects of the header are left to the safetensors library, which reports them."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             size = int.from_bytes(f.read(_HEADER_SIZE_BYTES), "little")
             if size > _MAX_HEADER_BYTES:
                 return
             raw = f.read(size)
+    except UnreadableFile as e:  # a FIFO or a device would hang or flood the library's reader
+        raise HFFormatError(f"{path}: not a readable safetensors file ({e.why})") from None
     except OSError:  # unreadable: the library's message says so
         return
     try:
@@ -101,17 +105,26 @@ class SafetensorsCheckpoint:
     # ---- discovery ----------------------------------------------------------------------
     def _read_index(self, index: str) -> dict[str, str]:
         try:
-            with open(index, encoding="utf-8") as f:
-                data = loads_unique(f.read())
+            data = loads_unique(read_text(index, _MAX_INDEX_BYTES))
             weight_map = data["weight_map"]
             self._index_metadata = dict(data.get("metadata") or {})
+        except UnreadableFile as e:
+            raise HFFormatError(f"{index}: not a valid safetensors index ({e.why})") from None
         except DuplicateKey as e:
             raise HFFormatError(f"{index}: not a valid safetensors index (it names {e}; a name must appear "
                                 "once)") from None
-        except (ValueError, KeyError, TypeError) as e:  # ValueError: not JSON, not UTF-8
+        except (ValueError, KeyError, TypeError, RecursionError) as e:  # ValueError: not JSON
             raise HFFormatError(f"{index}: not a valid safetensors index (expected a JSON object with a "
                                 f"'weight_map'): {e}") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(s, str) for s in weight_map.values()):
+            raise HFFormatError(f"{index}: not a valid safetensors index (its 'weight_map' must map tensor names to "
+                                "shard file names)")
         shards = sorted(set(weight_map.values()))
+        try:
+            for shard in shards:
+                confined(self.directory, shard, f"{index} (weight_map)")
+        except UnsafePath as e:
+            raise HFFormatError(str(e)) from None
         missing = [s for s in shards if not os.path.exists(os.path.join(self.directory, s))]
         if missing:
             raise HFFormatError(f"{self.directory}: {len(missing)} of {len(shards)} shards named in {INDEX} are missing: "
@@ -126,8 +139,15 @@ class SafetensorsCheckpoint:
             raise HFFormatError(f"{directory}: no such checkpoint directory")
         files = sorted(os.listdir(directory))
         shards = [f for f in files if f.endswith(".safetensors")]
-        if shards:  # shards without an index: the union of their tensors
-            return {name: s for s in shards for name in self._keys_of(s)}
+        if shards:  # shards without an index: the union of their tensors, each named by one shard only
+            found: dict[str, str] = {}
+            for shard in shards:
+                for name in self._keys_of(shard):
+                    if name in found:
+                        raise HFFormatError(f"{directory}: tensor {name!r} is in both {found[name]} and {shard} and "
+                                            f"there is no {INDEX} to say which holds it; remove the stray shard")
+                    found[name] = shard
+            return found
         pickled = [f for f in files if f.endswith((".bin", ".pt", ".pth"))]
         if pickled:
             raise HFFormatError(f"{directory}: only pickled weights ({pickled[:3]}) were found; they are not loaded "

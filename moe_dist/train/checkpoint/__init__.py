@@ -16,7 +16,7 @@ keyed by global index, ``optim.<parameter>.<state>``, ``rng.rank_<r>.<generator>
 ``COMPLETE`` (the manifest). Nothing in it is ever unpickled beyond DCP's allowlisted metadata
 and weights-only tensor records (:class:`~.files.SafeFileSystemReader`).
 """
-from .checkpointer import Checkpointer, config_sha256, load_checkpoint, save_checkpoint
+from .checkpointer import Checkpointer, check_model_tensors, config_sha256, load_checkpoint, save_checkpoint
 from .files import (META, CheckpointError, DamagedCheckpoint, IncompleteCheckpoint, UnsafeCheckpoint, latest_checkpoint,
                     read_manifest, read_meta, step_dir)
 from .files import MARKER  # the completion marker's file name, COMPLETE
@@ -24,6 +24,6 @@ from .resume import TrainingCheckpoints, model_differences
 from .state import expert_keyed_state_dict, optimizer_state_dict
 
 __all__ = ["MARKER", "META", "CheckpointError", "DamagedCheckpoint", "IncompleteCheckpoint", "UnsafeCheckpoint",
-           "Checkpointer", "TrainingCheckpoints",
+           "Checkpointer", "TrainingCheckpoints", "check_model_tensors",
            "config_sha256", "expert_keyed_state_dict", "latest_checkpoint", "load_checkpoint", "model_differences",
            "optimizer_state_dict", "read_manifest", "read_meta", "save_checkpoint", "step_dir"]

@@ -290,8 +290,7 @@ class Checkpointer:
         reader = SafeFileSystemReader(path)
         saved = collectively(lambda: reader.read_metadata().state_dict_metadata, self.group)
         state = expert_keyed_state_dict(model)
-        collectively(lambda: _check_tensors(path, saved, global_keys(model, state),
-                                             {k for k in saved if not k.startswith((OPTIM, RNG))}, "model"), self.group)
+        collectively(lambda: _check_model_tensors(path, saved, model, state), self.group)
         if optimizer is not None:
             init_optimizer_state(model, optimizer, saved)
             optim = optimizer_state_dict(model, optimizer)
@@ -315,6 +314,18 @@ class Checkpointer:
         if rng:
             set_rng_state(self.rank, rng_device, rng)
         return meta, manifest
+
+
+def check_model_tensors(path: str, model: nn.Module) -> None:
+    """Refuse (naming the tensors) a checkpoint whose model tensors are not those of ``model`` (which may
+    be on the meta device: a caller checks before it allocates anything)."""
+    saved = SafeFileSystemReader(path).read_metadata().state_dict_metadata
+    _check_model_tensors(path, saved, model, expert_keyed_state_dict(model))
+
+
+def _check_model_tensors(path: str, saved: dict, model: nn.Module, state: dict) -> None:
+    _check_tensors(path, saved, global_keys(model, state), {k for k in saved if not k.startswith((OPTIM, RNG))},
+                   "model")
 
 
 def _fmt_keys(keys: list[str]) -> str:

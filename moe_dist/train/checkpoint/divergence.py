@@ -17,15 +17,23 @@ from ``resume_from``, the run's counters continue from the event's, and the batc
 """
 from __future__ import annotations
 
-import json
 import os
-from typing import Optional
+from typing import Callable, Optional
 
+from ...safe_io import MIB, UnreadableFile, read_json
 from ..run_lock import readers_excluded
 from .files import scan, set_aside, write_json_durably
+from .schema import Boolean, Integer, ListOf, Nullable, Number, Obj, Text, mismatch
 
 RECORD = "divergence.json"
 DIVERGED_SUFFIX = ".diverged"
+RECORD_LIMIT = 16 * MIB
+# what record_divergence writes and the next start reads
+PENDING = Obj({"first_bad_step": Integer(0), "last_good_step": Integer(0), "stopped_at": Integer(0), "reason": Text(),
+               "set_aside": ListOf(Text()), "set_aside_later": Boolean(), "resume_from": Nullable(Text()),
+               "resume_step": Integer(0), "skipped_steps": Integer(0), "rollbacks": Integer(0), "automatic": Boolean()},
+              required=("first_bad_step", "last_good_step"))
+RECORD_FIELDS = Obj({"pending": Nullable(PENDING), "history": ListOf(Obj({"resumed_at": Nullable(Number())}))})
 
 
 def last_good_step(first_bad_step: int) -> int:
@@ -40,19 +48,30 @@ def set_aside_after(run_dir: str, step: int) -> list[str]:
     return [set_aside(path, DIVERGED_SUFFIX) for saved, path in scan(run_dir)[0] if saved > step]
 
 
-def set_aside_pending(run_dir: str) -> list[str]:
+def set_aside_pending(run_dir: str, log: Callable[[str], None] = print) -> list[str]:
     """Rank 0 at a start, while it holds ``read.lock``: the renames a pending divergence could not make
     while a reader was there (none left otherwise); returns the new paths."""
-    pending = read_record(run_dir)["pending"]
+    pending = read_record(run_dir, log)["pending"]
     return set_aside_after(run_dir, int(pending["last_good_step"])) if pending else []
 
 
-def read_record(run_dir: str) -> dict:
+def read_record(run_dir: str, log: Callable[[str], None] = print) -> dict:
+    """The divergence record (empty where there is none). A record that is not whole or not of this
+    form (a crash or a full disk cut it, or it was edited) is set aside as ``divergence.json.damaged``
+    and said in one line: the checkpoints it set aside stay set aside, only its counters are lost."""
     path = os.path.join(run_dir, RECORD)
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return {"pending": None, "history": []}
-    with open(path, encoding="utf-8") as f:
-        record = json.load(f)
+    try:
+        record = read_json(path, RECORD_LIMIT)
+        problem = mismatch(record, RECORD_FIELDS)
+    except UnreadableFile as e:
+        problem = e.why
+    if problem is not None:
+        aside = set_aside(path)
+        log(f"{path}: {problem}; set aside as {aside} (what it recorded is lost: the divergence's counters, and "
+            f"checkpoints it had still to set aside as *{DIVERGED_SUFFIX} at this start)")
+        return {"pending": None, "history": []}
     return {"pending": record.get("pending"), "history": list(record.get("history") or [])}
 
 

@@ -19,15 +19,17 @@ classes and weights-only tensor records.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import shutil
+import stat
 import time
 from typing import Callable, Iterable, Optional
 
 from ...errors import CheckpointError, DamagedCheckpoint, UnsafeCheckpoint  # noqa: F401 - re-exported
 from ...safe_dcp import SafeFileSystemReader  # noqa: F401 - the reader of every checkpoint, re-exported
+from ...safe_io import (MIB, UnreadableFile, UnsafePath, fsync_directory, kind_of, open_regular, read_json, refuse_link,
+                        write_json_atomically)
 from .schema import MANIFEST_FIELDS, META_FIELDS, check_meta, mismatch
 
 MARKER = "COMPLETE"
@@ -38,6 +40,10 @@ FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _PARTIAL_DIR = re.compile(r"^step_(\d+)\.partial$")
 _CHUNK = 8 << 20
+# a manifest lists every file of a checkpoint (a few per rank); meta.json holds the config, the sampler
+# position and the routing diagnostics' histories
+MANIFEST_LIMIT, META_LIMIT = 64 * MIB, 256 * MIB
+_FILE_NAME = re.compile(r"^(?!\.\.?$)[A-Za-z0-9_.\-]+$")  # a file of the directory itself: no "/", not "." or ".."
 
 
 class IncompleteCheckpoint(CheckpointError, FileNotFoundError):
@@ -59,7 +65,7 @@ def partial_dir(run_dir: str, step: int) -> str:
 # ---- files and checksums ----------------------------------------------------------------------
 def sha256_file(path: str) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         for block in iter(lambda: f.read(_CHUNK), b""):
             h.update(block)
     return h.hexdigest()
@@ -79,29 +85,10 @@ def shard(names: list[str], rank: int, world: int) -> list[str]:
     return names[rank::world]
 
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # not every file system lets a directory be opened
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_json_durably(path: str, obj: dict) -> None:
-    """Write ``path`` through a temporary file in the same directory, fsync, rename."""
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
+    """Write ``path`` through a fresh temporary file in the same directory, fsync, rename (a link at
+    ``path`` is replaced, never followed)."""
+    write_json_atomically(path, obj, durable=True, sort_keys=True)
 
 
 # ---- the manifest -----------------------------------------------------------------------------
@@ -110,21 +97,24 @@ def read_manifest(path: str) -> dict:
     marker = os.path.join(path, MARKER)
     if not os.path.isdir(path):
         raise IncompleteCheckpoint(f"{path}: no such checkpoint directory")
-    if not os.path.exists(marker):
+    if not os.path.lexists(marker):
         raise IncompleteCheckpoint(f"{path} is not a complete checkpoint (no {MARKER} marker: the save that wrote it "
                                    "did not finish)")
     try:
-        with open(marker, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        manifest = read_json(marker, MANIFEST_LIMIT)
+    except UnreadableFile as e:
         raise IncompleteCheckpoint(f"{path} is not a complete checkpoint: its {MARKER} marker is not a readable "
-                                   f"manifest ({e})") from None
+                                   f"manifest ({e.why})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
         raise IncompleteCheckpoint(f"{path} is not a complete checkpoint: its {MARKER} marker is not a "
                                    f"{FORMAT} manifest (written by an older version?)")
     problem = mismatch(manifest, MANIFEST_FIELDS)
     if problem is not None:
         raise IncompleteCheckpoint(f"{path} is not a complete checkpoint: {marker}: {problem}")
+    names = [n for n in manifest["files"] if not _FILE_NAME.match(n) or n == MARKER]
+    if names:
+        raise IncompleteCheckpoint(f"{path} is not a complete checkpoint: {marker} lists {names[0]!r}, which is not a "
+                                   "plain file name of the checkpoint directory (a listed file must stay inside it)")
     if manifest.get("version", 0) > FORMAT_VERSION:
         raise CheckpointError(f"{path}: checkpoint format version {manifest['version']} is newer than this "
                               f"moe_dist reads ({FORMAT_VERSION}); upgrade moe_dist")
@@ -137,10 +127,9 @@ def read_meta(path: str) -> dict:
     (:data:`.schema.META_FIELDS`)."""
     full = os.path.join(path, META)
     try:
-        with open(full, encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:  # ValueError: not JSON, not UTF-8
-        raise DamagedCheckpoint(f"{full}: not readable ({type(e).__name__}: {e})") from None
+        meta = read_json(full, META_LIMIT)
+    except UnreadableFile as e:
+        raise DamagedCheckpoint(f"{full}: not readable ({e.why})") from None
     if not isinstance(meta, dict):
         raise DamagedCheckpoint(f"{full}: holds a JSON {type(meta).__name__}, not an object")
     check_meta(meta, full, META_FIELDS)
@@ -154,8 +143,12 @@ def check_files(path: str, manifest: dict, names: Iterable[str], checksums: bool
     for name in names:
         rec = manifest["files"][name]
         full = os.path.join(path, name)
-        if not os.path.isfile(full):
+        if not os.path.lexists(full):
             problems.append(f"{full}: missing (the manifest lists it with {rec['bytes']} bytes)")
+            continue
+        mode = os.lstat(full).st_mode
+        if not stat.S_ISREG(mode):
+            problems.append(f"{full}: {kind_of(mode)}, where the manifest lists a regular file of the checkpoint")
             continue
         size = os.path.getsize(full)
         if size != rec["bytes"]:
@@ -171,17 +164,20 @@ def corrupted_error(path: str, problems: list[str]) -> CheckpointError:
 
 
 # ---- publishing, scanning, pruning ----------------------------------------------------------------
-def _remove_tree(path: str) -> None:
-    """Rename first (so a half-deleted directory never looks like a checkpoint), then delete."""
-    if not os.path.exists(path):
-        return
+def _remove_tree(path: str) -> bool:
+    """Rename first (so a half-deleted directory never looks like a checkpoint), then delete (a link:
+    the link itself); whether nothing is left (a remainder keeps its ``.deleting-`` name, which the
+    next start removes)."""
+    if not os.path.lexists(path):
+        return True
     doomed = f"{path}.deleting-{os.getpid()}-{time.monotonic_ns()}"
     os.rename(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
+    return _delete(doomed)
 
 
 def start_partial(run_dir: str, step: int) -> str:
     """A fresh, empty ``step_N.partial`` (a leftover of a crashed save of the same step is removed)."""
+    checkpoints_root(run_dir)
     path = partial_dir(run_dir, step)
     _remove_tree(path)
     os.makedirs(path)
@@ -193,26 +189,43 @@ def publish(partial: str, final: str) -> None:
 
     An existing directory of that name (a checkpoint of an earlier attempt at the same step) is
     moved aside first and deleted after the rename."""
-    _fsync_dir(partial)
+    fsync_directory(partial)
     aside = None
     if os.path.exists(final):
         aside = f"{final}.superseded-{time.monotonic_ns()}"
         os.rename(final, aside)
     os.rename(partial, final)
-    _fsync_dir(os.path.dirname(final))
+    fsync_directory(os.path.dirname(final))
     if aside:
         shutil.rmtree(aside, ignore_errors=True)
 
 
+def checkpoints_root(run_dir: str) -> str:
+    """``run_dir/checkpoints``, which must not be a link: what is pruned, set aside or removed there
+    must belong to this run (:class:`~moe_dist.safe_io.UnsafePath` otherwise)."""
+    root = os.path.join(run_dir, "checkpoints")
+    try:
+        refuse_link(root, "the run's checkpoint directory")
+    except UnsafePath as e:
+        raise CheckpointError(str(e)) from None
+    return root
+
+
 def scan(run_dir: str) -> tuple[list[tuple[int, str]], list[tuple[int, str, str]]]:
     """``(complete, incomplete)`` checkpoints under ``run_dir/checkpoints``, sorted by step:
-    ``(step, path)`` and ``(step, path, why it is not loadable)``."""
-    root = os.path.join(run_dir, "checkpoints")
+    ``(step, path)`` and ``(step, path, why it is not loadable)``. A link named like a checkpoint
+    is never one."""
+    root = checkpoints_root(run_dir)
     complete, incomplete = [], []
     if not os.path.isdir(root):
         return complete, incomplete
     for name in os.listdir(root):
         path = os.path.join(root, name)
+        m = _STEP_DIR.match(name) or _PARTIAL_DIR.match(name)
+        if m and os.path.islink(path):
+            incomplete.append((int(m.group(1)), path, f"a symbolic link to {os.readlink(path)!r}, not a checkpoint "
+                               "directory of this run"))
+            continue
         m = _STEP_DIR.match(name)
         if m:
             try:
@@ -232,29 +245,38 @@ def remove_leftovers(run_dir: str) -> list[tuple[str, int]]:
     directories, ``.deleting-*`` and ``.superseded-*`` copies, ``*.tmp`` files): none is ever loaded,
     and on a full disk they hold the space a resumed run needs. Call only while no save runs (the
     run-directory lock). Returns ``(path, bytes freed)``."""
-    root = os.path.join(run_dir, "checkpoints")
+    root = checkpoints_root(run_dir)
     removed = []
     candidates = [os.path.join(root, n) for n in (os.listdir(root) if os.path.isdir(root) else ()) if LEFTOVER.match(n)]
     candidates += [os.path.join(run_dir, n) for n in (os.listdir(run_dir) if os.path.isdir(run_dir) else ())
                    if n.endswith(".tmp")]
     for path in sorted(candidates):
         size = _tree_bytes(path)
-        if os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            try:
-                os.remove(path)
-            except OSError:
-                continue
-        removed.append((path, size))
+        if _delete(path):
+            removed.append((path, size))
     return removed
 
 
+def _delete(path: str) -> bool:
+    """Delete a file, a link (the link, never what it points to) or a directory tree (whose links are
+    removed, not followed); whether nothing is left."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    except OSError:
+        return not os.path.lexists(path)
+    return True
+
+
 def _tree_bytes(path: str) -> int:
+    if os.path.islink(path) or not os.path.lexists(path):
+        return 0
     if not os.path.isdir(path):
-        return os.path.getsize(path) if os.path.exists(path) else 0
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files
-               if os.path.exists(os.path.join(d, f)))
+        return os.lstat(path).st_size
+    return sum(os.lstat(os.path.join(d, f)).st_size for d, _, files in os.walk(path) for f in files
+               if os.path.lexists(os.path.join(d, f)))
 
 
 def set_aside(path: str, suffix: str = DAMAGED_SUFFIX) -> str:
@@ -284,16 +306,14 @@ def prune(run_dir: str, keep: int, log: Callable[[str], None] = lambda _m: None)
     """Keep the ``keep`` newest complete checkpoints (0 = all); also drop unfinished partial
     directories older than the newest complete one. Returns the removed paths."""
     complete, incomplete = scan(run_dir)
-    removed = []
-    if keep > 0:
-        for _step, path in complete[:-keep]:
-            _remove_tree(path)
-            removed.append(path)
+    doomed = [path for _step, path in complete[:-keep]] if keep > 0 else []
     newest = complete[-1][0] if complete else None
-    for step, path, _why in incomplete:
-        if newest is not None and step < newest and path.endswith(PARTIAL):
-            _remove_tree(path)
-            removed.append(path)
+    doomed += [path for step, path, _why in incomplete
+               if newest is not None and step < newest and path.endswith(PARTIAL) and not os.path.islink(path)]
+    removed = [path for path in doomed if _remove_tree(path)]
     if removed:
-        log(f"checkpoint: removed {', '.join(os.path.basename(p) for p in removed)} (ckpt.keep={keep})")
+        log(f"checkpoint: removed {', '.join(removed)} (ckpt.keep={keep})")
+    if len(removed) < len(doomed):
+        log(f"checkpoint: could not remove all of {', '.join(p for p in doomed if p not in removed)}; what is left "
+            "carries a .deleting- name and is removed at the next start")
     return removed

@@ -17,10 +17,12 @@ import torch
 import torch.nn as nn
 
 from ...config import ConfigError
+from ...safe_io import LOG_LIMIT, UnreadableFile, open_append, read_json_lines, write_atomically
 from .checkpointer import Checkpointer
 from .collective import barrier, broadcast
 from .divergence import set_aside_pending
-from .files import META, CheckpointError, DamagedCheckpoint, latest_checkpoint, remove_leftovers, scan, set_aside
+from .files import (DAMAGED_SUFFIX, META, CheckpointError, DamagedCheckpoint, latest_checkpoint, remove_leftovers,
+                    scan, set_aside)
 from .schema import TRAINER_META_FIELDS, check_meta
 
 if TYPE_CHECKING:
@@ -167,7 +169,7 @@ class TrainingCheckpoints:
         if self.rt.is_main:
             for leftover, size in remove_leftovers(self.run_dir):  # first: they may hold the space we need
                 self.log(f"checkpoint: removed {leftover}, left by a save that did not finish ({size / 2**20:.1f} MiB)")
-            for aside in set_aside_pending(self.run_dir):  # a divergence's, deferred while `moe-dist eval` read
+            for aside in set_aside_pending(self.run_dir, self.log):  # a divergence's, deferred while `moe-dist eval` read
                 self.log(f"checkpoint: set {os.path.basename(aside)} aside (written after the last trusted state "
                          "of the divergence recorded in divergence.json)")
             decision = self._resolve()
@@ -230,19 +232,36 @@ class TrainingCheckpoints:
                      + "). The data order and routing noise depend only on (train.seed, step, global token index), "
                        "not on RNG states or the number of ranks, so training continues the same at any layout")
 
+    def _keep_metrics_rows(self, metrics: str, step: int) -> None:
+        """Rewrite metrics.jsonl with its rows up to ``step``; lines that are not whole rows (a crash or a
+        full disk cut the last one) go to metrics.jsonl.damaged, said in one line."""
+        try:
+            rows, bad = read_json_lines(metrics, LOG_LIMIT)
+        except UnreadableFile as e:
+            aside = set_aside(metrics)
+            self.log(f"resume: {e}; set aside as {aside}, the run starts a new metrics.jsonl")
+            return
+        kept = [row for row in rows if _row_step(row) is not None and _row_step(row) <= step]
+        bad += [(None, json.dumps(row), "no integer step") for row in rows if _row_step(row) is None]
+        if bad:
+            damaged = metrics + DAMAGED_SUFFIX
+            with open_append(damaged) as f:
+                f.writelines(line + "\n" for _n, line, _why in bad)
+            numbered = [str(n) for n, _line, _why in bad if n is not None]
+            where = f"line(s) {', '.join(numbered[:5])}{' ...' if len(numbered) > 5 else ''}: " if numbered else ""
+            self.log(f"resume: {metrics}: {len(bad)} line(s) not a whole metrics row ({where}{bad[0][2]}; cut short by a "
+                     f"crash or a full disk?); kept in {damaged}, the {len(kept)} whole row(s) up to step {step} kept")
+        write_atomically(metrics, "".join(json.dumps(row) + "\n" for row in kept))
+
     def _tidy(self, path: Optional[str], step: int) -> None:
         """Rank 0, after a successful resume (or a fresh start): metrics.jsonl keeps the rows up to
         the resumed step; checkpoints of another timeline (newer than the resumed step, or all of
         them on a fresh start / a resume from elsewhere) are moved to checkpoints.superseded-<time>."""
         metrics = os.path.join(self.run_dir, "metrics.jsonl")
-        if path is None and os.path.exists(metrics):
+        if path is None and os.path.lexists(metrics):
             os.remove(metrics)
-        elif path is not None and os.path.exists(metrics):
-            with open(metrics, encoding="utf-8") as f:
-                rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
-            with open(metrics + ".tmp", "w", encoding="utf-8") as f:
-                f.writelines(rows)
-            os.replace(metrics + ".tmp", metrics)
+        elif path is not None and os.path.lexists(metrics):
+            self._keep_metrics_rows(metrics, step)
         own_root = os.path.realpath(os.path.join(self.run_dir, "checkpoints"))
         inside = path is not None and os.path.realpath(os.path.dirname(os.path.normpath(path))) == own_root
         limit = step if inside else -1
@@ -260,3 +279,8 @@ class TrainingCheckpoints:
             names = ", ".join(os.path.basename(p) for p in stale)
             self.log(f"checkpoint: moved {len(stale)} checkpoint(s) of an earlier run ({names}) to {aside}, "
                      "so that resume=auto never mixes two runs")
+
+
+def _row_step(row: dict) -> Optional[int]:
+    step = row.get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else None

@@ -80,21 +80,39 @@ class Spec:
         return True
 
 
+COUNT_MAX = 1 << 53  # steps, windows, sequences: a count beyond this is no count a run reaches
+
+
 class Integer(Spec):
-    def __init__(self, minimum: Optional[int] = None):
-        self.minimum = minimum
-        self.allowed = "an integer" if minimum is None else f"an integer >= {minimum}"
+    def __init__(self, minimum: Optional[int] = None, maximum: Optional[int] = COUNT_MAX):
+        self.minimum, self.maximum = minimum, maximum
+        bounds = ([f">= {minimum}"] if minimum is not None else []) + ([f"<= {maximum}"] if maximum is not None else [])
+        self.allowed = " and ".join([f"an integer {bounds[0]}", *bounds[1:]]) if bounds else "an integer"
 
     def fits(self, value: Any) -> bool:  # JSON true / false are not integers here
         return (isinstance(value, int) and not isinstance(value, bool)
-                and (self.minimum is None or value >= self.minimum))
+                and (self.minimum is None or value >= self.minimum) and (self.maximum is None or value <= self.maximum))
 
 
 class Number(Spec):
+    """A finite JSON number (an integer too, within a double's range)."""
+
     allowed = "a number"
 
     def fits(self, value: Any) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return False
+        try:
+            return math.isfinite(float(value))
+        except OverflowError:  # an integer beyond a double
+            return False
+
+
+class Boolean(Spec):
+    allowed = "true or false"
+
+    def fits(self, value: Any) -> bool:
+        return isinstance(value, bool)
 
 
 class Text(Spec):
@@ -207,13 +225,13 @@ def _plural(spec: Spec) -> str:
 # a blend adds each source's weight, window count and windows given (data.paths)
 BLEND_SOURCE = Obj({"name": Text(), "weight": Number(), "windows": Integer(1), "consumed": Integer(0)},
                    required=("weight", "windows", "consumed"))
-SAMPLER = Obj({"consumed": Integer(0), "seed": Integer(), "seq_len": Integer(1), "n_windows": Integer(0),
+SAMPLER = Obj({"consumed": Integer(0), "seed": Integer(None, None), "seq_len": Integer(1), "n_windows": Integer(0),
                "blend": ListOf(BLEND_SOURCE)}, required=("consumed", "seed", "seq_len", "n_windows"))
 # the train.* keys of the learning-rate schedule, compared with the config on resume
 SCHEDULE = Obj({"lr": Number(), "min_lr_ratio": Number(), "warmup_steps": Integer(0), "steps": Integer(0)})
 # the trainer's health counters (each optional: a checkpoint written before one was added lacks it)
 COUNTERS = Obj({"skipped_steps": Integer(0), "rollbacks": Integer(0), "recent_losses": ListOf(Number()),
-                "recent_grad_norms": ListOf(Number())})
+                "recent_grad_norms": ListOf(Number()), "last_loss": Nullable(Number())})
 # what RoutingDiagnostics.state_dict writes, keyed by MoE layer
 DIAGNOSTICS = Obj({
     "load_history": MapOf("layer", ListOf(Row("a list [step, [load of each expert]]", Integer(0), ListOf(Number())),
