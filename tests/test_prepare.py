@@ -201,9 +201,11 @@ def test_interrupted_prepare_resumes_to_the_same_bytes(tmp_path, tok, monkeypatc
         for split in ("train", "val"):
             for ext in (".bin", ".idx"):
                 assert (out / (sh[split] + ext)).read_bytes() == (tmp_path / "whole" / (sh[split] + ext)).read_bytes()
-    # other settings on the same output are refused, not mixed in
+    # other settings on the same output are refused, not mixed in, whether it is complete or not
     with pytest.raises(ValueError, match="holds a prepare of other inputs or settings"):
-        os.remove(out / "manifest.json")
+        run_prepare(quiet(output=str(out), **{**settings, "val_fraction": 0.2}))
+    os.remove(out / "manifest.json")
+    with pytest.raises(ValueError, match="holds a prepare of other inputs or settings"):
         run_prepare(quiet(output=str(out), **{**settings, "val_fraction": 0.2}))
 
 

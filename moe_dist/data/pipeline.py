@@ -167,24 +167,23 @@ def run_prepare(s: PrepareSettings, tokenizer: Optional[Tokenizer] = None, log: 
     s.check()
     t0 = time.perf_counter()
     out = s.output
-    if os.path.isfile(os.path.join(out, MANIFEST)):
-        manifest = read_record(os.path.join(out, MANIFEST))
-        log(f"prepare: {out} is already complete ({manifest['token_count']:,} tokens); nothing to do")
-        return manifest
     if tokenizer is None:
         if not s.tokenizer:
             raise UserError("prepare needs a tokenizer: --tokenizer names a tokenizer.model, a tokenizer.json or a "
                             "model directory holding one")
         tokenizer = Tokenizer.resolve(s.tokenizer)
     files = task_files(find_inputs(s.inputs, s.format, s.pattern), s.task, s.tasks)
-    os.makedirs(out, exist_ok=True)
     fp = _fingerprint(s, files, tokenizer)
+    if os.path.isfile(os.path.join(out, MANIFEST)):
+        _check_same(out, fp)
+        manifest = read_record(os.path.join(out, MANIFEST))
+        log(f"prepare: {out} is already complete ({manifest['token_count']:,} tokens); nothing to do")
+        return manifest
+    os.makedirs(out, exist_ok=True)
     progress_path = os.path.join(out, PROGRESS)
     shards = []
     if os.path.isfile(progress_path):
-        if read_record(progress_path).get("fingerprint") != fp:
-            raise InputError(f"{out} holds a prepare of other inputs or settings (files, sizes, tokenizer, "
-                             "field, val_fraction, shard_mb); name another output directory or delete it")
+        _check_same(out, fp)
         shards = _finished_shards(out)
     else:
         _write_json(progress_path, {"fingerprint": fp, "settings": asdict(s)})
@@ -265,6 +264,14 @@ def run_prepare(s: PrepareSettings, tokenizer: Optional[Tokenizer] = None, log: 
     _write_json(os.path.join(out, MANIFEST), manifest)
     log(summary_line(manifest, out))
     return manifest
+
+
+def _check_same(out: str, fp: str) -> None:
+    """``out`` was (being) prepared from these inputs and settings."""
+    path = os.path.join(out, PROGRESS)
+    if os.path.isfile(path) and read_record(path).get("fingerprint") != fp:
+        raise InputError(f"{out} holds a prepare of other inputs or settings (files, sizes, tokenizer, "
+                         "field, val_fraction, shard_mb); name another output directory or delete it")
 
 
 def _close(shard: _Shard, end: tuple) -> None:

@@ -5,8 +5,8 @@ document), JSON lines (``.jsonl``, ``.json``; plain, ``.gz`` or ``.zst``; one re
 and Parquet files (one record per row). The main process only reads bytes and cuts them into
 chunks of about ``chunk_bytes``; parsing and tokenizing happen in the workers
 (:mod:`moe_dist.data.encode`). A chunk never spans two files, and where chunks are cut
-depends only on the files and ``chunk_bytes``, so a prepare resumed at a chunk boundary cuts
-the rest exactly as an uninterrupted one.
+depends only on the files and ``chunk_bytes``, so a prepare resumed at a chunk boundary with
+the same chunk size cuts the rest exactly as an uninterrupted one.
 
 A document's name (``relative/path`` for a text file, ``relative/path:LINE`` for a JSON-lines
 record or Parquet row) decides its validation split, as :func:`moe_dist.data.corpus.is_validation`.
