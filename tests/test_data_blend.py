@@ -216,3 +216,20 @@ def test_megatron_builder_dataset_trains(tmp_path, blend):
     random.setstate(states[0])
     np.random.set_state(states[1])
     assert np.isfinite(out["val_loss"]) and out["val_loss"] < np.log(512)
+
+
+def test_read_ahead_leaves_the_position_alone(blend):
+    """The trainer announces the next step's windows to the kernel after each step: the batches, the
+    blend's counts and the epoch notes are those of a sampler that never does."""
+    sources, _ = open_blend(f"0.3 {blend}/faq 0.7 {blend}/tutorial")
+    streams_, w = [s.train for s in sources], [s.weight for s in sources]
+    plain = TrainSampler(streams_, 64, 24, 2, 1, 3, seed=2, weights=w, names=["faq", "tutorial"])
+    ahead = TrainSampler(streams_, 64, 24, 2, 1, 3, seed=2, weights=w, names=["faq", "tutorial"])
+    for _ in range(300):  # past the end of an epoch of each
+        for x, y in zip(plain.next_step(), ahead.next_step()):
+            np.testing.assert_array_equal(x, y)
+        ahead.prefetch()
+        assert ahead.counts == plain.counts and ahead.state_dict() == plain.state_dict()
+        assert ahead.pop_notes() == plain.pop_notes()
+    assert plain.epochs()[0] > 1 and plain.epochs()[1] > 1
+    assert isinstance(streams_[0].parts[0][0], np.memmap) and streams_[0]._fds  # advice went to the shard files

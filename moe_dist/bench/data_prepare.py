@@ -15,8 +15,10 @@
    peak RSS = the largest sum of the resident sets of the cgroup's processes, sampled every 0.1 s;
 5. **loader**: the training sampler over a blend of the prepared dataset with itself at
    ``--seq-len`` / ``--global-batch`` / ``--grad-accum``, one rank of ``--ranks`` (default: the
-   OLMoE-1B-7B preset as ``moe-dist plan`` lays it out on 8 GPUs): tokens delivered per second to
-   that rank (``--loader-only``: this alone, over a kept ``--keep`` output).
+   OLMoE-1B-7B preset as ``moe-dist plan`` lays it out on 8 GPUs), the files evicted from the page
+   cache first and ``--step-s`` of sleep standing for each step's compute: the data phase per step
+   and its share of the step, without and with the read-ahead of the next step's windows
+   (``--loader-only``: this alone, over a kept ``--keep`` output).
 
 Prints one JSON object per measurement and a summary; the ratio prepare / bare (target >= 0.8)
 compares the same text on the same cores.
@@ -161,21 +163,41 @@ def prepare(corpus: str, tok_path: str, out: str, workers: int, limit_mb: int) -
             "mib_per_s": round(m["source"]["bytes"] / 2**20 / wall, 2), "summary": output.strip().splitlines()[-1]}
 
 
-def loader(out: str, seq_len: int, global_batch: int, grad_accum: int, ranks: int, steps: int) -> dict:
-    """Tokens/s the sampler delivers to rank 0 of ``ranks``, over a blend of the prepared dataset with
-    itself (weights 0.7 / 0.3: the blend's bookkeeping is timed too)."""
+def _evict(sources) -> None:
+    """Drop the datasets' files from the page cache (``POSIX_FADV_DONTNEED``): the next reads go to disk."""
+    for src in sources:
+        for arr, _, _ in src.train.parts:
+            fd = os.open(arr.filename, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+
+
+def loader(out: str, seq_len: int, global_batch: int, grad_accum: int, ranks: int, steps: int, step_s: float) -> list:
+    """The data phase of rank 0 of ``ranks`` over a blend of the prepared dataset with itself (weights 0.7 /
+    0.3: the blend's bookkeeping is timed too), its files evicted from the page cache first, with ``step_s``
+    of sleep standing for each step's compute: without and with the read-ahead of the next step's windows."""
     from ..data import TrainSampler, open_blend
 
-    sources, _ = open_blend(f"0.7 {out} 0.3 {out}")
-    s = TrainSampler([x.train for x in sources], seq_len, global_batch, grad_accum, 0, ranks, seed=0,
-                     weights=[x.weight for x in sources])
-    s.next_step()
-    t0 = time.perf_counter()
-    rows = sum(b.shape[0] for _ in range(steps) for b in s.next_step())
-    dt = time.perf_counter() - t0
-    return {"what": "loader", "seq_len": seq_len, "global_batch": global_batch, "grad_accum": grad_accum,
-            "ranks": ranks, "steps": steps, "ms_per_step": round(1000 * dt / steps, 3),
-            "tokens_per_s_per_rank": round(rows * seq_len / dt)}
+    rows = []
+    for read_ahead in (False, True):
+        sources, _ = open_blend(f"0.7 {out} 0.3 {out}")
+        s = TrainSampler([x.train for x in sources], seq_len, global_batch, grad_accum, 0, ranks, seed=0,
+                         weights=[x.weight for x in sources])
+        _evict(sources)
+        spent, seqs = 0.0, 0
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            seqs += sum(b.shape[0] for b in s.next_step())
+            if read_ahead:
+                s.prefetch()
+            spent += time.perf_counter() - t0
+            time.sleep(step_s)
+        rows.append({"what": "loader", "read_ahead": read_ahead, "seq_len": seq_len, "global_batch": global_batch,
+                     "grad_accum": grad_accum, "ranks": ranks, "steps": steps, "step_s": step_s,
+                     "data_ms_per_step": round(1000 * spent / steps, 3),
+                     "share_of_step": round(spent / steps / (step_s + spent / steps), 5),
+                     "tokens_per_s_per_rank": round(seqs * seq_len / spent)})
+    return rows
 
 
 def main(argv=None) -> int:
@@ -192,6 +214,8 @@ def main(argv=None) -> int:
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--grad-accum", type=int, default=4)
     p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--step-s", type=float, default=0.37, help="the compute between two steps (the preset's planned step)")
+    p.add_argument("--loader-steps", type=int, default=50)
     p.add_argument("--loader-only", action="store_true", help="only the loader, over WORK/prepared-<size> (--keep)")
     p.add_argument("--keep", action="store_true", help="keep the prepared output (the corpus is always kept)")
     args = p.parse_args(argv)
@@ -203,7 +227,8 @@ def main(argv=None) -> int:
     print(json.dumps({"cpu": torch.backends.cpu.get_cpu_capability(), "cores": len(os.sched_getaffinity(0))}), flush=True)
     out = os.path.join(args.work, f"prepared-{args.size_mb}")
     if args.loader_only:
-        print(json.dumps(loader(out, args.seq_len, args.global_batch, args.grad_accum, args.ranks, 200)), flush=True)
+        for row in loader(out, args.seq_len, args.global_batch, args.grad_accum, args.ranks, args.loader_steps, args.step_s):
+            print(json.dumps(row), flush=True)
         return 0
     corpus = os.path.join(args.work, f"corpus-{args.size_mb}.jsonl")
     generate(corpus, args.size_mb)
@@ -218,8 +243,8 @@ def main(argv=None) -> int:
     after = bare(corpus, tok, args.bare_mb, args.workers)  # again: a shared machine's load moves during a long run
     print(json.dumps(after), flush=True)
     b = {**b, "chars_per_s": (b["chars_per_s"] + after["chars_per_s"]) / 2}
-    lo = loader(out, args.seq_len, args.global_batch, args.grad_accum, args.ranks, 200)
-    print(json.dumps(lo), flush=True)
+    for row in loader(out, args.seq_len, args.global_batch, args.grad_accum, args.ranks, args.loader_steps, args.step_s):
+        print(json.dumps(row), flush=True)
     print(f"prepare / bare tokenizer: {r['chars_per_s'] / b['chars_per_s']:.2f}x (characters per second, bare: the mean "
           f"of before and after, "
           f"{args.workers} workers); peak RSS {r['peak_rss_mib']} MiB under a {args.memory_limit_mb} MiB limit")

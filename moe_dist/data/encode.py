@@ -103,11 +103,17 @@ def _pack(ids: list, eos: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]
     return flat, lengths
 
 
+SUB_BATCH = 64  # documents per tokenizer call: their id lists (and a fast tokenizer's Encoding objects) stay small
+
+
 def encode_texts(tok: Tokenizer, texts: list, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """The documents' tokens, each followed by EOS: (flat tokens, lengths)."""
+    """The documents' tokens, each followed by EOS: (flat tokens, lengths). Encoded a few documents at a
+    time and packed into arrays at once, so a chunk's Python id lists never exist all together."""
     if not texts:
         return np.zeros(0, dtype=dtype), np.zeros(0, dtype=np.int32)
-    return _pack(tok.encode_batch(texts, threads=1), tok.eos_id, dtype)
+    parts = [_pack(tok.encode_batch(texts[i:i + SUB_BATCH], threads=1), tok.eos_id, dtype)
+             for i in range(0, len(texts), SUB_BATCH)]
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
 def encode_chunk(chunk, state: Optional[dict] = None) -> Encoded:

@@ -34,7 +34,7 @@ MANIFEST = "manifest.json"
 PROGRESS = "prepare.json"
 SHOWN_BAD = 10  # bad records named in the manifest (all are counted)
 WORKER_MB = 80  # a worker's memory before any chunk: interpreter, numpy, tokenizer
-EXPANSION = 12  # memory held per byte of a chunk in flight (raw bytes, the pickled copy, str, id lists)
+EXPANSION = 12  # memory held per byte of a chunk in flight (raw bytes, the pickled copy, str, token arrays)
 
 
 @dataclass

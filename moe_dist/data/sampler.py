@@ -118,11 +118,10 @@ class TrainSampler:
 
     def next_step(self) -> list[np.ndarray]:
         """This rank's ``grad_accum`` micro-batches of the next step, each ``[b, seq_len + 1]``."""
-        micro = self.global_batch // self.grad_accum
         picks = self._assign(self.global_batch)
         batches = []
         for m in range(self.grad_accum):
-            mine = picks[m * micro:(m + 1) * micro][rank_slice(micro, self.dp_rank, self.dp_size)]
+            mine = self._mine(picks, m)
             rows = np.zeros((len(mine), self.seq_len + 1), dtype=np.int64)
             for d in sorted({d for d, _ in mine}):  # one read per source
                 sel = [i for i, (dd, _) in enumerate(mine) if dd == d]
@@ -131,6 +130,21 @@ class TrainSampler:
             batches.append(rows)
         self.consumed += self.global_batch
         return batches
+
+    def _mine(self, picks: list, m: int) -> list:
+        micro = self.global_batch // self.grad_accum
+        return picks[m * micro:(m + 1) * micro][rank_slice(micro, self.dp_rank, self.dp_size)]
+
+    def prefetch(self) -> None:
+        """Announce this rank's windows of the next step to the kernel (read-ahead, no waiting), without
+        moving the position: call it after :meth:`next_step`, before the step computes."""
+        counts, notes = list(self.counts), list(self._notes)
+        saved = self.consumed
+        picks = self._assign(self.global_batch)
+        self.counts, self._notes, self.consumed = counts, notes, saved
+        for m in range(self.grad_accum):
+            for d, j in self._mine(picks, m):
+                self.streams[d].advise([self._window(d, j) * self.seq_len], self.seq_len + 1)
 
     def skip_steps(self, steps: int) -> None:
         """Pass over the windows of the next ``steps`` optimizer steps without reading them."""

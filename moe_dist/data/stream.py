@@ -3,11 +3,17 @@
 A dataset's training split may be many shards (one file each), or the documents of one file
 that are not held out for validation (runs of consecutive documents). :class:`TokenStream`
 presents such ranges as one sequence of ``count`` tokens and cuts windows out of it without
-loading it: a window that crosses from one range into the next is read piece by piece.
+loading it: a window that crosses from one range into the next is read piece by piece. The
+windows of the next step can be announced to the kernel (:meth:`TokenStream.advise`), so that a
+dataset larger than the page cache is read from disk while the current step computes.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
+
+PAGE = 4096
 
 
 class TokenStream:
@@ -48,6 +54,35 @@ class TokenStream:
             idx = (np.asarray(starts, dtype=np.int64) + s)[:, None] + np.arange(length)[None, :]
             return np.asarray(arr[idx], dtype=np.int64)
         return np.stack([self.read(int(st), length) for st in starts])
+
+    def advise(self, starts, length: int) -> None:
+        """Ask the kernel to read the windows at ``starts`` ahead (``posix_fadvise`` WILLNEED on their
+        byte ranges): the disk reads overlap the step that runs meanwhile, and nothing waits here."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        for st in starts:
+            i = int(np.searchsorted(self.offsets, st, side="right")) - 1
+            done = 0
+            while done < length and i < len(self.parts):
+                arr, s, e = self.parts[i]
+                lo = s + (int(st) + done - int(self.offsets[i]))
+                take = min(e - lo, length - done)
+                fd = self._fd(arr)
+                if fd is not None:
+                    first = (arr.offset + lo * arr.itemsize) // PAGE * PAGE
+                    os.posix_fadvise(fd, first, arr.offset + (lo + take) * arr.itemsize - first, os.POSIX_FADV_WILLNEED)
+                done += take
+                i += 1
+
+    def _fd(self, arr):
+        """A read-only descriptor of a memory-mapped part's file (kept open), or None for an in-memory array."""
+        name = getattr(arr, "filename", None)
+        if name is None:
+            return None
+        fds = self.__dict__.setdefault("_fds", {})
+        if name not in fds:
+            fds[name] = os.open(name, os.O_RDONLY)
+        return fds[name]
 
     def head(self, n: int) -> np.ndarray:
         """The first ``n`` tokens (or all of them)."""

@@ -203,6 +203,7 @@ class Trainer:
             batches = self.sampler.next_step()
             for note in self.sampler.pop_notes():  # a source whose data repeat
                 self.log(note)
+            self.sampler.prefetch()  # the next step's windows read from disk while this one computes
         due = self.clock.due(self.step + 1)
         trace = None
         if due and self.clock.profiled_steps < self.cfg.run.time_traces:
