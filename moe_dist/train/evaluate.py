@@ -54,8 +54,8 @@ def validation_batches(data: PreparedData, seq_len: int, eval_cfg, dp_rank: int,
 def unigram_baseline(data: PreparedData, seq_len: int, eval_cfg) -> dict:
     """The unigram model (training-split frequencies) on exactly the validation targets."""
     targets = np.concatenate([b[:, 1:].reshape(-1) for b in validation_batches(data, seq_len, eval_cfg, 0, 1)])
-    counts = [(s.weight, s.train.head(UNIGRAM_TOKENS)) for s in data.sources]
-    ppl = unigram_perplexity(blend_log_probs(counts, data.vocab_size), targets)
+    parts = [(s.weight, s.train) for s in data.sources]
+    ppl = unigram_perplexity(blend_log_probs(parts, data.vocab_size, UNIGRAM_TOKENS), targets)
     return {"loss": math.log(ppl), "ppl": ppl, "tokens": int(targets.size)}
 
 
