@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from ..train.cmd_common import user_errors
+from .cmd_common import user_errors
 
 HELP = "tokenize text / JSON-lines / Parquet inputs into Megatron indexed shards (.bin/.idx) + manifest, resumably"
 
@@ -38,8 +38,8 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     def go() -> int:
         from ..errors import UsageError
-        from .combine import combine_parts, part_dir
-        from .pipeline import PrepareSettings, run_prepare, summary_line
+        from ..data.combine import combine_parts, part_dir
+        from ..data.pipeline import PrepareSettings, run_prepare, summary_line
 
         if args.combine:
             print(summary_line(combine_parts(args.output), args.output))
