@@ -151,6 +151,7 @@ class Trainer:
         self.metrics = MetricsLogger(self.run_dir if self.is_main else None, cfg.run.tensorboard, self.tracker,
                                      first_step=self.step + 1)
         self.health.take_up_divergence(self.step, self.checkpoints, self.sampler, self.metrics)
+        self.sampler.prefetch()  # the first step's windows, read while the rest of the start-up runs
         self.preemption = PreemptionHandler(self.rt.device)  # SIGUSR1/SIGTERM/SIGHUP: checkpoint and exit 75
         if self.is_main:
             save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
