@@ -30,6 +30,7 @@ COMMANDS: dict[str, str] = {
     "export": "moe_dist.hf.cmd_export",
     "plan": "moe_dist.plan.cmd_plan",
     "sweep": "moe_dist.study.cmd_sweep",
+    "prepare": "moe_dist.train.cmd_prepare",
 }
 
 

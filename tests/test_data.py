@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from moe_dist.config import load_config
-from moe_dist.data import (Tokenizer, TrainSampler, corpus_files, data_key, eval_batches, is_validation,
+from moe_dist.data import (IndexedFile, Tokenizer, TrainSampler, corpus_files, data_key, eval_batches, is_validation,
                            load_prepared, prepare_data, rank_slice, read_documents, unigram_log_probs,
                            unigram_perplexity)
 
@@ -76,15 +76,17 @@ def test_manifest_and_token_files(prepared):
     cfg, directory, _ = prepared
     data = load_prepared(directory)
     m = data.manifest
-    assert m["source"]["corpus"] == os.path.abspath(CORPUS) and m["source"]["documents"] == 26
+    assert m["source"]["inputs"] == [os.path.abspath(CORPUS)] and m["documents"] == 26
     assert m["tokenizer"]["sha256"] == data.tokenizer.sha256 and m["tokenizer"]["trained"] is True
     assert m["splits"]["val"]["documents"] == 3 and m["splits"]["train"]["documents"] == 23
     assert m["token_count"] == data.train.count + data.val.count
-    for split in (data.train, data.val):
-        arr = split.array()
-        assert isinstance(arr, np.memmap) and arr.dtype == np.uint16
-        assert os.path.getsize(split.path) == split.count * 2
-        assert arr.max() < 512
+    assert m["bad"] == {"count": 0, "first": []}
+    for split in ("train", "val"):  # one shard: Megatron's indexed format, one sequence per document
+        f = IndexedFile(os.path.join(directory, m["shards"][0][split]))
+        assert f.dtype == np.uint16 and f.num_documents == m["splits"][split]["documents"]
+        assert os.path.getsize(f.prefix + ".bin") == m["splits"][split]["tokens"] * 2
+        arr = data.train.array() if split == "train" else data.val.array()
+        assert isinstance(arr, np.memmap) and arr.max() < 512
     # the validation stream is exactly the held-out documents, each followed by EOS
     val_docs = [d.text for d in read_documents(CORPUS) if is_validation(d.name, 0.2)]
     expected = np.concatenate([np.array(data.tokenizer.encode(t) + [1]) for t in val_docs])

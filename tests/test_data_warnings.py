@@ -68,8 +68,8 @@ def test_two_rank_run_warns_about_binary_files_and_a_small_corpus(tmp_path):
                           "data.val_fraction=0.5", "train.steps=2", "run.progress=false", "run.plots=false",
                           "run.tensorboard=false"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert ("warning: data: left out 1 file(s) of data.corpus that are not text (blob.txt: it holds NUL bytes "
+    assert ("warning: data: left out 1 bad file(s) or record(s) of data.corpus (blob.txt: it holds NUL bytes "
             "(a binary file?))") in res.stdout
     assert res.stdout.count("warning: data: the training split has ") == 1  # rank 0 only
     manifest = json.load(open(next((tmp_path / "cache").glob("*/manifest.json"))))
-    assert manifest["source"]["not_text"] == ["blob.txt"]
+    assert manifest["bad"] == {"count": 1, "first": [["blob.txt", "it holds NUL bytes (a binary file?)"]]}

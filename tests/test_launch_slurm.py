@@ -8,7 +8,8 @@ munge socket and ports, and its daemons are stopped at the end, also after a fai
 * a 2-task job is preempted (SIGUSR1 to the batch shell, as ``#SBATCH --signal=B:USR1@...``
   does): the ranks checkpoint at the next step boundary and exit 75, the script requeues the
   job, and the requeued job continues from that checkpoint (resume=auto) to the last step;
-* the same job shape with one torchrun per node (MOE_DIST_LAUNCH=torchrun).
+* the same job shape with one torchrun per node (MOE_DIST_LAUNCH=torchrun);
+* launch/slurm/prepare.sbatch as a 3-task array: the parts, combined by the last task to finish.
 """
 from __future__ import annotations
 
@@ -134,3 +135,29 @@ def test_sbatch_one_torchrun_per_node(cluster):
     out = read_text(out_file.replace("%j", job))
     assert info["ExitCode"] == "0:0", out[-3000:]
     _check_finished_run(run_dir, 3, out, launcher="torchrun")
+
+
+def test_prepare_as_an_array_job(cluster):
+    """launch/slurm/prepare.sbatch as a 3-task array: each task prepares its slice of the inputs, the last
+    to finish combines the parts into one dataset holding every document."""
+    from moe_dist.data import read_documents, train_tokenizer
+
+    work = os.path.join(cluster.root, "prepare")
+    os.makedirs(os.path.join(work, "in"))
+    docs = [d.text for d in read_documents(os.path.join(REPO, "tests", "data", "python-docs"))]
+    tok = os.path.join(work, "tokenizer.model")
+    train_tokenizer(docs, 512).save(tok)
+    paras = [p for d in docs for p in d.split("\n\n") if p.strip()][:400]
+    for i in range(4):
+        with open(os.path.join(work, "in", f"part{i}.jsonl"), "w", encoding="utf-8") as f:
+            f.writelines(json.dumps({"text": p}) + "\n" for p in paras[i * 100:(i + 1) * 100])
+    out, out_file = os.path.join(work, "out"), os.path.join(work, "prepare-%A_%a.out")
+    job = cluster.submit(["--array=0-2", "-o", out_file], os.path.join(REPO, "launch", "slurm", "prepare.sbatch"),
+                         [out, "--tokenizer", tok, "--val-fraction", "0.1", os.path.join(work, "in", "*.jsonl")],
+                         _job_env(), cwd=REPO)
+    for task in range(3):
+        info = cluster.wait(f"{job}_{task}", lambda i: i["JobState"] == "COMPLETED", 300, f"task {task} COMPLETED")
+        assert info["ExitCode"] == "0:0", read_text(out_file.replace("%A", job).replace("%a", str(task)))[-3000:]
+    with open(os.path.join(out, "manifest.json")) as f:
+        m = json.load(f)
+    assert m["parts"] == 3 and m["documents"] == 400 and m["source"]["files"] == 4

@@ -193,8 +193,14 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
-    """Corpus, tokenizer and token cache."""
+    """Corpus, tokenizer and token cache, or prepared datasets to blend."""
 
+    paths: Union[str, list[str], None] = knob(None, "prepared datasets to train on instead of data.corpus: directories "
+                                              "written by `moe-dist prepare` or Megatron indexed prefixes (PATH.bin + "
+                                              "PATH.idx), with weights: '0.7 A 0.3 B' or a list of 'A' / '0.7 A' "
+                                              "items (docs/data.md)")
+    valid_paths: Union[str, list[str], None] = knob(None, "with data.paths: validation data of the same forms (null = "
+                                                    "each dataset's held-out documents)")
     corpus: str = knob(DEFAULT_CORPUS, "a text / JSON-lines file or a directory of them "
                        "(default: Python 3.11 docs sources from Debian's python3.11-doc, PSF licence)")
     format: Literal["auto", "text", "jsonl"] = knob("auto", "auto = by extension (.jsonl/.json lines, else text)")
@@ -206,7 +212,11 @@ class DataConfig:
     vocab_size: int = knob(4096, "vocabulary size of a trained tokenizer (byte fallback needs > 256)", min=300)
     tokenizer_type: Literal["bpe", "unigram"] = knob("bpe", "sentencepiece model type")
     tokenizer_max_chars: int = knob(4_000_000, "at most this many characters train the tokenizer", min=1000)
-    val_fraction: float = knob(0.05, "fraction of documents held out for validation (chosen by a hash of their name)", gt=0, max=0.5)
+    val_fraction: float = knob(0.05, "fraction of documents held out for validation (chosen by a hash of their name; "
+                               "for a Megatron prefix in data.paths, of their index)", gt=0, max=0.5)
+    prepare_workers: int = knob(0, "tokenizer processes that prepare data.corpus (0 = in this process below 64 MiB of "
+                                "corpus, else one per core)", min=0)
+    prepare_memory_mb: int = knob(2048, "memory the preparation of data.corpus may use, in MiB (it streams)", min=64)
 
     def check(self) -> None:
         if not self.corpus:

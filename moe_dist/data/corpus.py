@@ -74,9 +74,11 @@ def not_text(data: bytes) -> Optional[str]:
 
 
 def read_documents(corpus: str, pattern: Optional[str] = None, fmt: str = "auto",
-                   jsonl_field: str = "text", skipped: Optional[list] = None) -> Iterator[Document]:
+                   jsonl_field: str = "text", skipped: Optional[list] = None,
+                   bad: Optional[list] = None) -> Iterator[Document]:
     """Documents in a stable order. Files that are not text are left out; ``skipped`` (a list) is
-    given ``(relative path, why)`` for each."""
+    given ``(relative path, why)`` for each. A malformed JSON-lines record raises, unless ``bad``
+    (a list) is given: then it is passed over and named there."""
     for path in corpus_files(corpus, pattern):
         rel = _relative(path, corpus)
         if _is_jsonl(path, fmt):
@@ -87,16 +89,25 @@ def read_documents(corpus: str, pattern: Optional[str] = None, fmt: str = "auto"
                     try:
                         line = raw.decode("utf-8")
                     except UnicodeDecodeError as e:
+                        if bad is not None:
+                            bad.append((f"{rel}:{i + 1}", "not UTF-8"))
+                            continue
                         raise InputError(f"{path}:{i + 1}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
                                          f"{e.start + 1}); data.format='jsonl' expects UTF-8 JSON lines") from None
                     try:
                         rec = json.loads(line)
                     except json.JSONDecodeError as e:
+                        if bad is not None:
+                            bad.append((f"{rel}:{i + 1}", "not valid JSON"))
+                            continue
                         # json's message ends with "at" where it names a position ("Invalid control character at")
                         raise InputError(f"{path}:{i + 1}: not valid JSON: {e.msg.removesuffix(' at')} at line {i + 1}, "
                                          f"column {e.colno} (character {e.pos + 1} of the line); data.format='jsonl' "
                                          "expects one JSON object per line") from None
                     if not isinstance(rec, dict) or not isinstance(rec.get(jsonl_field), str):
+                        if bad is not None:
+                            bad.append((f"{rel}:{i + 1}", f"no string field {jsonl_field!r}"))
+                            continue
                         raise InputError(f"{path}:{i + 1}: no string field {jsonl_field!r} (data.jsonl_field)")
                     if rec[jsonl_field]:
                         yield Document(f"{rel}:{i + 1}", rec[jsonl_field])

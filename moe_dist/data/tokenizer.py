@@ -9,7 +9,7 @@ import hashlib
 import io
 import math
 import os
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Optional, Union
 
 import sentencepiece as spm
 
@@ -46,6 +46,22 @@ class Tokenizer:
         except RuntimeError as e:
             raise InputError(f"data.tokenizer={path!r} is not a sentencepiece model: {e}") from None
 
+    @classmethod
+    def resolve(cls, path: str) -> "Tokenizer":
+        """A tokenizer file (sentencepiece ``tokenizer.model`` or Hugging Face ``tokenizer.json``), or a model
+        directory holding one (its ``tokenizer.model`` first, as the model's own loaders prefer)."""
+        if os.path.isdir(path):
+            for name in ("tokenizer.model", "tokenizer.json"):
+                if os.path.isfile(os.path.join(path, name)):
+                    return cls.load(os.path.join(path, name))
+            raise MissingInputError(f"tokenizer {path!r}: a directory without tokenizer.model or tokenizer.json")
+        return cls.load(path)
+
+    @property
+    def file_name(self) -> str:
+        """The conventional name of this tokenizer's file."""
+        return "tokenizer.json" if self.proto.lstrip()[:1] == b"{" else "tokenizer.model"
+
     def save(self, path: str) -> None:
         with open(path, "wb") as f:
             f.write(self.proto)
@@ -61,7 +77,10 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text)
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+    def encode_batch(self, texts: list[str], threads: Optional[int] = None) -> list[list[int]]:
+        """Each text's ids; ``threads`` caps a sentencepiece model's own threads (None: its default, all cores)."""
+        if threads is not None and isinstance(self.sp, spm.SentencePieceProcessor):
+            return self.sp.encode(texts, num_threads=threads)
         return self.sp.encode(texts)
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -82,15 +101,17 @@ def _paragraphs(texts: Iterable[str], max_chars: int, total_chars: int) -> Itera
             n += 1
 
 
-def train_tokenizer(texts: list[str], vocab_size: int, model_type: str = "bpe", max_chars: int = 4_000_000,
-                    threads: int = 2) -> Tokenizer:
-    """Train on (a spread-out sample of) ``texts``."""
+def train_tokenizer(texts: Union[list[str], Callable[[], Iterable[str]]], vocab_size: int, model_type: str = "bpe",
+                    max_chars: int = 4_000_000, threads: int = 2) -> Tokenizer:
+    """Train on (a spread-out sample of) ``texts``: a list, or a function that streams them (called
+    twice: once to measure the corpus, once to sample it), so a large corpus is never held whole."""
     check_choice("data.tokenizer_type", model_type, ("bpe", "unigram"))
     buf = io.BytesIO()
-    total = sum(len(t) for t in texts)
+    stream = texts if callable(texts) else (lambda: iter(texts))
+    total = sum(len(t) for t in stream())
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=_paragraphs(texts, max_chars, total), model_writer=buf, vocab_size=vocab_size,
+            sentence_iterator=_paragraphs(stream(), max_chars, total), model_writer=buf, vocab_size=vocab_size,
             model_type=model_type, normalization_rule_name="identity", remove_extra_whitespaces=False,
             user_defined_symbols=["\n"], byte_fallback=True, allow_whitespace_only_pieces=True, split_digits=True,
             character_coverage=0.9999, max_sentence_length=1 << 16, unk_id=0, eos_id=1, bos_id=-1, pad_id=-1,

@@ -58,7 +58,7 @@ def _prepare_data(configs, log) -> None:
     seen = set()
     for cfg in configs.values():
         key = json.dumps(vars(cfg.data), sort_keys=True, default=str)
-        if key not in seen:
+        if key not in seen and not cfg.data.paths:  # data.paths: prepared already (moe-dist prepare)
             seen.add(key)
             prepare_data(cfg.data, log=log)
 

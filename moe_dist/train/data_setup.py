@@ -7,12 +7,15 @@ from typing import Callable
 import torch.distributed as dist
 
 from ..config import Config, ConfigError
-from ..data import PreparedData, load_prepared, prepare_data
+from ..data import PreparedData, load_datasets, load_prepared, prepare_data
 from ..distributed.bootstrap import Runtime
 
 
 def load_data(cfg: Config, rt: Runtime, log: Callable[[str], None]) -> PreparedData:
-    """The first process of each node builds the cache if needed (atomically); the rest wait."""
+    """``data.paths``: the prepared datasets, opened by every process. Else ``data.corpus``: the first
+    process of each node builds the cache if needed (atomically); the rest wait."""
+    if cfg.data.paths:
+        return load_datasets(cfg.data)
     directory = None
     if rt.launch.local_rank == 0:
         directory = prepare_data(cfg.data, log=log)

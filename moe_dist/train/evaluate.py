@@ -11,7 +11,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..data import PreparedData, eval_batches, unigram_log_probs, unigram_perplexity
+from ..data import PreparedData, eval_batches, unigram_perplexity
+from ..data.unigram import blend_log_probs
+
+UNIGRAM_TOKENS = 50_000_000  # the unigram baseline counts at most this many of each source's first training tokens
 from ..hardware import batch_to_device
 
 
@@ -45,13 +48,14 @@ def evaluate(model: nn.Module, batches: list[np.ndarray], device: torch.device, 
 
 
 def validation_batches(data: PreparedData, seq_len: int, eval_cfg, dp_rank: int, dp_size: int) -> list[np.ndarray]:
-    return eval_batches(data.val.array(), seq_len, eval_cfg.max_sequences, eval_cfg.batch, dp_rank, dp_size)
+    return eval_batches(data.val_sources, seq_len, eval_cfg.max_sequences, eval_cfg.batch, dp_rank, dp_size)
 
 
 def unigram_baseline(data: PreparedData, seq_len: int, eval_cfg) -> dict:
     """The unigram model (training-split frequencies) on exactly the validation targets."""
     targets = np.concatenate([b[:, 1:].reshape(-1) for b in validation_batches(data, seq_len, eval_cfg, 0, 1)])
-    ppl = unigram_perplexity(unigram_log_probs(data.train.array(), data.vocab_size), targets)
+    parts = [(s.weight, s.train) for s in data.sources]
+    ppl = unigram_perplexity(blend_log_probs(parts, data.vocab_size, UNIGRAM_TOKENS), targets)
     return {"loss": math.log(ppl), "ppl": ppl, "tokens": int(targets.size)}
 
 

@@ -16,11 +16,16 @@ from ..errors import ConfigError, MissingInputError
 
 
 def check_inputs(cfg: Config) -> None:
-    """The files and directories named by the config exist (and the corpus holds files)."""
+    """The files and directories named by the config exist (and the corpus, or each of data.paths, holds data)."""
     from ..data.corpus import corpus_files
+    from ..data.datasets import check_paths
 
-    corpus_files(cfg.data.corpus, cfg.data.pattern)
-    if cfg.data.tokenizer and not os.path.isfile(cfg.data.tokenizer):
+    if cfg.data.paths:
+        check_paths(cfg.data.paths, "data.paths")
+        check_paths(cfg.data.valid_paths, "data.valid_paths")
+    else:
+        corpus_files(cfg.data.corpus, cfg.data.pattern)
+    if cfg.data.tokenizer and not os.path.exists(cfg.data.tokenizer):
         raise MissingInputError(f"data.tokenizer={cfg.data.tokenizer!r} does not exist")
     if cfg.ckpt.init_from and not os.path.isdir(cfg.ckpt.init_from):
         raise MissingInputError(f"ckpt.init_from={cfg.ckpt.init_from!r}: no such directory")

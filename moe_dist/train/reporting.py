@@ -101,11 +101,11 @@ class RunReport:
                  f"{' (parallel.ep=auto)' if cfg.parallel.ep == 'auto' else ''}, "
                  f"{dispatch + ', ' if dispatch else ''}"
                  f"dense={dense_layout}; data: "
-                 f"{data.train.count:,} train tokens, {cfg.train.global_batch}x{cfg.train.seq_len} tokens per step")
+                 f"{data.train_tokens:,} train tokens, {cfg.train.global_batch}x{cfg.train.seq_len} tokens per step")
         node_limit = moe.node_limit_warning(rt.groups.ep_nodes)
         if node_limit:
             self.log(node_limit)
-        small = small_corpus_note(data.train.count, cfg.train.global_batch, cfg.train.seq_len, cfg.train.steps)
+        small = small_corpus_note(data.train_tokens, cfg.train.global_batch, cfg.train.seq_len, cfg.train.steps)
         if small:
             self.log(small)
 

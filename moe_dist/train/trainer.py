@@ -131,8 +131,10 @@ class Trainer:
                                        self.rt.world_size)
 
         groups = self.rt.groups
-        self.sampler = TrainSampler(self.data.train.array(), cfg.train.seq_len, cfg.train.global_batch,
-                                    cfg.train.grad_accum, groups.dp_rank, groups.dp_size, cfg.train.seed)
+        sources = self.data.sources
+        self.sampler = TrainSampler([s.train for s in sources], cfg.train.seq_len, cfg.train.global_batch,
+                                    cfg.train.grad_accum, groups.dp_rank, groups.dp_size, cfg.train.seed,
+                                    weights=[s.weight for s in sources], names=[s.path for s in sources])
         self.val_batches = validation_batches(self.data, cfg.train.seq_len, cfg.eval, groups.dp_rank, groups.dp_size)
         self.checkpoints = TrainingCheckpoints(  # ckpt.* keys
             self.run_dir, config_to_dict(cfg), runtime=self.rt, model=self.model, optimizer=self.engine.optimizer,
@@ -149,6 +151,7 @@ class Trainer:
         self.metrics = MetricsLogger(self.run_dir if self.is_main else None, cfg.run.tensorboard, self.tracker,
                                      first_step=self.step + 1)
         self.health.take_up_divergence(self.step, self.checkpoints, self.sampler, self.metrics)
+        self.sampler.prefetch()  # the first step's windows, read while the rest of the start-up runs
         self.preemption = PreemptionHandler(self.rt.device)  # SIGUSR1/SIGTERM/SIGHUP: checkpoint and exit 75
         if self.is_main:
             save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
@@ -199,6 +202,9 @@ class Trainer:
         every ``run.time_every`` steps the step is profiled and split (:mod:`~moe_dist.train.step_time`)."""
         with self.clock.phase("data"):
             batches = self.sampler.next_step()
+            for note in self.sampler.pop_notes():  # a source whose data repeat
+                self.log(note)
+            self.sampler.prefetch()  # the next step's windows read from disk while this one computes
         due = self.clock.due(self.step + 1)
         trace = None
         if due and self.clock.profiled_steps < self.cfg.run.time_traces:

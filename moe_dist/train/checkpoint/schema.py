@@ -222,8 +222,11 @@ def _plural(spec: Spec) -> str:
 
 # ---- meta.json -------------------------------------------------------------------------------------
 # what TrainSampler.state_dict writes (its load_state_dict reads every field)
-SAMPLER = Obj({"consumed": Integer(0), "seed": Integer(None, None), "seq_len": Integer(1), "n_windows": Integer(0)},
-              required=("consumed", "seed", "seq_len", "n_windows"))
+# a blend adds each source's weight, window count and windows given (data.paths)
+BLEND_SOURCE = Obj({"name": Text(), "weight": Number(), "windows": Integer(1), "consumed": Integer(0)},
+                   required=("weight", "windows", "consumed"))
+SAMPLER = Obj({"consumed": Integer(0), "seed": Integer(None, None), "seq_len": Integer(1), "n_windows": Integer(0),
+               "blend": ListOf(BLEND_SOURCE)}, required=("consumed", "seed", "seq_len", "n_windows"))
 # the train.* keys of the learning-rate schedule, compared with the config on resume
 SCHEDULE = Obj({"lr": Number(), "min_lr_ratio": Number(), "warmup_steps": Integer(0), "steps": Integer(0)})
 # the trainer's health counters (each optional: a checkpoint written before one was added lacks it)
