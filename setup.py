@@ -26,8 +26,8 @@ setup(
         "megatron": ["megatron-core==0.16.1"],  # needs only torch, numpy, packaging
         "mpi": ["mpi4py", "mpich"],
         "hf": ["transformers"],
-        "wandb": ["wandb>=0.31"],
-        "data": ["pyarrow", "zstandard", "tokenizers"],  # moe-dist prepare: Parquet, .zst, tokenizer.json inputs  # log.wandb: Weights & Biases tracking (docs/tracking.md)
+        "wandb": ["wandb>=0.31"],  # log.wandb: Weights & Biases tracking (docs/tracking.md)
+        "data": ["pyarrow", "zstandard", "tokenizers"],  # moe-dist prepare: Parquet, .zst, tokenizer.json inputs
     },
     entry_points={"console_scripts": ["moe-dist=moe_dist.cli:main"]},
 )
