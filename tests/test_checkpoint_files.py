@@ -62,7 +62,7 @@ def test_manifest_lists_every_file_with_size_and_checksum(tmp_path):
     assert os.listdir(tmp_path / "run" / "checkpoints") == ["step_000001"]  # no partial directory left
     manifest = read_manifest(path)
     assert manifest["step"] == 1 and manifest["contents"] == ["model", "optimizer", "rng"]
-    assert manifest["layout"] == {"world_size": 1, "ep": 1, "edp": 1, "dp": 1, "dense": "local"}
+    assert manifest["layout"] == {"world_size": 1, "ep": 1, "edp": 1, "dp": 1, "dense": "local", "expert_split": "none"}
     assert manifest["experts"] == {"blocks.0.ffn.experts": 4, "blocks.1.ffn.experts": 4}
     assert len(manifest["config_sha256"]) == 64 and len(manifest["model_config_sha256"]) == 64
     files = sorted(n for n in os.listdir(path) if n != "COMPLETE")
@@ -376,7 +376,7 @@ def edited(ckpt, name, field, value):
     ("path", "meta.json", "counters.skipped_steps", [1],
      "field counters.skipped_steps: got [1] (a list); allowed: an integer >= 0"),
     ("path", "meta.json", "sampler", DELETE,
-     "field sampler is missing; allowed: an object {consumed, seed, seq_len, n_windows}"),
+     "field sampler is missing; allowed: an object {consumed, seed, seq_len, n_windows, blend}"),
     ("path", "meta.json", "sampler.consumed", "16",
      "field sampler.consumed: got '16' (a string); allowed: an integer >= 0"),
     ("path", "COMPLETE", "layout", "local",
