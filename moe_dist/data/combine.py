@@ -14,7 +14,7 @@ import shutil
 
 from ..errors import InputError
 from .indexed import IndexedFile
-from .pipeline import MANIFEST, _write_json, read_record
+from .pipeline import MANIFEST, read_record, write_record
 
 
 def part_dir(out: str, task: int) -> str:
@@ -60,5 +60,5 @@ def combine_parts(out: str) -> dict:
                         "first": [b for m in manifests for b in m["bad"]["first"]][:10]},
                 "seconds": max(m["seconds"] for m in manifests), "parts": len(parts)}
     shutil.copyfile(os.path.join(parts[0], first["tokenizer"]["file"]), os.path.join(out, first["tokenizer"]["file"]))
-    _write_json(os.path.join(out, MANIFEST), combined)
+    write_record(os.path.join(out, MANIFEST), combined)
     return combined

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
 from ..errors import InputError, UserError
-from ..safe_io import MIB, UnreadableFile, read_json
+from ..safe_io import MIB, UnreadableFile, read_json, write_json_atomically
 from .encode import encode_chunk, init_worker
 from .indexed import IndexedWriter, token_dtype
 from .sources import find_inputs, read_chunks
@@ -112,13 +112,10 @@ def read_record(path: str) -> dict:
     return value
 
 
-def _write_json(path: str, obj: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def write_record(path: str, obj: dict) -> None:
+    """A record of prepare (its progress, a shard's end, the manifest), written whole or not at all:
+    a fresh temporary file renamed over ``path`` (never through a link), fsynced; read by :func:`read_record`."""
+    write_json_atomically(path, obj, durable=True, indent=1, sort_keys=True)
 
 
 def _finished_shards(out: str) -> list[dict]:
@@ -186,7 +183,7 @@ def run_prepare(s: PrepareSettings, tokenizer: Optional[Tokenizer] = None, log: 
         _check_same(out, fp)
         shards = _finished_shards(out)
     else:
-        _write_json(progress_path, {"fingerprint": fp, "settings": asdict(s)})
+        write_record(progress_path, {"fingerprint": fp, "settings": asdict(s)})
     for name in os.listdir(out):  # the leftovers of an interrupted shard
         if name.endswith(".tmp"):
             os.remove(os.path.join(out, name))
@@ -261,7 +258,7 @@ def run_prepare(s: PrepareSettings, tokenizer: Optional[Tokenizer] = None, log: 
             bar.close()
     manifest = _manifest(s, files, tokenizer, dtype, shards, time.perf_counter() - t0)
     tokenizer.save(os.path.join(out, tokenizer.file_name))
-    _write_json(os.path.join(out, MANIFEST), manifest)
+    write_record(os.path.join(out, MANIFEST), manifest)
     log(summary_line(manifest, out))
     return manifest
 
@@ -277,7 +274,7 @@ def _check_same(out: str, fp: str) -> None:
 def _close(shard: _Shard, end: tuple) -> None:
     shard.train.finish()
     shard.val.finish()
-    _write_json(os.path.join(os.path.dirname(shard.train.prefix), f"shard-{shard.index:05d}.json"),
+    write_record(os.path.join(os.path.dirname(shard.train.prefix), f"shard-{shard.index:05d}.json"),
                 shard.record(end))
 
 

@@ -22,7 +22,7 @@ from typing import Optional
 
 from .corpus import corpus_fingerprint, is_validation, read_documents
 from .datasets import Source, open_blend, open_source
-from .pipeline import FORMAT, MANIFEST, PrepareSettings, read_record, run_prepare
+from .pipeline import FORMAT, MANIFEST, PrepareSettings, read_record, run_prepare, write_record
 from .stream import TokenStream
 from .tokenizer import Tokenizer, train_tokenizer
 from ..errors import InputError
@@ -127,8 +127,7 @@ def _build(directory: str, data_cfg, spec: dict, log) -> None:
             f"{'; ...' if bad['count'] > 5 else ''})")
     m["key_spec"] = spec
     m["tokenizer"]["trained"] = not data_cfg.tokenizer
-    with open(os.path.join(directory, MANIFEST), "w", encoding="utf-8") as f:
-        json.dump(m, f, indent=1, sort_keys=True)
+    write_record(os.path.join(directory, MANIFEST), m)
 
 
 def _files(data_cfg):
