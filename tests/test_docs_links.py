@@ -83,6 +83,26 @@ def broken_links() -> list[str]:
     return bad
 
 
+def missing_mentions() -> list[str]:
+    """``file:line: path`` for every ``docs/....md`` or ``*/README.md`` that code, configs, scripts and
+    tests name (in comments, help texts, messages) and that does not exist: they are links too."""
+    bad, me = [], Path(__file__).resolve()
+    files = [p for d in ("moe_dist", "configs", "scripts", "tests", "launch", "docker")
+             for p in sorted((ROOT / d).rglob("*")) if p.is_file() and p.suffix in (".py", ".yaml", ".sh", ".sbatch", "")]
+    for path in files:
+        if path.resolve() == me or "__pycache__" in path.parts:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        for n, line in enumerate(text.splitlines(), 1):
+            for ref in re.findall(r"(?<![\w/.-])((?:docs|launch|docker|bench)/[\w./-]*\.md)", line):
+                if not (ROOT / ref).exists():
+                    bad.append(f"{path.relative_to(ROOT)}:{n}: {ref}")
+    return bad
+
+
 def long_pages() -> list[str]:
     out = []
     for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
@@ -98,6 +118,11 @@ def long_pages() -> list[str]:
 def test_every_relative_link_resolves():
     bad = broken_links()
     assert not bad, "broken links:\n" + "\n".join(bad)
+
+
+def test_every_page_the_code_names_exists():
+    bad = missing_mentions()
+    assert not bad, "pages named in code, configs, scripts or tests that do not exist:\n" + "\n".join(bad)
 
 
 def test_how_to_pages_are_short():
