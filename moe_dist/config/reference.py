@@ -13,10 +13,11 @@ import dataclasses
 import inspect
 import re
 import sys
-import textwrap
 import typing
 from typing import Any, Literal
 
+from ..moe import ROUTERS, register_router
+from ..moe.routers import router_options
 from .load import describe_schema
 from .schema import Config
 
@@ -116,7 +117,6 @@ def _mention(cls: type, name: str) -> str:
 def router_option_rows(name: str) -> list[dict]:
     """One row per option of router ``name``: ``option``, ``type``, ``default`` (the preset's when the
     registered name fixes it), ``meaning`` (from the docstrings; another router's when its own has none)."""
-    from ..moe.routers import ROUTERS, register_router, router_options
     presets = getattr(sys.modules[register_router.__module__], "ROUTER_DEFAULTS", {}).get(name, {})
     cls = ROUTERS[name]
     params = inspect.signature(cls.__init__).parameters
@@ -137,7 +137,6 @@ def router_option_rows(name: str) -> list[dict]:
 
 
 def _router_section(name: str) -> list[str]:
-    from ..moe.routers import ROUTERS
     cls = ROUTERS[name]
     summary = inspect.cleandoc(cls.__doc__ or "").split("\n\n")[0]
     head = summary if not (_LABEL.match(summary) or summary.rstrip().endswith(":")) else ""
@@ -153,7 +152,6 @@ def _router_section(name: str) -> list[str]:
 
 def render() -> str:
     """The whole page, as ``docs/configuration.md`` holds it."""
-    from ..moe.routers import ROUTERS
     out = [
         "# Configuration reference",
         "",
