@@ -1,9 +1,10 @@
 """The configuration reference page, generated from the schema and the router registry.
 
 ``python -m moe_dist.config.reference > docs/configuration.md`` writes it; ``tests/test_config_reference.py``
-fails when the page differs from what this prints. Every key comes from the dataclasses of
-:mod:`moe_dist.config.schema` (type from the annotation, default, bounds and help from its
-:func:`~moe_dist.checks.knob`); every router's ``router_options`` from the registry (the names and
+fails when the page differs from what this prints. Every key comes from
+:func:`moe_dist.config.describe_schema` (the dataclasses of :mod:`moe_dist.config.schema`: the allowed
+values from each field's annotation and bounds, its default and help from its
+:func:`~moe_dist.checks.knob`), one table per section; every router's ``router_options`` from the registry (the names and
 defaults its ``__init__`` declares, the presets a registered name fixes) and their meaning from the
 router class's docstring, where each option is described as ``name: what it does``.
 """
