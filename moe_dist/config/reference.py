@@ -69,11 +69,20 @@ def sections(cls: type = Config) -> list[tuple[str, str]]:
     return out
 
 
+# keys whose allowed values the registry holds, not the schema: said beside them
+_REGISTRY_KEYS = {
+    "model.moe.router": lambda: ("one of " + ", ".join(f"'{n}'" for n in sorted(ROUTERS)),
+                                 " (each router's options: [below](#router-options-modelmoerouter_options))"),
+    "model.moe.router_options": lambda: ("a mapping", " (per router: [below](#router-options-modelmoerouter_options))"),
+}
+
+
 def _section_rows(key: str) -> list[str]:
     rows = ["| key | allowed | default | meaning |", "|---|---|---|---|"]
     for name, allowed, default, help_ in describe_schema():
         if name.rsplit(".", 1)[0] == key:
-            rows.append(f"| `{name}` | {_cell(allowed)} | {_value(default)} | {_cell(help_)} |")
+            allowed, more = _REGISTRY_KEYS[name]() if name in _REGISTRY_KEYS else (allowed, "")
+            rows.append(f"| `{name}` | {_cell(allowed)} | {_value(default)} | {_cell(help_)}{more} |")
     return rows
 
 
