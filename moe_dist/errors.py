@@ -51,3 +51,16 @@ class HostError(UserError):
 
 class UsageError(UserError):
     """A command-line argument with a value that is not allowed."""
+
+
+def install_hint(extra: str) -> str:
+    """The command that installs the package's extra ``extra`` (setup.py's ``extras_require``) into
+    this interpreter. moe_dist is installed from its checkout, not from a package index, so the
+    command names the checkout this module was loaded from; elsewhere, what to run in a checkout."""
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.isfile(os.path.join(root, "setup.py")):
+        return f"{sys.executable} -m pip install -e '{root}[{extra}]'"
+    return f"EXTRAS=dev,{extra} bash scripts/setup.sh (in a moe_dist checkout)"

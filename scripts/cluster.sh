@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Nodes as network namespaces on this machine (root): each with its own interface eth0, address
 # (10.213.27.I+1, reachable only from the other nodes), host name nodeI and a hosts file naming
-# every node. Runs moe_dist/testing/cluster.py (see its docstring and docs/multinode.md).
+# every node. Runs moe_dist/testing/cluster.py (see its docstring and docs/namespace-cluster.md).
 #   sudo scripts/cluster.sh up 2 [--rate 500mbit]      # node0, node1 on the bridge mdn-br
 #   sudo scripts/cluster.sh exec node1 -- CMD ...       # CMD on node1 (its network and host name)
 #   sudo scripts/cluster.sh status

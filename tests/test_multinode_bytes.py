@@ -1,7 +1,7 @@
 """The counted inter-node all-to-all bytes against the nodes' links (moe_dist/bench/a2a_bytes.py): 2
 namespace nodes x 2 ranks, one MoE layer at ep=4 called forward + backward and nothing else; what
 each node's eth0 sent beyond an idle window is the bytes its ranks counted plus the transport's
-overhead, which stays within the bounds explained in docs/multinode.md and measured in
+overhead, which stays within the bounds explained in docs/namespace-cluster.md and measured in
 bench/results.md.
 
 Needs root and ``ip netns``; skipped with the reason elsewhere.

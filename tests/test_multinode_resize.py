@@ -16,7 +16,7 @@ One loss curve, three layouts, each a real ``launch/torchrun.sh`` job with the s
 Each continuation's first 5 steps match the uninterrupted run's losses to 1e-4 and its validation
 perplexity 50 steps after the resume to 1% (the uninterrupted run being ``two_nodes`` for the
 shrink, and the shrunk run's own continuation on 1 node for the growth); how far the steps in
-between drift is printed (docs/multinode.md, "Continuing on fewer nodes").
+between drift is printed (docs/lost-node.md, "Continuing on fewer nodes").
 """
 from __future__ import annotations
 

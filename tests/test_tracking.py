@@ -16,7 +16,7 @@ from moe_dist.config import ConfigError, config_to_dict, load_config
 from moe_dist.train.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-wandb = pytest.importorskip("wandb", reason="the wandb extra is not installed (pip install 'moe_dist[wandb]')")
+wandb = pytest.importorskip("wandb", reason="the wandb extra is not installed (EXTRAS=dev,wandb bash scripts/setup.sh)")
 
 STEPS, CKPT_AT, RESUMED_STEPS = 6, 4, 8  # run 1 logs steps 1-6, checkpoint at 4; run 2 resumes at 4, runs to 8
 
@@ -255,7 +255,7 @@ def test_refused_before_launch_without_the_package(tmp_path):
     assert res.returncode == 2, res.stdout + res.stderr
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("moe-dist train: error: log.wandb: true needs the wandb package")
-    assert "-m pip install 'moe_dist[wandb]'" in lines[0]
+    assert f"-m pip install -e '{ROOT}[wandb]'" in lines[0]
     assert not run_dir.exists()
 
 

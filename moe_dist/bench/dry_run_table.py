@@ -1,4 +1,5 @@
-"""The planner against the dry run for the presets at several cluster sizes (docs/scale.md's table).
+"""The planner against the dry run for the presets at several cluster sizes (the table in
+bench/results.md, "Dry run against the planner").
 
     python -m moe_dist.bench.dry_run_table [--gpus 8,16,64] [--presets tinyllama,phi3,olmoe,mixtral]
         [--gpus-per-node 8] [--out bench/data/scale/dry-run-table.json]

@@ -4,7 +4,7 @@ node-limited routing, at several cluster sizes, and a few regimes around one lay
     python -m moe_dist.bench.plan_table [--gpus 8,64,512] [--gpus-per-node 8] [--intra-gbps 3600]
         [--inter-gbps 3200] [--alpha-us 10] [--compute-tflops 400] [--micro-batch 1]
 
-Prints markdown tables (docs/scale.md has their output). Every GPU computes ``--micro-batch``
+Prints markdown tables (docs/dispatch.md has their output). Every GPU computes ``--micro-batch``
 sequences of the preset's ``train.seq_len`` per micro-batch and the preset's ``train.grad_accum``
 micro-batches per step (at 512 GPUs a preset's ``train.global_batch`` is smaller than the GPUs;
 this keeps the work per GPU fixed). Cells: predicted seconds per step (inter-node GiB each GPU

@@ -169,7 +169,7 @@ class ParallelConfig:
 
     ep: Union[int, Literal["auto"]] = knob(1, "expert-parallel size: divides the world size and model.moe.num_experts; "
                                            "auto: the largest such size whose expert groups each stay on one node "
-                                           "(docs/multinode.md)", min=1)
+                                           "(docs/lost-node.md)", min=1)
     dense: Literal["fsdp", "replicate"] = knob("fsdp", "dense weights: FSDP2 over data-parallel ranks, or replicated")
     reshard_after_forward: bool = knob(True, "FSDP2: free gathered dense weights after forward (ZeRO-3) or keep them (ZeRO-2)")
     expert_shard: Literal["auto", "experts", "within"] = knob(
@@ -188,7 +188,7 @@ class ParallelConfig:
                                          "names); what node-aware dispatch and its byte counts call a node", min=1)
     dispatch: Literal["flat", "hierarchical"] = knob("flat", "how routed tokens reach the expert-parallel ranks: flat "
                                                      "(one row per token-expert pair), or hierarchical (one row per token "
-                                                     "and remote node, fanned out there; docs/multinode.md)")
+                                                     "and remote node, fanned out there; docs/dispatch.md)")
 
 
 @dataclass
@@ -204,7 +204,8 @@ class DataConfig:
     corpus: str = knob(DEFAULT_CORPUS, "a text / JSON-lines file or a directory of them "
                        "(default: Python 3.11 docs sources from Debian's python3.11-doc, PSF licence)")
     format: Literal["auto", "text", "jsonl"] = knob("auto", "auto = by extension (.jsonl/.json lines, else text)")
-    pattern: Optional[str] = knob(None, "glob inside a corpus directory (null = *.txt, *.rst, *.md, *.jsonl)")
+    pattern: Optional[str] = knob(None, "glob relative to a corpus directory (e.g. **/*.txt; null = every file below "
+                                 "it ending in .txt, .rst, .md, .text, .jsonl or .json)")
     jsonl_field: str = knob("text", "field holding the text in JSON-lines records")
     cache_dir: str = knob("data_cache", "tokenizer and token files, keyed by corpus + tokenizer settings")
     tokenizer: Optional[str] = knob(None, "an existing sentencepiece tokenizer.model or Hugging Face tokenizer.json "
@@ -252,8 +253,8 @@ class TrainConfig:
     activation_checkpointing: bool = knob(False, "recompute each block in backward (non-reentrant)")
     compile: bool = knob(False, "torch.compile (inductor) each transformer block: a dense block whole; an MoE block's "
                          "norms, attention, router and shared expert, its dispatch / exchange / expert kernel left "
-                         "eager (docs/training.md; off by default: on the CPUs measured it gained 1.00-1.15x, in fp32 and "
-                         "bf16, for 30 s to minutes of compiling per cold start; bench/results.md)")
+                         "eager (docs/performance.md; off by default: the speed-up is small where GEMMs and attention take most of "
+                         "a step, and every cold start compiles first; measured figures in bench/results.md)")
     compile_cache_dir: Optional[str] = knob(None, "train.compile: inductor's cache directory (compiled kernels, FX "
                                             "graph and AOTAutograd caches), reused by restarts and requeues; null = "
                                             "run.dir/compile_cache")

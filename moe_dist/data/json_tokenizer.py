@@ -3,7 +3,7 @@
 (Qwen2, Llama-3)."""
 from __future__ import annotations
 
-from ..errors import InputError, UserError
+from ..errors import InputError, UserError, install_hint
 
 # document separators of base models, in order of preference (Qwen2 / GPT-2, Llama-3, Llama-2 / Mistral)
 EOS_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
@@ -19,7 +19,7 @@ class JsonTokenizerBackend:
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise UserError("a tokenizer.json needs the `tokenizers` package: pip install 'moe_dist[hf]'") from None
+            raise UserError("a tokenizer.json needs the `tokenizers` package: " + install_hint("hf")) from None
         try:
             self.tok = Tokenizer.from_str(data.decode("utf-8"))
         except Exception as e:  # tokenizers raises its own exception type

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
-from ..errors import MissingInputError, UserError
+from ..errors import MissingInputError, UserError, install_hint
 from .corpus import JSONL_SUFFIXES, TEXT_SUFFIXES
 
 COMPRESSED = (".gz", ".zst")
@@ -99,7 +99,7 @@ def _open_lines(path: str):
         try:
             import zstandard
         except ImportError:
-            raise UserError(f"{path}: a .zst input needs the `zstandard` package: pip install 'moe_dist[data]'") from None
+            raise UserError(f"{path}: a .zst input needs the `zstandard` package: {install_hint('data')}") from None
         return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
     return open(path, "rb")
 
@@ -147,7 +147,7 @@ def _parquet_chunks(fi: InputFile, index: int, row: int, column: str, chunk_byte
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise UserError(f"{fi.path}: a Parquet input needs the `pyarrow` package: pip install 'moe_dist[data]'") from None
+        raise UserError(f"{fi.path}: a Parquet input needs the `pyarrow` package: {install_hint('data')}") from None
     try:
         pf = pq.ParquetFile(fi.path)
     except Exception as e:  # pyarrow raises its own error types for unreadable files

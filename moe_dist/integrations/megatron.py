@@ -32,15 +32,16 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from ..errors import ConfigError, install_hint
+
 try:
     from megatron.core import parallel_state
     from megatron.core.transformer.module import MegatronModule
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, save_to_aux_losses_tracker
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError("moe_dist.integrations.megatron needs megatron-core: pip install 'moe_dist[megatron]'") from exc
+    raise ImportError("moe_dist.integrations.megatron needs megatron-core: " + install_hint("megatron")) from exc
 
 from ..distributed.collectives import group_size
-from ..errors import ConfigError
 from ..moe.capacity import apply_capacity
 from ..moe.losses import balance_losses
 from ..moe.route_stage import route

@@ -56,7 +56,7 @@ STATE_DIR = "/run/moe-dist-cluster"
 DEFAULT_SUBNET = "10.213.27"  # node I is DEFAULT_SUBNET.(I+1); only ever inside the namespaces
 IFNAME = "eth0"  # a node's interface, inside its namespace
 SECOND_IFNAME = "eth1"  # a node's optional second interface (Cluster.add_second_interface), its default route
-SECOND_SUBNET = "10.213.2"  # its addresses: SECOND_SUBNET.(I+1), reachable from nowhere (below the eth0 subnet: see docs/multinode.md)
+SECOND_SUBNET = "10.213.2"  # its addresses: SECOND_SUBNET.(I+1), reachable from nowhere (below the eth0 subnet: see docs/namespace-cluster.md)
 _RATE = re.compile(r"^\d+(\.\d+)?([kmg]?bit|[kmg]?bps)$")
 
 

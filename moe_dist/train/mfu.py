@@ -50,8 +50,8 @@ class Utilisation:
         dtype = torch.bfloat16 if self.dtype == "bf16" else torch.float32
         flops = matmul_peak(dtype, None, CPU_PEAK_N, CPU_PEAK_S)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            # a rank disturbed while it timed (measured: half the rate once in four runs) must not
-            # lower the peak; every rank takes the best rank's, so they all report the same MFU
+            # a rank disturbed while it timed (another process on its cores) must not lower the peak;
+            # every rank takes the best rank's, so they all report the same MFU
             best = torch.tensor([flops], dtype=torch.float64)
             dist.all_reduce(best, op=dist.ReduceOp.MAX)
             flops = float(best.item())

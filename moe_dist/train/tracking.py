@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 from ..config import Config
 from ..config.load import config_to_dict
-from ..errors import ConfigError, UserError
+from ..errors import ConfigError, UserError, install_hint
 from ..exits import EXIT_PREEMPTED, exit_code_of
 from ..safe_io import UnreadableFile, read_json, write_json_atomically
 from .metrics import layer_tag, max_load_ratio, scalar_tag
@@ -37,7 +37,7 @@ ID_CHARS = string.ascii_lowercase + string.digits  # W&B run ids: 8 of these, as
 
 
 def install_command() -> str:
-    return f"{sys.executable} -m pip install 'moe_dist[wandb]'"
+    return install_hint("wandb")
 
 
 def wandb_installed() -> bool:
