@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from moe_dist.moe.routing_types import Routing
-from moe_dist.moe.cross_rank_stats import RoutingStats, group_spans
+from moe_dist.moe.routing.types import Routing
+from moe_dist.moe.routing.statistics import RoutingStats, group_spans
 
 E, T, K = 8, 12, 2
 

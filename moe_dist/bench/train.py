@@ -35,7 +35,8 @@ from typing import Optional
 import torch
 
 from ..config import load_config
-from ..hardware import matmul_peak, slow_bf16_note
+from ..hardware import matmul_peak
+from ..tuning.bf16 import slow_bf16_note
 from .gpu_check import train_flops_per_token
 from .timing import say_if_busy
 

@@ -7,9 +7,9 @@
 from .args import MoEArgs
 from .experts import GroupedExperts
 from .layer import MoELayer, collect_aux_loss, collect_stats, moe_layers
-from .layer_stats import MoEStats
+from .routing.layer_stats import MoEStats
 from .routers import ROUTERS, Router, build_router, register_router
-from .routing_types import AttentionInputs, RouterInputs, Routing, RoutingContext
+from .routing.types import AttentionInputs, RouterInputs, Routing, RoutingContext
 from .shared import SharedExpert
 
 __all__ = [

@@ -8,7 +8,7 @@ once, in :func:`mix_over_sequence` (blockwise; causal blocks skip the keys after
 
 Coupling is within one sequence only, so the routers need no collective beyond the
 layer's own (sequences are never split across data-parallel ranks). They read the sequence
-structure from the :class:`~moe_dist.moe.routing_types.RouterInputs` the model hands the layer:
+structure from the :class:`~moe_dist.moe.routing.types.RouterInputs` the model hands the layer:
 ``batch_shape``, ``padding_mask`` (padding keys are masked) and ``causal`` (in decoders a token
 never mixes with later tokens); the attention-aware router also its ``attention``.
 
@@ -27,8 +27,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...checks import check_bounds, check_choice
-from ..dispatch.counting import count_values
-from ..routing_types import AttentionInputs, Routing, RouterInputs, RoutingContext
+from ..counting import count_values
+from ..routing.types import AttentionInputs, Routing, RouterInputs, RoutingContext
 from .base import gate_normalization
 from .registry import register_router
 from .wrapping import WrappingRouter, topk_set_changed
@@ -500,7 +500,7 @@ class AttentionRouter(TokenGraphRouter):
     the head of lowest mean attention entropy and ``A^P_h[i, j] ∝ A_h[i, j] N(u_i | v'_{h,j}, sigma^2 I)``.
 
     Reads the attention right before this layer (``inputs.attention``, an
-    :class:`~moe_dist.moe.routing_types.AttentionInputs`) in one of two forms:
+    :class:`~moe_dist.moe.routing.types.AttentionInputs`) in one of two forms:
 
     - scores (what the model hands; ``attention_needs = "scores"``): ``queries`` / ``keys``.
       Nothing ``[B, H, S, S]`` is kept: the entropies are computed block by block without

@@ -15,7 +15,7 @@ a :class:`RoutingModel` instead of reading the device:
   (the dry run's own validation).
 
 Every rank of a model routes the same shares (``balanced``, ``skew``, a histogram); a capacity
-factor then caps what each rank keeps, as :func:`~moe_dist.moe.capacity.apply_capacity` would.
+factor then caps what each rank keeps, as :func:`~moe_dist.moe.routing.capacity.apply_capacity` would.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .capacity import expert_capacity
 
 
