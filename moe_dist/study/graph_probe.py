@@ -128,7 +128,7 @@ def probe_run(cfg, rt, path: str, run_dir: str, json_path: Optional[str]) -> Non
     from ..train.data_setup import load_data, resolve_vocab
     from ..train.evaluate import validation_batches
     from ..train.model_setup import build_meta_model, weights_filler
-    from ..train.parallelize import parallelize
+    from ..parallel.parallelize import parallelize
 
     data = load_data(cfg, rt, lambda _msg: None)
     model = build_meta_model(cfg, resolve_vocab(cfg, data))
