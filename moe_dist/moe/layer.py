@@ -1,12 +1,10 @@
-"""MoELayer: route -> gather the routing statistics -> balance losses -> capacity -> dispatch ->
-experts -> combine -> shared expert.
+"""MoELayer: the routing stage -> dispatch -> experts -> combine -> shared expert.
 
-Each stage lives in its own module: :mod:`~moe_dist.moe.routing.stage`,
-:mod:`~moe_dist.moe.routing.statistics`, :mod:`~moe_dist.moe.routing.losses`, :mod:`~moe_dist.moe.routing.capacity`,
-:mod:`~moe_dist.moe.dispatch` (one dispatcher, flat or hierarchical, chosen in
-:meth:`MoELayer.set_groups`: dispatch, experts, combine), :mod:`~moe_dist.moe.experts`,
-:mod:`~moe_dist.moe.shared`; each states its host reads. The Megatron
-plug-in (``moe_dist.integrations.megatron``) runs the same routing stages.
+:mod:`~moe_dist.moe.routing` (one :class:`~moe_dist.moe.routing.stage.RoutingStage`: route, the
+routing statistics, balance losses, capacity; the Megatron plug-in ``moe_dist.integrations.megatron``
+runs the same stage), :mod:`~moe_dist.moe.dispatch` (one dispatcher, flat or hierarchical, chosen in
+:meth:`MoELayer.set_groups`: dispatch, the exchange, combine), :mod:`~moe_dist.moe.experts` (compute
+only), :mod:`~moe_dist.moe.shared`; each states its host reads.
 
 The layer is built for one process from one :class:`~moe_dist.moe.args.MoEArgs`;
 ``apply_expert_parallel`` (moe_dist.parallel) later keeps only this rank's experts and hands the

@@ -104,7 +104,9 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor, kee
     order = torch.argsort(send_order_key(kept, num_experts, ep, me), stable=True)
     local = num_experts // ep
     send_counts = counts.view(ep, local)
-    if peer_counts is None:
+    if peer_counts is None and host_counts is not None and keep is None:
+        recv_counts = None  # a dry run of a dropless layer: known without a count exchange, as in the real run
+    elif peer_counts is None:
         recv_counts = torch.empty_like(send_counts)
         if meter is not None:
             meter.record(COUNTS, [1] * ep, send_counts)  # one row of E/ep counts to every peer
