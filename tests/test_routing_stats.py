@@ -1,4 +1,4 @@
-"""The routing statistics' row (moe_dist/moe/cross_rank_stats.py): what one all-gather per MoE layer
+"""The routing statistics' row (moe_dist/moe/routing/statistics.py): what one all-gather per MoE layer
 carries. Group spans ride in it only with node-limited routing; pack and unpack are inverses."""
 from __future__ import annotations
 
