@@ -1,4 +1,4 @@
-"""train.attention_dtype (moe_dist/train/attention_choice.py): the fused attention kernel run on
+"""train.attention_dtype (moe_dist/tuning/attention.py): the fused attention kernel run on
 fp32 copies under bf16 autocast, and one choice for every rank."""
 import pytest
 import torch
@@ -8,7 +8,7 @@ from helpers.dist_harness import run_ranks
 from moe_dist.config import load_config
 from moe_dist.model import build_model
 from moe_dist.model.layers import Attention, fused_attention
-from moe_dist.train.attention_choice import decide_attention_dtype, probe_layer, time_attention
+from moe_dist.tuning.attention import decide_attention_dtype, time_attention
 
 
 def _qkv(dtypes=(torch.bfloat16,) * 3):
@@ -60,7 +60,7 @@ def test_auto_takes_fp32_only_when_clearly_faster():
     assert d.dtype == "bf16"  # within the noise margin: torch's default stays
     layer = next(m for m in model.modules() if isinstance(m, Attention))
     layer.sdpa_dtype = torch.float32
-    probe = probe_layer(layer, torch.device("cpu"))
+    probe = layer.probe(torch.device("cpu"))
     assert (probe.n_heads, probe.n_kv_heads, probe.head_dim) == (layer.n_heads, layer.n_kv_heads, layer.head_dim)
     times = time_attention(probe, 2, 16, torch.device("cpu"), reps=1)
     assert set(times) == {"bf16", "fp32"} and all(0 < t < 10 for t in times.values())

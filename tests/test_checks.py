@@ -14,7 +14,7 @@ from moe_dist.model.layers import Attention
 from moe_dist.moe import build_router, MoEArgs, MoELayer
 from moe_dist.moe.experts import GroupedExperts
 from moe_dist.moe.routers.symphony import normalize_counts
-from moe_dist.moe.routing_types import SCOPES, RoutingContext
+from moe_dist.moe.routing.types import SCOPES, RoutingContext
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEST_CONFIG = os.path.join(ROOT, "configs", "test.yaml")

@@ -2,7 +2,7 @@
 in which they do not is caught."""
 from __future__ import annotations
 
-from moe_dist.moe.routing_model import Skewed
+from moe_dist.moe.routing.stand_in import Skewed
 from moe_dist.plan.collective_check import check, check_world, sample_ranks
 
 SMALL = ["model.n_layers=2", "train.seq_len=64", "eval.batch=16", "train.global_batch=32"]

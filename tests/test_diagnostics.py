@@ -12,7 +12,7 @@ from moe_dist.diagnostics import (RoutingDiagnostics, fluctuation_rates, format_
                                   probe_assignments, ranked_experts, routing_summary)
 from moe_dist.distributed import build_parallel_groups
 from moe_dist.moe import MoEArgs, MoELayer, collect_stats
-from moe_dist.moe.routing_types import AttentionInputs, Routing, RouterInputs
+from moe_dist.moe.routing.types import AttentionInputs, Routing, RouterInputs
 from moe_dist.parallel import apply_expert_parallel
 
 D, E, VOCAB = 16, 4, 40

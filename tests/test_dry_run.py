@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from moe_dist.errors import ConfigError
-from moe_dist.moe.routing_model import (Balanced, LayerCall, Skewed, apportion, kept_counts,
+from moe_dist.moe.routing.stand_in import (Balanced, LayerCall, Skewed, apportion, kept_counts,
                                         parse_routing_model)
 
 TINY = ["model.n_layers=2", "train.seq_len=64", "model.vocab_size=4096", "eval.batch=16"]
@@ -83,7 +83,7 @@ def test_dry_run_refuses_what_the_trainer_refuses():
 
 def test_the_busiest_experts_rank_is_played_by_default():
     from moe_dist.config import load_config
-    from moe_dist.moe.routing_model import Histogram
+    from moe_dist.moe.routing.stand_in import Histogram
     from moe_dist.plan.dry_run import busiest_rank
 
     cfg = load_config("configs/tiny.yaml", TINY + ["parallel.ep=4"])

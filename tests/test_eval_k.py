@@ -43,7 +43,7 @@ import torch  # noqa: E402
 
 from moe_dist.moe.routers import ROUTERS, build_router, set_inference_k  # noqa: E402
 from moe_dist.moe.routers.base import gate_normalization  # noqa: E402
-from moe_dist.moe.routing_types import RoutingContext  # noqa: E402
+from moe_dist.moe.routing.types import RoutingContext  # noqa: E402
 
 E, D = 8, 16
 SMALL = {"hyper": dict(embed_dim=8, hyper_dim=8)}

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from helpers.dist_harness import run_ranks
-from moe_dist.moe.dispatch.exchange import Exchange, exchange_rows, return_rows
+from moe_dist.moe.dispatch.exchange import Exchange, exchange_rows, experts_across, return_rows
 from moe_dist.moe.experts import GroupedExperts
 
 D_MODEL, D_FF, EXPERTS = 16, 24, 8
@@ -48,7 +48,7 @@ def _run(rank, world, activation, dtype, autocast, seed):
         (y.float() * w.float()).sum().backward()
         return {"y": y.detach(), "gx": xs.grad, **{n: p.grad.clone() for n, p in experts.named_parameters()}}
 
-    pipelined = grads(lambda xs: experts(xs, local_counts, ex))
+    pipelined = grads(lambda xs: experts_across(experts, xs, ex, local_counts))
 
     def plain(xs):
         rows, segments = exchange_rows(xs, ex)
@@ -115,7 +115,7 @@ def _schedule(rank, world):
     ex = _exchange(counts, rank, dist.group.WORLD)
     experts = GroupedExperts(EXPERTS // world, D_MODEL, D_FF, kernel="loop")
     x = torch.randn(sum(ex.send), D_MODEL, requires_grad=True)
-    experts(x, counts[:, rank].sum(0).tolist(), ex).sum().backward()
+    experts_across(experts, x, ex, counts[:, rank].sum(0).tolist()).sum().backward()
     return events
 
 
@@ -147,7 +147,7 @@ def _peer_leaves(rank, world):
     ex = _exchange(counts, rank, dist.group.WORLD)
     experts = GroupedExperts(EXPERTS // world, D_MODEL, D_FF, kernel="loop")
     try:
-        experts(torch.randn(sum(ex.send), D_MODEL), counts[:, rank].sum(0).tolist(), ex)
+        experts_across(experts, torch.randn(sum(ex.send), D_MODEL), ex, counts[:, rank].sum(0).tolist())
     except RuntimeError as e:
         info = failed_collective(e)
         return None if info is None else {"name": info.name, "caller": info.caller, "ranks": info.ranks,

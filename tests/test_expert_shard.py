@@ -93,7 +93,7 @@ def _fill(rank, world, root, extra, weights):
     from moe_dist.distributed.bootstrap import init_distributed
     from moe_dist.parallel import expert_parameters
     from moe_dist.train.model_setup import build_meta_model, weights_filler
-    from moe_dist.train.parallelize import parallelize
+    from moe_dist.parallel.parallelize import parallelize
 
     cfg = config(root, "fill", *extra)
     rt = init_distributed(cfg.parallel.ep, cfg.model.moe.num_experts, backend="gloo")

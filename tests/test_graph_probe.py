@@ -7,7 +7,7 @@ import torch
 
 from moe_dist.config import load_config
 from moe_dist.model import build_model
-from moe_dist.moe.routers.token_graph import dense_graph_weights, mix_over_sequence
+from moe_dist.moe.routers.graph_mixing import dense_graph_weights, mix_over_sequence
 from moe_dist.study.graph_probe import format_probe, probe_token_graph
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

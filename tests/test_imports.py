@@ -95,6 +95,7 @@ LAYERS = (
      "moe_dist.integrations", "moe_dist.exits"),
     ("moe_dist.model",),
     ("moe_dist.moe",),
+    ("moe_dist.tuning",),  # the choices made by timing: the experts and attention name what they offer it
     ("moe_dist.distributed",),
     ("moe_dist.checks", "moe_dist.safe_dcp"),
     ("moe_dist.safe_io",),
@@ -114,6 +115,34 @@ def test_imports_point_down_the_layers():
     upward = [f"{m} -> {t}" for m, targets in sorted(graph.items()) if m != "moe_dist" for t in sorted(targets)
               if _package(t) != _package(m) and level[_package(t)] <= level[_package(m)]]
     assert not upward, "imports that do not point down the layers:\n" + "\n".join(upward)
+
+
+# inside moe_dist.moe, from the top: the layer; its options and the dispatcher; the routing stage; the
+# routers, the shared expert and the experts (compute only); the routing types (what routers return and
+# read), the row helpers. The dispatcher runs the experts and owns every exchange: the experts never
+# import it, and the routing stage never imports the dispatcher.
+MOE_FLOORS = (
+    ("moe_dist.moe.layer",),
+    ("moe_dist.moe.args", "moe_dist.moe.dispatch"),
+    ("moe_dist.moe.routing",),
+    ("moe_dist.moe.routers", "moe_dist.moe.shared", "moe_dist.moe.experts"),
+    ("moe_dist.moe.routing.types", "moe_dist.moe.rows", "moe_dist.moe.counting"),
+)
+
+
+def test_moe_imports_point_down_its_floors():
+    level = {unit: i for i, line in enumerate(MOE_FLOORS) for unit in line}
+    graph = _graph()
+
+    def unit(module: str) -> str:  # the longest floor entry that is the module or a package above it
+        return max((u for u in level if module == u or module.startswith(u + ".")), key=len, default=module)
+
+    inside = {m for m in graph if m.startswith("moe_dist.moe.")}
+    unplaced = sorted({unit(m) for m in inside} - set(level))
+    assert not unplaced, f"modules of moe_dist.moe missing from MOE_FLOORS: {unplaced}"
+    upward = [f"{m} -> {t}" for m in sorted(inside) for t in sorted(graph[m])
+              if t.startswith("moe_dist.moe.") and unit(t) != unit(m) and level[unit(t)] <= level[unit(m)]]
+    assert not upward, "imports inside moe_dist.moe that do not point down its floors:\n" + "\n".join(upward)
 
 
 def test_only_benchmarks_use_the_test_infrastructure():

@@ -15,8 +15,9 @@ import torch
 
 from helpers.dist_harness import run_ranks
 from moe_dist.moe import MoEArgs, MoELayer
-from moe_dist.moe.experts import GroupedExperts, KernelTuner
-from moe_dist.parallel.kernel_choice import MIN_ROWS, agree_expert_kernels
+from moe_dist.moe.experts import GroupedExperts
+from moe_dist.tuning.expert_kernel import KernelTuner
+from moe_dist.tuning.expert_kernel import MIN_ROWS, agree_expert_kernels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -10,7 +10,7 @@ from helpers.router_cases import SPAWN, build_jobs, call_labels, check_calls, di
 from moe_dist.moe import MoEArgs, MoELayer
 from moe_dist.moe.routers import build_router
 from moe_dist.moe.routers.ac import cluster_dispersion, dispersion_weights
-from moe_dist.moe.routing_types import RouterInputs, RoutingContext
+from moe_dist.moe.routing.types import RouterInputs, RoutingContext
 
 E = 8
 AC = dict(labels=True, layer_idx=2)

@@ -10,7 +10,7 @@ from moe_dist.moe import MoEArgs, MoELayer
 from moe_dist.moe.routers import build_router, synchronize_frozen_routers
 from moe_dist.moe.routers import set_inference_k
 from moe_dist.moe.routers.hyper import FrozenRouter, HyperRouter, scheduled_k
-from moe_dist.moe.routing_types import RoutingContext
+from moe_dist.moe.routing.types import RoutingContext
 
 E = 8
 HYPER = dict(router="hyper", router_options=dict(embed_dim=16, hyper_dim=32, k_max=6, k_schedule_steps=10))

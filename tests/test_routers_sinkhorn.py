@@ -11,7 +11,7 @@ from moe_dist.moe import MoEArgs, MoELayer
 from moe_dist.moe.routers import build_router
 from moe_dist.moe.routers.sinkhorn import sinkhorn_dual, transport_plan
 from moe_dist.moe.routers.ssr import SelectiveSinkhornRouter
-from moe_dist.moe.routing_types import RoutingContext
+from moe_dist.moe.routing.types import RoutingContext
 
 E = 8
 NO_AUX = dict(aux_loss_coef=0.0, z_loss_coef=0.0)

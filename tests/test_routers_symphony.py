@@ -14,7 +14,7 @@ from helpers.moe_cases import D_MODEL, check_against_reference, collect, make_ba
 from moe_dist.distributed import build_parallel_groups
 from moe_dist.moe import MoEArgs, MoELayer
 from moe_dist.moe.routers import build_router
-from moe_dist.moe.routing_types import RouterInputs, RoutingContext
+from moe_dist.moe.routing.types import RouterInputs, RoutingContext
 from moe_dist.parallel import apply_expert_parallel, sync_gradients
 
 E, K = 8, 2

@@ -13,8 +13,8 @@ from moe_dist.distributed import build_parallel_groups
 from moe_dist.errors import ConfigError
 from moe_dist.moe import MoEArgs, MoELayer
 from moe_dist.moe.routers import build_router
-from moe_dist.moe.routers.token_graph import dense_graph_weights, mix_over_sequence, routing_entropy
-from moe_dist.moe.routing_types import AttentionInputs, RouterInputs, RoutingContext
+from moe_dist.moe.routers.graph_mixing import dense_graph_weights, mix_over_sequence, routing_entropy
+from moe_dist.moe.routing.types import AttentionInputs, RouterInputs, RoutingContext
 from moe_dist.parallel import apply_expert_parallel, sync_gradients
 
 E, K = 8, 2

@@ -1,11 +1,11 @@
-"""The routing statistics' row (moe_dist/moe/cross_rank_stats.py): what one all-gather per MoE layer
+"""The routing statistics' row (moe_dist/moe/routing/statistics.py): what one all-gather per MoE layer
 carries. Group spans ride in it only with node-limited routing; pack and unpack are inverses."""
 from __future__ import annotations
 
 import torch
 
-from moe_dist.moe.routing_types import Routing
-from moe_dist.moe.cross_rank_stats import RoutingStats, group_spans
+from moe_dist.moe.routing.types import Routing
+from moe_dist.moe.routing.statistics import RoutingStats, group_spans
 
 E, T, K = 8, 12, 2
 

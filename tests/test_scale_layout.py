@@ -32,7 +32,7 @@ def _build_and_fill(rank, world, tmp, ep, weights):
     from moe_dist.model.init import materialize
     from moe_dist.parallel import expert_parameters
     from moe_dist.train.model_setup import build_meta_model, weights_filler
-    from moe_dist.train.parallelize import parallelize
+    from moe_dist.parallel.parallelize import parallelize
 
     cfg = cfg_for(tmp, f"parallel.ep={ep}")
     rt = init_distributed(ep, cfg.model.moe.num_experts, backend="gloo")

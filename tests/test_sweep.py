@@ -13,7 +13,7 @@ import torch
 
 from moe_dist.config import ConfigError
 from moe_dist.moe.routers import build_router
-from moe_dist.moe.routing_types import RoutingContext
+from moe_dist.moe.routing.types import RoutingContext
 from moe_dist.study.report import aggregate, mean_std
 from moe_dist.study.spec import check_runs, load_study
 

@@ -18,7 +18,7 @@ from moe_dist.distributed.bootstrap import init_distributed
 from moe_dist.model import build_model
 from moe_dist.train.checkpoint import expert_keyed_state_dict, latest_checkpoint, load_checkpoint, save_checkpoint
 from moe_dist.train.optim import build_optimizer, lr_at
-from moe_dist.train.parallelize import parallelize
+from moe_dist.parallel.parallelize import parallelize
 from moe_dist.train.trainer import train
 from moe_dist.moe import moe_layers
 
@@ -172,7 +172,7 @@ def test_bf16_on_a_cpu_without_bf16_matmuls_runs_as_fp32(monkeypatch, tmp_path, 
     """The decision with the timed probe mocked both ways: a slow probe turns train.dtype=bf16 into
     fp32 with one line naming the ratio, the model-sized shape and the key that keeps bf16; a fast
     probe and GPUs keep bf16; the runtime probes at the model's size."""
-    from moe_dist import hardware
+    from moe_dist.tuning import bf16
     from moe_dist.train.runtime import setup_runtime
 
     cpu = torch.device("cpu")
@@ -182,17 +182,17 @@ def test_bf16_on_a_cpu_without_bf16_matmuls_runs_as_fp32(monkeypatch, tmp_path, 
         shapes.append(shape)
         return 87.0
 
-    monkeypatch.setattr(hardware, "bf16_matmul_slowdown", slow)
-    dtype, note = hardware.bf16_choice(cpu, "bf16")
+    monkeypatch.setattr(bf16, "bf16_matmul_slowdown", slow)
+    dtype, note = bf16.bf16_choice(cpu, "bf16")
     assert dtype == "fp32" and "87.0x slower" in note and "(256x512 by 512x512)" in note
     assert "train.bf16_on_slow_cpu=bf16" in note
-    dtype, note = hardware.bf16_choice(cpu, "bf16", "bf16")
+    dtype, note = bf16.bf16_choice(cpu, "bf16", "bf16")
     assert dtype == "bf16" and note.startswith("warning:") and "train.dtype=fp32" in note
-    assert hardware.bf16_choice(cpu, "fp32") == ("fp32", None)
-    assert hardware.bf16_choice(torch.device("cuda"), "bf16") == ("bf16", None)  # GPUs have their own bf16 units
-    assert hardware.bf16_choice(cpu, "bf16", agree=lambda r: 1.0) == ("bf16", None)  # another rank's figure decides
-    note = hardware.slow_bf16_note(cpu, "bf16")  # what the benchmarks print (they time the dtype they name)
-    assert note and "87.0x" in note and hardware.slow_bf16_note(cpu, "fp32") is None
+    assert bf16.bf16_choice(cpu, "fp32") == ("fp32", None)
+    assert bf16.bf16_choice(torch.device("cuda"), "bf16") == ("bf16", None)  # GPUs have their own bf16 units
+    assert bf16.bf16_choice(cpu, "bf16", agree=lambda r: 1.0) == ("bf16", None)  # another rank's figure decides
+    note = bf16.slow_bf16_note(cpu, "bf16")  # what the benchmarks print (they time the dtype they name)
+    assert note and "87.0x" in note and bf16.slow_bf16_note(cpu, "fp32") is None
     # the runtime every command sets up (train, eval, eval --checkpoint) applies it, rank 0 says it once
     cfg = load_config(os.path.join(ROOT, "configs/test.yaml"), [f"run.dir={tmp_path}/run", "parallel.ep=1",
                                                               "train.dtype=bf16"])
@@ -207,10 +207,10 @@ def test_bf16_on_a_cpu_without_bf16_matmuls_runs_as_fp32(monkeypatch, tmp_path, 
                                                                "train.dtype=bf16", "train.bf16_on_slow_cpu=bf16"])
     setup_runtime(kept, setup_runtime(kept))
     assert kept.train.dtype == "bf16" and capsys.readouterr().out.count("warning: train.dtype=bf16 kept") == 1
-    assert hardware.probe_shape(10**6, 4096, 14336) == (16, 4096, 2288)  # a 7B model's: the work held near PROBE_FLOPS
-    assert hardware.probe_shape(8192, 256, 512) == (1144, 256, 512)
-    monkeypatch.setattr(hardware, "bf16_matmul_slowdown", lambda *shape: 1.3)  # fast enough: bf16 stays
-    assert hardware.bf16_choice(cpu, "bf16") == ("bf16", None)
+    assert bf16.probe_shape(10**6, 4096, 14336) == (16, 4096, 2288)  # a 7B model's: the work held near PROBE_FLOPS
+    assert bf16.probe_shape(8192, 256, 512) == (1144, 256, 512)
+    monkeypatch.setattr(bf16, "bf16_matmul_slowdown", lambda *shape: 1.3)  # fast enough: bf16 stays
+    assert bf16.bf16_choice(cpu, "bf16") == ("bf16", None)
 
 
 def test_the_bf16_probe_finds_the_fallback_path_under_load():
@@ -218,8 +218,8 @@ def test_the_bf16_probe_finds_the_fallback_path_under_load():
     ONEDNN_MAX_CPU_ISA=AVX2 here, or an AVX2-only CPU) send bf16 matmuls to a path tens of times
     slower than fp32; with two busy processes beside it the model-sized probe still says so."""
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-    code = ("import torch; from moe_dist import hardware; "
-            "print(hardware.bf16_choice(torch.device('cpu'), 'bf16', shape=hardware.probe_shape(4096, 256, 512))[0])")
+    code = ("import torch; from moe_dist.tuning import bf16; "
+            "print(bf16.bf16_choice(torch.device('cpu'), 'bf16', shape=bf16.probe_shape(4096, 256, 512))[0])")
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
         out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from ..moe.routing_types import ATTENTION_NEEDS, AttentionInputs
+from ..moe.routing.types import ATTENTION_NEEDS, AttentionInputs
 
 
 @torch.no_grad()

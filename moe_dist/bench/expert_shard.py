@@ -44,7 +44,7 @@ def _gather_rank(rank: int, world: int, experts: int, d_model: int, d_ff: int, r
     from torch.distributed.fsdp import fully_shard
 
     from ..moe.experts import GroupedExperts
-    from ..train.parallelize import expert_placement
+    from ..parallel.parallelize import expert_placement
 
     mesh = init_device_mesh("cpu", (world,))
     units = {}

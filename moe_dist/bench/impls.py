@@ -16,9 +16,9 @@ import torch.nn.functional as F
 
 from ..distributed import ParallelGroups
 from ..moe import MoEArgs, MoELayer
-from ..moe.routing_types import RouterInputs
+from ..moe.routing.types import RouterInputs
 from ..parallel import apply_expert_parallel
-from ..parallel.kernel_choice import agree_expert_kernels
+from ..tuning.expert_kernel import agree_expert_kernels
 from .attention_inputs import synthetic_attention_inputs
 from .workload import Workload, imbalance
 

@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from ..hardware import slow_bf16_note
+from ..tuning.bf16 import slow_bf16_note
 from .cli_args import add_size_arguments, check_routers, sizes_from_args
 from .report import table, target_check
 from .runner import IMPLS, BenchConfig, log, progress, run_processes, run_single

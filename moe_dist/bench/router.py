@@ -23,7 +23,7 @@ import sys
 import torch
 
 from ..distributed import ParallelGroups
-from ..hardware import slow_bf16_note
+from ..tuning.bf16 import slow_bf16_note
 from ..moe.routers.token_graph import ENTROPY_SCAN_RANGE
 from ..train.compile import compile_parts, moe_layer_parts
 from .cli_args import add_size_arguments, check_routers, sizes_from_args

@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from ..config import load_config
-from ..hardware import slow_bf16_note
+from ..tuning.bf16 import slow_bf16_note
 from ..model import build_model
 from ..moe import collect_aux_loss
-from ..train.attention_choice import decide_attention_dtype
+from ..tuning.attention import decide_attention_dtype
 from ..train.compile import apply_compile
 from .timing import say_if_busy
 

@@ -35,7 +35,8 @@ from typing import Optional
 import torch
 
 from ..config import load_config
-from ..hardware import matmul_peak, slow_bf16_note
+from ..hardware import matmul_peak
+from ..tuning.bf16 import slow_bf16_note
 from .gpu_check import train_flops_per_token
 from .timing import say_if_busy
 
@@ -71,7 +72,8 @@ def run_case(config: str, nproc: int, steps: int, engine: str, dtype: str, overr
             "compile": summary.get("compile"), "flops_per_token": train_flops_per_token(os.path.join(run_dir, "config.yaml"))}
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def _parse(argv: Optional[list[str]]) -> tuple[argparse.Namespace, list[str], list[str], list[str]]:
+    """The arguments, and the engines, dtypes and compile settings they list (each checked)."""
     p = argparse.ArgumentParser(prog="python -m moe_dist.bench.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/tiny.yaml")
@@ -97,6 +99,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             p.error(f"--engines: {e!r} is not allowed; allowed: ['native', 'deepspeed']")
     if args.steps <= args.skip:
         p.error(f"--steps {args.steps} must exceed --skip {args.skip}")
+    return args, engines, dtypes, compiles
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args, engines, dtypes, compiles = _parse(argv)
     cfg = load_config(args.config, list(args.overrides))
     threads_per_proc = cfg.run.threads or max(1, (len(os.sched_getaffinity(0)) // args.nproc))
     cpu = torch.backends.cpu.get_cpu_capability()

@@ -246,9 +246,9 @@ class TrainConfig:
                                                           "kernel runs in: bf16, fp32 (on fp32 copies of the bf16 "
                                                           "queries, keys and values) or auto (the faster of the two at "
                                                           "a micro-batch's shape, timed on every rank before the first "
-                                                          "step; moe_dist/train/attention_choice.py)")
+                                                          "step; moe_dist/tuning/attention.py)")
     bf16_on_slow_cpu: Literal["fp32", "bf16"] = knob("fp32", "train.dtype=bf16 on a CPU whose bf16 matmuls of the "
-                                                     "model's size time 1.5x or more fp32's (moe_dist/hardware.py): "
+                                                     "model's size time 1.5x or more fp32's (moe_dist/tuning/bf16.py): "
                                                      "fp32 runs it as fp32 (said at start-up), bf16 keeps bf16")
     activation_checkpointing: bool = knob(False, "recompute each block in backward (non-reentrant)")
     compile: bool = knob(False, "torch.compile (inductor) each transformer block: a dense block whole; an MoE block's "

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from ..moe import moe_layers
-from ..moe.routing_types import Routing
+from ..moe.routing.types import Routing
 
 
 def ranked_experts(routing: Routing) -> torch.Tensor:

@@ -42,13 +42,10 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("moe_dist.integrations.megatron needs megatron-core: " + install_hint("megatron")) from exc
 
 from ..distributed.collectives import group_size
-from ..moe.capacity import apply_capacity
-from ..moe.losses import balance_losses
-from ..moe.route_stage import route
 from ..moe.routers import build_router
-from ..moe.routing_types import RouterInputs, RoutingContext, is_recomputing
-from ..moe.cross_rank_stats import RoutingStats, reduce_routing_stats
-from ..moe.layer_stats import MoEStats
+from ..moe.routing.layer_stats import MoEStats
+from ..moe.routing.stage import RoutingStage, StageSettings
+from ..moe.routing.types import RouterInputs, RoutingContext, is_recomputing
 from ..safe_dcp import SafeFileSystemReader
 
 LOAD_BALANCING_TYPES = ("aux_loss", "global_aux_loss", "none")
@@ -124,7 +121,7 @@ class MegatronRouter(MegatronModule):
     gates over every rank's pairs go first (one host read of the ranks' pair counts).
 
     Attributes after a forward: ``stats`` (:class:`moe_dist.moe.MoEStats`, global values),
-    ``last_routing`` (this rank's :class:`moe_dist.moe.routing_types.Routing`, tokens in Megatron's
+    ``last_routing`` (this rank's :class:`moe_dist.moe.routing.types.Routing`, tokens in Megatron's
     ``[S, B]`` order). Parameters and buffers of ``self.router`` are saved and loaded by
     Megatron's ``sharded_state_dict`` (replicated, like Megatron's own router weight).
     """
@@ -161,6 +158,8 @@ class MegatronRouter(MegatronModule):
         # Megatron averages dense gradients over data x context parallel ranks
         self.dp_cp_size = max(1, group_size(pg_collection.tp_dp_cp) // tp_size)
         self.context = RoutingContext(stats_group=self.stats_group, ep_group=pg_collection.ep, seed=seed)
+        self._settings = StageSettings(config.num_moe_experts, config.moe_router_topk, drop_policy="probs",
+                                       per_rank=False)
         lb = config.moe_router_load_balancing_type
         self.aux_loss_coef = 0.0 if lb == "none" else float(config.moe_aux_loss_coeff)
         self.z_loss_coef = float(config.moe_z_loss_coeff or 0.0)
@@ -203,21 +202,19 @@ class MegatronRouter(MegatronModule):
         if self.training and not is_recomputing():
             ctx.micro_step = self._micro_steps
             self._micro_steps += 1
-        routing = route(self.router, x, ctx, inputs)
+        stage = RoutingStage(self.router, ctx, self._settings)
+        routing = stage.route(x, inputs)
         if self.sequence_major:
             routing = replace(routing, **{name: _to_seq_first(getattr(routing, name), B, S)
                                           for name in ("expert_ids", "gates", "probs", "logits")})
         self.last_routing = routing
         probs = routing.probs
-        # the layer's stages with Megatron's settings: global statistics (one small all-reduce),
+        # the layer's routing stage with Megatron's settings: global statistics (one small all-reduce),
         # batch balance loss, global capacity dropping the lowest gates
-        stats = reduce_routing_stats(RoutingStats.measure(routing, self.config.num_moe_experts), self.stats_group)
-        losses = balance_losses(routing, stats)
-        capacity = apply_capacity(routing, stats, self.config.moe_expert_capacity_factor, scope="global",
-                                  drop_policy="probs", group=self.stats_group)
-        keep, tokens_g = capacity.keep, stats.total.tokens
+        routed = stage.settle(routing, self.config.moe_expert_capacity_factor)
+        losses, keep, tokens_g = routed.losses, routed.capacity.keep, routed.stats.total.tokens
         gates = routing.gates if keep is None else routing.gates * keep
-        self.stats = MoEStats.of(stats.total, losses, capacity, routing)
+        self.stats = routed.layer_stats
 
         out_probs = torch.zeros_like(probs).scatter(1, routing.expert_ids, gates)
         routing_map = torch.zeros(probs.shape, dtype=torch.bool, device=probs.device).scatter_(

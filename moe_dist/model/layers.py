@@ -9,7 +9,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..checks import check_choice
-from ..moe.routing_types import ATTENTION_NEEDS, AttentionInputs
+from ..moe.routing.types import ATTENTION_NEEDS, AttentionInputs
+from ..tuning.attention import TimedAttention
 
 
 QK_NORMS = ("none", "projection")  # model.qk_norm: where Attention normalises queries and keys
@@ -72,11 +73,11 @@ def _init_linear(layer: nn.Linear, std: float) -> nn.Linear:
     return layer
 
 
-class Attention(nn.Module):
+class Attention(nn.Module, TimedAttention):
     """Causal grouped-query attention: ``n_heads`` query heads share ``n_kv_heads`` key/value heads.
 
     ``forward`` returns the output and, when asked (``capture``, one of
-    :data:`~moe_dist.moe.routing_types.ATTENTION_NEEDS`), an :class:`~moe_dist.moe.routing_types.AttentionInputs`
+    :data:`~moe_dist.moe.routing.types.ATTENTION_NEEDS`), an :class:`~moe_dist.moe.routing.types.AttentionInputs`
     for a router that reads the attention: ``scores`` gives the rotated queries and keys, the
     values, the output and the output projection's weight, and the fused SDPA kernel still runs;
     ``probs`` also the probabilities ``[B, H, S, S]``, whose scores and softmax are then computed
@@ -88,7 +89,7 @@ class Attention(nn.Module):
     ``sdpa_dtype``: the dtype the fused SDPA kernel runs in when its inputs come in another one
     (None: theirs). Under bf16 autocast, ``torch.float32`` computes attention from fp32 copies of
     the bf16 queries, keys and values and returns bf16: on CPUs whose bf16 flash-attention
-    backward is slower than fp32's (``train.attention_dtype``, :mod:`moe_dist.train.attention_choice`).
+    backward is slower than fp32's (``train.attention_dtype``, :mod:`moe_dist.tuning.attention`).
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, init_std: float, out_init_std: float,
@@ -103,6 +104,31 @@ class Attention(nn.Module):
         self.wv = _init_linear(nn.Linear(d_model, n_kv_heads * self.head_dim, bias=qkv_bias), init_std)
         self.wo = _init_linear(nn.Linear(n_heads * self.head_dim, d_model, bias=False), out_init_std)
         self.sdpa_dtype: Optional[torch.dtype] = None
+
+    def probe(self, device: torch.device, seed: int = 0) -> "Attention":
+        """A fresh attention layer of this one's shape on ``device`` (random weights)."""
+        probe = Attention(self.wq.in_features, self.n_heads, self.n_kv_heads, 0.02, 0.02,
+                          qkv_bias=self.wq.bias is not None, qk_norm="projection" if self.q_norm is not None else "none")
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for w in probe.parameters():
+                w.copy_(torch.randn(w.shape, generator=gen) * 0.02)
+        return probe.to(device)
+
+    def timing_step(self, batch: int, seq_len: int, device: torch.device, seed: int = 0):
+        """One forward + backward under bf16 autocast as the model runs it (fp32 inputs, RoPE), as a
+        call: the projections are transposed views and RoPE returns fp32 queries and keys, so the
+        bf16 kernel casts them back; those casts count in the timing (:mod:`moe_dist.tuning.attention`)."""
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(batch, seq_len, self.wq.in_features, generator=gen).to(device).requires_grad_()
+        g = torch.randn(batch, seq_len, self.wo.out_features, generator=gen).to(device, torch.bfloat16)
+        cos, sin = rotary_tables(seq_len, self.head_dim, 10000.0, device, torch.float32)
+
+        def step() -> None:
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+                out, _ = self(x, cos, sin)
+            torch.autograd.grad(out, [x, *self.parameters()], g)
+        return step
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
                 capture: Optional[str] = None) -> tuple[torch.Tensor, Optional[AttentionInputs]]:

@@ -5,10 +5,10 @@ The model is defined as for one process; parallelism reaches it from outside, af
 the layer its process groups (``MoELayer.set_groups``, the one way they reach a layer; its forward
 then exchanges routing statistics and tokens over them), and the trainer shards the dense
 weights. Each MoE block calls its layer with a
-:class:`~moe_dist.moe.routing_types.RouterInputs`: ``batch_shape``, ``padding_mask``, ``causal``,
+:class:`~moe_dist.moe.routing.types.RouterInputs`: ``batch_shape``, ``padding_mask``, ``causal``,
 ``prev_top1`` (top-1 experts of the previous MoE layer in this forward, handed from block to
 block) and, only when the layer asks (``MoELayer.attention_needs``), the same block's attention
-as the attention sub-layer returns it (:class:`~moe_dist.moe.routing_types.AttentionInputs`: queries,
+as the attention sub-layer returns it (:class:`~moe_dist.moe.routing.types.AttentionInputs`: queries,
 keys, values, output and output projection, the fused SDPA kernel still running; and the
 ``[B, H, S, S]`` probabilities, computed explicitly, only for ``probs``). What the trainer owns
 (``step``, ``micro_step``, ``seed``) is in each layer's ``context``.
@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from ..moe import MoELayer
-from ..moe.routing_types import RouterInputs
+from ..moe.routing.types import RouterInputs
 from .layers import Attention, RMSNorm, SwiGLU, rotary_tables
 
 

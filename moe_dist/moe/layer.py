@@ -1,18 +1,16 @@
-"""MoELayer: route -> gather the routing statistics -> balance losses -> capacity -> dispatch ->
-experts -> combine -> shared expert.
+"""MoELayer: the routing stage -> dispatch -> experts -> combine -> shared expert.
 
-Each stage lives in its own module: :mod:`~moe_dist.moe.route_stage`,
-:mod:`~moe_dist.moe.cross_rank_stats`, :mod:`~moe_dist.moe.losses`, :mod:`~moe_dist.moe.capacity`,
-:mod:`~moe_dist.moe.dispatch` (one dispatcher, flat or hierarchical, chosen in
-:meth:`MoELayer.set_groups`: dispatch, experts, combine), :mod:`~moe_dist.moe.experts`,
-:mod:`~moe_dist.moe.shared`; each states its host reads. The Megatron
-plug-in (``moe_dist.integrations.megatron``) runs the same routing stages.
+:mod:`~moe_dist.moe.routing` (one :class:`~moe_dist.moe.routing.stage.RoutingStage`: route, the
+routing statistics, balance losses, capacity; the Megatron plug-in ``moe_dist.integrations.megatron``
+runs the same stage), :mod:`~moe_dist.moe.dispatch` (one dispatcher, flat or hierarchical, chosen in
+:meth:`MoELayer.set_groups`: dispatch, the exchange, combine), :mod:`~moe_dist.moe.experts` (compute
+only), :mod:`~moe_dist.moe.shared`; each states its host reads.
 
 The layer is built for one process from one :class:`~moe_dist.moe.args.MoEArgs`;
 ``apply_expert_parallel`` (moe_dist.parallel) later keeps only this rank's experts and hands the
 layer its process groups (:meth:`MoELayer.set_groups`). What its router needs
 from the model for a call (sequence structure, padding, the previous MoE layer's top-1, the
-attention before it: :class:`~moe_dist.moe.routing_types.RouterInputs`) is an argument of ``forward``;
+attention before it: :class:`~moe_dist.moe.routing.types.RouterInputs`) is an argument of ``forward``;
 ``attention_needs`` says which form of the attention the router reads.
 """
 from __future__ import annotations
@@ -25,22 +23,18 @@ import torch.nn as nn
 from ..errors import ConfigError
 from ..distributed.collectives import subgroup_positions, subgroup_rows
 from ..distributed.groups import ParallelGroups
-from . import stand_in
 from .args import MoEArgs
-from .capacity import apply_capacity
-from .cross_rank_stats import GatheredStats, RoutingStats, gather_routing_stats
-from .dispatch.dispatcher import Dispatcher
+from .dispatch.dispatcher import DispatchCall, Dispatcher
 from .dispatch.flat import FlatDispatcher
 from .dispatch.hierarchical import HierarchicalDispatcher, hierarchical_fallback
 from .dispatch.traffic import TrafficMeter
 from .experts import GroupedExperts
-from .layer_stats import MoEStats
-from .losses import balance_losses, sequence_balance_sum
-from .route_stage import route
 from .routers import build_router
 from .routers.base import nonfinite_logits_error
-from .routing_model import LayerCall, kept_counts
-from .routing_types import NO_INPUTS, Routing, RouterInputs, RoutingContext, is_recomputing
+from .routing.layer_stats import MoEStats
+from .routing.stage import RoutedCall, RoutingStage, StageSettings
+from .routing.statistics import GatheredStats
+from .routing.types import NO_INPUTS, Routing, RouterInputs, RoutingContext, is_recomputing
 from .shared import SharedExpert, add_shared_expert, init_linear
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
@@ -52,7 +46,7 @@ class MoELayer(nn.Module):
     After a forward pass:
       ``layer.aux_loss``: the weighted auxiliary loss to add to the task loss
           (``aux_loss_coef * load_balance + z_loss_coef * z_loss``; this rank's share, see
-          ``moe_dist.moe.losses``);
+          ``moe_dist.moe.routing.losses``);
       ``layer.stats``: a :class:`MoEStats` (per-expert counts, drops, losses, entropy).
 
     Built from ``d_model`` and one :class:`~moe_dist.moe.args.MoEArgs` (``model.moe`` of a
@@ -115,7 +109,7 @@ class MoELayer(nn.Module):
     @property
     def attention_needs(self) -> Optional[str]:
         """What the router reads of the attention sub-layer before this layer: None, ``scores``
-        or ``probs`` (:data:`~moe_dist.moe.routing_types.ATTENTION_NEEDS`); the model hands it over in
+        or ``probs`` (:data:`~moe_dist.moe.routing.types.ATTENTION_NEEDS`); the model hands it over in
         ``RouterInputs.attention``."""
         return self.router.attention_needs
 
@@ -169,6 +163,18 @@ class MoELayer(nn.Module):
         self.dispatcher = (HierarchicalDispatcher if hierarchical else FlatDispatcher)(self.num_experts, groups,
                                                                                         self.traffic)
         self.context.stats_group, self.context.ep_group = groups.dp, groups.ep
+        self._check_stand_in()
+
+    def set_stand_in(self, routing_model) -> None:
+        """A dry run's routing model (:class:`~moe_dist.moe.routing.stand_in.RoutingModel`) answers this
+        layer's size-deciding host reads, whose fake tensors hold no values (None: the device does)."""
+        self.context.stand_in = routing_model
+        self._check_stand_in()
+
+    def _check_stand_in(self) -> None:
+        if self.context.stand_in is not None and not self.dispatcher.models_counts:
+            raise ConfigError("a dry run models the flat dispatch; parallel.dispatch=hierarchical over several "
+                              "nodes is not modelled (use parallel.dispatch=flat for the dry run)")
 
     @property
     def hierarchical(self) -> bool:
@@ -187,33 +193,39 @@ class MoELayer(nn.Module):
         router's token layout, ``probs`` drops with global capacity on 2+ ranks). None in backward."""
         inputs = NO_INPUTS if inputs is None else inputs
         rows, n_seq = self._rows(x, inputs)
-        routing = self.last_routing = route(self.router, rows, self.context, inputs)
-        args = self.args
-        seq_loss = (sequence_balance_sum(routing.probs, routing.expert_ids, n_seq)
-                    if args.balance_loss == "sequence" else None)
-        grouped = args.max_groups_per_token is not None
-        stats = gather_routing_stats(RoutingStats.measure(routing, self.num_experts, seq_loss, n_seq,
-                                                          args.router_groups if grouped else None),
-                                     self.context.stats_group)
-        losses = balance_losses(routing, stats, args.loss_scope, args.balance_loss, seq_loss, n_seq)
-        self.aux_loss = losses.weighted(args.aux_loss_coef, args.z_loss_coef)
-        self._count_for_expert_bias(stats)
-        capacity = apply_capacity(routing, stats, args.capacity_factor_for(self.training), scope=args.capacity_scope,
-                                  drop_policy=args.drop_policy, min_capacity=args.min_capacity,
-                                  group=self.context.stats_group)
-        # dropless: every expert-parallel peer's counts are already here (no count exchange)
-        peer_counts = (subgroup_rows(stats.per_rank.counts, self.context.stats_group, self.groups.ep)
-                       if capacity.keep is None else None)
-        read_along = torch.stack([stats.total.nonfinite, stats.total.tokens])
-        host_counts = self._modelled_counts(rows.shape[0])
-        routed, plan = self.dispatcher.dispatch(rows, routing, capacity.keep, read_along, peer_counts, host_counts)
+        routed = self.routing_stage(rows, inputs, self.args.capacity_factor_for(self.training), n_seq)
+        self.last_routing = routed.routing
+        self.aux_loss = routed.losses.weighted(self.args.aux_loss_coef, self.args.z_loss_coef)
+        self._count_for_expert_bias(routed.stats)
+        routed_rows, plan = self.dispatcher.dispatch(rows, routed.routing, self._dispatch_call(routed))
         self._check_nonfinite(*plan.read_along)
-        out = self.dispatcher.combine(self.dispatcher.experts(self.experts, routed, plan), plan, rows.shape[0])
+        out = self.dispatcher.combine(self.dispatcher.experts(self.experts, routed_rows, plan), plan, rows.shape[0])
         self.inter_node_rows = (None if plan.inter_node_pairs is None
                                 else (plan.inter_node_pairs, plan.inter_node_rows))
         out = add_shared_expert(out, rows, self.shared_expert, self.shared_expert_gate)
-        self.stats = MoEStats.of(stats.total, losses, capacity, routing, grouped)
+        self.stats = routed.layer_stats
         return out.to(x.dtype).reshape(x.shape)
+
+    @property
+    def routing_stage(self) -> RoutingStage:
+        """This layer's routing stage: its router, its context, ``model.moe``'s settings."""
+        args = self.args
+        return RoutingStage(self.router, self.context, StageSettings(
+            self.num_experts, self.top_k, args.loss_scope, args.balance_loss,
+            args.router_groups if args.max_groups_per_token is not None else None, args.capacity_scope,
+            args.drop_policy, args.min_capacity))
+
+    def _dispatch_call(self, routed: RoutedCall) -> DispatchCall:
+        """The dispatch's per-call context: the capacity's mask, the non-finite logits and global tokens
+        riding on its host read, and the expert-parallel peers' counts when known (dropless: every
+        peer's counts are already in the gathered statistics, no count exchange; a dry run: modelled)."""
+        stats, keep, group, ep = routed.stats, routed.capacity.keep, self.context.stats_group, self.groups.ep
+        read_along = torch.stack([stats.total.nonfinite, stats.total.tokens])
+        if routed.modelled_counts is not None:
+            known = [routed.modelled_counts[r] for r in subgroup_positions(group, ep)]
+        else:
+            known = subgroup_rows(stats.per_rank.counts, group, ep) if keep is None else None
+        return DispatchCall(keep, read_along, known)
 
     def _rows(self, x: torch.Tensor, inputs: RouterInputs) -> tuple[torch.Tensor, int]:
         """The input as rows ``[T, d_model]``, and its sequences for the sequence-level loss (0 for
@@ -227,20 +239,6 @@ class MoELayer(nn.Module):
             raise ValueError(f"model.moe.balance_loss='sequence' needs [batch, seq, {self.d_model}] input or "
                              f"inputs.batch_shape; got input {tuple(x.shape)} and batch_shape {inputs.batch_shape}")
         return x.reshape(-1, self.d_model), int(shape[0])
-
-    def _modelled_counts(self, tokens: int) -> Optional[list[list[int]]]:
-        """In a dry run (:mod:`~moe_dist.moe.stand_in`): the kept pairs per expert of every
-        expert-parallel peer (``[ep][E]``) from the routing model, capped as the capacity stage caps
-        them; None otherwise (the dispatch reads them from the device)."""
-        model = stand_in.active()
-        if model is None:
-            return None
-        args, g = self.args, self.groups
-        call = LayerCall(self.context.layer_idx, tokens, self.top_k, self.num_experts, g.dp_size, g.dp_rank,
-                         args.capacity_factor_for(self.training), args.capacity_scope, args.drop_policy,
-                         args.min_capacity)
-        kept = kept_counts(model.routed(call), call)
-        return [kept[r] for r in subgroup_positions(self.context.stats_group, g.ep)]
 
     def _count_for_expert_bias(self, stats: GatheredStats) -> None:
         """Add this forward's per-expert counts to the optimizer step's (expert bias, training only)."""
@@ -273,3 +271,10 @@ def collect_aux_loss(model: nn.Module) -> torch.Tensor:
 def collect_stats(model: nn.Module) -> list[Optional[MoEStats]]:
     """The last forward pass's :class:`MoEStats` of every MoE layer, in module order."""
     return [m.stats for m in moe_layers(model)]
+
+
+def set_stand_in(model: nn.Module, routing_model) -> None:
+    """Every MoE layer of ``model`` takes its size-deciding host reads from ``routing_model`` (a dry run,
+    ``moe-dist plan --dry-run``; None: from the device again)."""
+    for layer in moe_layers(model):
+        layer.set_stand_in(routing_model)

@@ -1,4 +1,4 @@
-"""Gradient reduction for the 'loss shares' convention (see moe_dist.moe.losses).
+"""Gradient reduction for the 'loss shares' convention (see moe_dist.moe.routing.losses).
 
 Each rank's loss is its share of the global loss, so gradients are *summed*: dense
 parameters over every data-parallel rank, expert parameters over the ranks holding the

@@ -9,7 +9,7 @@ update) under torch's FSDP2 memory tracker, then the checkpoint's save plan (the
 would write) without writing.
 
 Values never exist, so the reads that decide a shape come from a stated routing model
-(:mod:`moe_dist.moe.routing_model`: ``balanced``, ``skew:F``, a run's histogram) and every other
+(:mod:`moe_dist.moe.routing.stand_in`: ``balanced``, ``skew:F``, a run's histogram) and every other
 host read (losses, the gradient norm, AdamW's step count) reads a finite stand-in value
 (:class:`_StandInReads`): the step takes the path of a healthy step. By default the rank is the
 one with the most work under the routing model: the busiest expert's rank, since the largest rank
@@ -34,8 +34,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..config import ConfigError, load_config
 from ..moe import moe_layers
-from ..moe.routing_model import RoutingModel, parse_routing_model
-from ..moe.stand_in import stand_in
+from ..moe.routing.stand_in import RoutingModel, parse_routing_model
+from ..moe.layer import set_stand_in
 from ..parallel import expert_parameters
 from .memory import GIB
 
@@ -346,7 +346,7 @@ def dry_run(config: str, overrides: Iterable[str] = (), *, nodes: int = 1, gpus_
     ``fake=False``: the same measurement on real tensors in the process group that exists (the
     dry run's own validation: every rank of a real gloo world calls it; the routing is real, and
     ``routed_calls`` lists this rank's pairs per expert of each layer forward, in call order, for
-    a :class:`~moe_dist.moe.routing_model.RecordedRouting`)."""
+    a :class:`~moe_dist.moe.routing.stand_in.RecordedRouting`)."""
     from ..train.engines import create_engine
     from ..train.metrics import MoEStepStats
     from ..train.model_setup import build_meta_model, weights_filler
@@ -373,10 +373,10 @@ def dry_run(config: str, overrides: Iterable[str] = (), *, nodes: int = 1, gpus_
         per_rank = cfg.train.global_batch // cfg.train.grad_accum // groups.dp_size
         micro = cfg.train.grad_accum if all_micro_batches else min(cfg.train.grad_accum, 2)
         reads = _StandInReads()
-        with (_fake_tensors(reads) if fake else contextlib.nullcontext()) as mode, \
-                (stand_in(model_of_routing) if fake else contextlib.nullcontext()):
+        with (_fake_tensors(reads) if fake else contextlib.nullcontext()) as mode:
             with _placing_parameters(mode):
                 model = build_meta_model(cfg, vocab)
+                set_stand_in(model, model_of_routing if fake else None)
                 model.set_activation_checkpointing(cfg.train.activation_checkpointing)
                 engine = create_engine(cfg, rt, log=lambda _: None)
                 engine.prepare(model, fill=_no_fill if fake else weights_filler(cfg, None))

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from ..moe import moe_layers
-from ..moe.routers import token_graph
+from ..moe.routers import graph_mixing, token_graph
 
 
 def _load_cv(top1: torch.Tensor, num_experts: int) -> float:
@@ -81,7 +81,7 @@ def _observing(model: nn.Module):
         undo.append(layer.register_forward_hook(after).remove)
 
         def observe(*, probs, q, k, scale, prior, key_bias, key_mask, causal, mixed, entropy, index=index):
-            W = token_graph.dense_graph_weights(q, k, scale, prior, key_bias, key_mask, causal, entropy).cpu()
+            W = graph_mixing.dense_graph_weights(q, k, scale, prior, key_bias, key_mask, causal, entropy).cpu()
             tallies[index].add(W, probs.detach().float().cpu(), mixed.detach().float().cpu(), key_mask)
         if isinstance(layer.router, token_graph.TokenGraphRouter):
             undo.append(layer.router.add_graph_observer(observe))
@@ -128,7 +128,7 @@ def probe_run(cfg, rt, path: str, run_dir: str, json_path: Optional[str]) -> Non
     from ..train.data_setup import load_data, resolve_vocab
     from ..train.evaluate import validation_batches
     from ..train.model_setup import build_meta_model, weights_filler
-    from ..train.parallelize import parallelize
+    from ..parallel.parallelize import parallelize
 
     data = load_data(cfg, rt, lambda _msg: None)
     model = build_meta_model(cfg, resolve_vocab(cfg, data))

@@ -10,12 +10,12 @@ from ..distributed.bootstrap import Runtime, shutdown
 from ..errors import CheckpointError, MissingInputError
 from ..hardware import map_large_allocations
 from ..safe_io import write_json_atomically
-from .attention_choice import decide_attention_dtype
+from ..tuning.attention import decide_attention_dtype
 from .checkpoint import latest_checkpoint, load_checkpoint
 from .data_setup import load_data, resolve_vocab
 from .evaluate import evaluate, format_report, unigram_baseline, validation_batches
 from .model_setup import build_meta_model, check_weights_directory, is_weights_directory, weights_filler
-from .parallelize import parallelize
+from ..parallel.parallelize import parallelize
 from .runtime import gather_peak_rss_gib, setup_runtime
 
 

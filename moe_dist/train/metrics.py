@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from ..distributed.collectives import all_reduce_sum
 from ..moe import MoELayer
-from ..moe.layer_stats import spans_summary
+from ..moe.routing.layer_stats import spans_summary
 from ..safe_io import LOG_LIMIT, open_append, read_json_lines
 
 STANDARD_STATS = ("expert_counts", "dropped_fraction", "aux_loss", "z_loss", "entropy", "tokens", "capacity")

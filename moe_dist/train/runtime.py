@@ -11,7 +11,8 @@ import torch.distributed as dist
 from ..config import Config
 from ..distributed.bootstrap import Runtime, init_distributed, shutdown
 from ..exits import end_process
-from ..hardware import bf16_choice, peak_rss_bytes, probe_shape
+from ..hardware import peak_rss_bytes
+from ..tuning.bf16 import bf16_choice, probe_shape
 
 # set by `moe-dist ... --nproc N` when the user had no OMP_NUM_THREADS: the launcher's value is then
 # the default (cores / local processes), not the user's choice

@@ -29,10 +29,10 @@ from ..diagnostics import RoutingDiagnostics
 from ..distributed.bootstrap import Runtime, shutdown
 from ..hardware import batch_to_device, cuda_memory_gib
 from ..model import count_parameters
-from ..parallel.kernel_choice import agree_expert_kernels
+from ..tuning.expert_kernel import agree_expert_kernels
 from ..moe import moe_layers
 from ..safe_io import UnsafePath, own_directory, refuse_link
-from .attention_choice import decide_attention_dtype
+from ..tuning.attention import decide_attention_dtype
 from .checkpoint import TrainingCheckpoints
 from .compile import CompileClock, apply_compile, cache_dir, describe_compile, eager_router_reason, use_cache_dir
 from .data_setup import load_data, resolve_vocab
@@ -185,7 +185,7 @@ class Trainer:
 
     def _decide_attention_dtype(self) -> None:
         """``train.attention_dtype`` (under bf16): the attention kernel's dtype, timed on every rank
-        at one micro-batch's shape when ``auto`` (:mod:`~moe_dist.train.attention_choice`)."""
+        at one micro-batch's shape when ``auto`` (:mod:`~moe_dist.tuning.attention`)."""
         cfg = self.cfg
         decision = decide_attention_dtype(self.model, cfg.train.attention_dtype, cfg.train.dtype,
                                           self._sequences_per_rank(), cfg.train.seq_len, self.rt.device)

@@ -2,7 +2,7 @@
 the same tracker, recording its routing; the dry run then replays that routing on fake tensors."""
 from __future__ import annotations
 
-from moe_dist.moe.routing_model import RecordedRouting
+from moe_dist.moe.routing.stand_in import RecordedRouting
 
 CONFIG = "configs/tiny.yaml"
 SMALL = ["model.n_layers=2", "train.global_batch=8", "train.seq_len=128", "model.vocab_size=4096",

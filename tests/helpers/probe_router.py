@@ -3,7 +3,7 @@ probabilities and records what the model gave it (import this module to register
 spawned ranks)."""
 from moe_dist.moe.routers import register_router
 from moe_dist.moe.routers.topk import TopKRouter
-from moe_dist.moe.routing_types import is_recomputing
+from moe_dist.moe.routing.types import is_recomputing
 
 
 @register_router("_test_probe")

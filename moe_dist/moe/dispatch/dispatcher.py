@@ -4,16 +4,35 @@ A dispatcher is chosen once per layer, when its process groups are set
 (:meth:`~moe_dist.moe.layer.MoELayer.set_groups`): :class:`~moe_dist.moe.dispatch.flat.FlatDispatcher`
 (the default, and one process) or :class:`~moe_dist.moe.dispatch.hierarchical.HierarchicalDispatcher`
 (``parallel.dispatch: hierarchical`` over several nodes). Both give bit-identical outputs and
-gradients; they differ in the rows that cross nodes.
+gradients; they differ in the rows that cross nodes. The dispatcher owns every exchange (the one
+overlapped with the loop kernel included, :func:`~moe_dist.moe.dispatch.exchange.experts_across`);
+the experts only compute.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Optional, Protocol
 
 import torch
 
-from ..routing_types import Routing
+from ..routing.types import Routing
+
+
+@dataclass(frozen=True)
+class DispatchCall:
+    """What one forward tells the dispatcher besides its rows and routing.
+
+    keep: the capacity's mask ``[T, k]`` (None: every pair kept).
+    read_along: a small integer tensor that rides on the dispatch's host read (``plan.read_along``).
+    known_counts: ``[ep, E]`` every expert-parallel peer's kept pairs per expert when the layer knows
+        them already (dropless: the gathered routing statistics), a tensor on the device, or a dry
+        run's modelled counts on the host (a list of lists: then nothing is read from the device);
+        None: the dispatcher exchanges or gathers them itself."""
+
+    keep: Optional[torch.Tensor] = None
+    read_along: Optional[torch.Tensor] = None
+    known_counts: Optional[object] = None
 
 
 class Plan(Protocol):
@@ -30,16 +49,12 @@ class Dispatcher(ABC):
     parallelism), :meth:`combine` sums the outputs into their tokens, weighted by the gates."""
 
     name: str = ""  # parallel.dispatch as it runs: "flat" or "hierarchical"
+    models_counts: bool = True  # whether a dry run's modelled counts can stand in for its host read
 
     @abstractmethod
-    def dispatch(self, rows: torch.Tensor, routing: Routing, keep: Optional[torch.Tensor],
-                 read_along: Optional[torch.Tensor], peer_counts: Optional[torch.Tensor] = None,
-                 host_counts: Optional[list[list[int]]] = None) -> tuple[torch.Tensor, Plan]:
-        """The kept pairs' rows of ``rows`` ``[T, d]`` (``routing``'s choices, ``keep`` the capacity's
-        mask, None: all kept), and the plan. ``read_along``: a small integer tensor that rides on the
-        dispatch's host read (``plan.read_along``); ``peer_counts``: ``[ep, E]`` every
-        expert-parallel peer's kept pairs per expert when already known; ``host_counts``: the same,
-        modelled on the host (a dry run)."""
+    def dispatch(self, rows: torch.Tensor, routing: Routing, call: DispatchCall) -> tuple[torch.Tensor, Plan]:
+        """The kept pairs' rows of ``rows`` ``[T, d]`` (``routing``'s choices, ``call.keep`` of them),
+        and the plan."""
 
     @abstractmethod
     def experts(self, experts: torch.nn.Module, routed: torch.Tensor, plan: Plan) -> torch.Tensor:

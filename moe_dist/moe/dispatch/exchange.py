@@ -14,9 +14,10 @@ backward alike:
                own rows, first half   | remote rows | own rows, second half
 
 Every span of rows (one expert's rows from one source) is computed by the same kernel calls
-as without the overlap (:mod:`moe_dist.moe.dispatch.loop_kernel`), so the outputs and row gradients
+as without the overlap (:mod:`moe_dist.moe.experts.loop_kernel`), so the outputs and row gradients
 are bit-identical; only the order in which an expert's weight gradient sums its spans changes.
 The other kernels exchange first, then compute (:func:`exchange_rows`, :func:`return_rows`).
+:func:`experts_across` is the one entry for both: the dispatchers call it, the experts only compute.
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ from torch.autograd.function import once_differentiable
 
 from ...distributed.collective_errors import wait_collective
 from ...distributed.collectives import all_to_all_rows
-from .loop_kernel import CHUNK_ROWS, begin_backward, span_backward, span_forward, spans_of
+from ..experts.loop_kernel import CHUNK_ROWS, begin_backward, span_backward, span_forward, spans_of
+from ..rows import PermuteRows
 from .traffic import COMBINE, COMBINE_GRAD, DISPATCH, DISPATCH_GRAD, TrafficMeter
 
 
@@ -195,3 +197,28 @@ def return_rows(y: torch.Tensor, ex: Exchange) -> torch.Tensor:
     back = all_to_all_rows(y[:arrived], ex.send_splits(), ex.recv_splits(), ex.group)
     back = ex.on_backward(back, COMBINE_GRAD, ex.send_splits())
     return torch.cat([back, y[arrived:]])
+
+
+def experts_across(experts, x: torch.Tensor, ex: Exchange, counts: list[int],
+                   regroup: Optional[tuple] = None) -> torch.Tensor:
+    """This rank's routed rows ``x`` in send order through the experts of their ranks (``experts``:
+    this rank's :class:`~moe_dist.moe.experts.GroupedExperts`, ``counts`` rows per local expert it
+    receives): the outputs come back in send order. The loop kernel overlaps the transfers with the
+    rows that stay here (:class:`PipelinedLoop`); the other kernels get the exchanged rows laid out
+    as the received segments, or, with ``regroup`` ``(to_flat, from_flat, segments)``, permuted into
+    that layout first (the hierarchical dispatch's stage 2)."""
+    if x.shape[0] != sum(ex.send):
+        raise ValueError(f"the exchange sends {sum(ex.send)} rows but {x.shape[0]} were given")
+    if experts.kernel == "loop" or regroup is None:
+        x = experts.cast_rows(x)
+    if torch.is_grad_enabled() and not x.requires_grad:
+        x = x.detach().requires_grad_()  # every rank takes part in the backward exchange
+    if experts.kernel == "loop":
+        experts.last_kernel = "loop"
+        return experts(x, counts, spans=(PipelinedLoop, ex))
+    arrived, segments = exchange_rows(x, ex)
+    if regroup is None:
+        return return_rows(experts(arrived, counts, segments=segments), ex)
+    to_flat, from_flat, flat_segments = regroup
+    y = experts(PermuteRows.apply(arrived, to_flat, from_flat), counts, segments=flat_segments)
+    return return_rows(PermuteRows.apply(y, from_flat, to_flat), ex)

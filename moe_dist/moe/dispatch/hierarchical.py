@@ -24,7 +24,7 @@ Bit-identity with the flat dispatch (:mod:`moe_dist.moe.dispatch.flat`), on the 
   layout. Every expert output row and every row gradient is bit-identical.
 * A token's pairs add up per node, in ascending expert order, then across nodes in node order;
   the flat path adds in that same order whenever it could differ (three or more pairs,
-  :class:`~moe_dist.moe.dispatch.flat.SumOrder`). Outputs, input gradients, gate gradients (so router
+  :class:`~moe_dist.moe.rows.SumOrder`). Outputs, input gradients, gate gradients (so router
   gradients) are bit-identical.
 * The expert weight gradients sum the same span products in another order (as the overlapped
   exchange already does): equal to rounding.
@@ -47,16 +47,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ...errors import ConfigError
 from ...distributed.collectives import all_gather_tensor, all_to_all_rows, group_rank, group_size
 from ...distributed.groups import ParallelGroups
 from ...distributed.topology import NodeLayout
-from ..experts import GroupedExperts, PermuteRows, host_ints, inverse_permutation
-from .counting import count_values
-from .dispatcher import Dispatcher
-from .flat import (SumOrder, gather_rows, inter_node_pairs, nodes_of_tokens, pair_nodes, read_counts,
-                   scatter_rows, send_order_key)
-from .exchange import Exchange, exchange_rows, return_rows
+from ..counting import count_values
+from ..rows import SumOrder, gather_rows, host_ints, inverse_permutation, read_counts, scatter_rows
+from .dispatcher import DispatchCall, Dispatcher
+from .exchange import Exchange, experts_across
+from .layout import inter_node_pairs, nodes_of_tokens, pair_nodes, send_order_key
 from .traffic import COMBINE, COMBINE_GRAD, COUNTS, DISPATCH, DISPATCH_GRAD, TrafficMeter
 
 
@@ -258,19 +256,12 @@ def _stage2(nodes: NodeLayout, me: int, local: int, C: list, served: dict, send:
     return exchange, [(e, c) for _, e, c in flat_blocks], to_flat
 
 
-def hierarchical_experts(experts: GroupedExperts, rows: torch.Tensor, plan: HierarchicalPlan) -> torch.Tensor:
+def hierarchical_experts(experts, rows: torch.Tensor, plan: HierarchicalPlan) -> torch.Tensor:
     """Stage 2: the pairs' rows (stage-2 send order) through the node's experts and back. The loop
     kernel overlaps the exchange with the rows that stay here; the others get the rows in the flat
     dispatch's layout."""
-    ex = plan.exchange
-    if experts.kernel == "loop":
-        return experts(rows, plan.local_counts, ex)
-    if torch.is_grad_enabled() and not rows.requires_grad:
-        rows = rows.detach().requires_grad_()  # every rank takes part in the backward exchange
-    arrived, _ = exchange_rows(rows, ex)
-    y = experts(PermuteRows.apply(arrived, plan.to_flat, plan.from_flat), plan.local_counts,
-                segments=plan.flat_segments)
-    return return_rows(PermuteRows.apply(y, plan.from_flat, plan.to_flat), ex)
+    return experts_across(experts, rows, plan.exchange, plan.local_counts,
+                          regroup=(plan.to_flat, plan.from_flat, plan.flat_segments))
 
 
 def combine_hierarchical(y: torch.Tensor, plan: HierarchicalPlan) -> torch.Tensor:
@@ -295,13 +286,12 @@ class HierarchicalDispatcher(Dispatcher):
     def __init__(self, num_experts: int, groups: ParallelGroups, meter: Optional[TrafficMeter] = None):
         self.num_experts, self.groups, self.meter = num_experts, groups, meter
 
-    def dispatch(self, rows, routing, keep, read_along, peer_counts=None, host_counts=None):
-        # peer_counts: not needed, every rank's counts are gathered with the per-node row counts
-        if host_counts is not None:
-            raise ConfigError("a dry run models the flat dispatch; parallel.dispatch=hierarchical over several "
-                              "nodes is not modelled (use parallel.dispatch=flat for the dry run)")
-        return dispatch_hierarchical(rows, routing.expert_ids, routing.gates, keep, self.num_experts, self.groups,
-                                     read_along, meter=self.meter)
+    models_counts = False  # a dry run models the flat dispatch
+
+    def dispatch(self, rows, routing, call: DispatchCall):
+        # call.known_counts is not needed: every rank's counts are gathered with the per-node row counts
+        return dispatch_hierarchical(rows, routing.expert_ids, routing.gates, call.keep, self.num_experts, self.groups,
+                                     call.read_along, meter=self.meter)
 
     def experts(self, experts, routed, plan):
         return hierarchical_experts(experts, routed, plan)

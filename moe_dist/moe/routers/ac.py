@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from ...distributed.collectives import all_reduce_sum
 from ...distributed.shards import local_rows
-from ..routing_types import SCOPES, Routing, RouterInputs, RoutingContext, is_recomputing
+from ..routing.types import SCOPES, Routing, RouterInputs, RoutingContext, is_recomputing
 from .base import Router, gate_normalization, fp32_linear
 from .registry import register_router
 from .token_stats import real_token_weights

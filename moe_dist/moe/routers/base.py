@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..routing_types import NO_INPUTS, Routing, RouterInputs, RoutingContext
+from ..routing.types import NO_INPUTS, Routing, RouterInputs, RoutingContext
 from ...errors import ConfigError
 
 
@@ -54,7 +54,7 @@ class Router(nn.Module):
     ``needs_whole_sequences``: the router mixes the tokens of a sequence, so a rank must hold whole
     ``[B, S]`` sequences, rows sequence-major (``inputs.batch_shape``).
     ``attention_needs``: None, or what the model hands over of the attention sub-layer before the
-    layer, in ``inputs.attention`` (one of :data:`~moe_dist.moe.routing_types.ATTENTION_NEEDS`): ``scores``
+    layer, in ``inputs.attention`` (one of :data:`~moe_dist.moe.routing.types.ATTENTION_NEEDS`): ``scores``
     (queries, keys, values, output and output projection; the attention keeps its fused kernel) or
     ``probs`` (the same and the ``[B, H, S, S]`` probabilities, computed explicitly).
     """

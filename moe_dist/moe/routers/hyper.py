@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ...distributed.collectives import all_gather_tensor, group_size
-from ..routing_types import Routing, RouterInputs, RoutingContext
+from ..routing.types import Routing, RouterInputs, RoutingContext
 from .base import Router, gate_normalization, fp32_linear
 from .registry import register_router
 from ...errors import ConfigError

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..routing_types import SCOPES, Routing, RouterInputs, RoutingContext, is_recomputing
+from ..routing.types import SCOPES, Routing, RouterInputs, RoutingContext, is_recomputing
 from .base import Router, gate_normalization, fp32_linear, layout_invariant_normal, select_topk
 from .registry import register_router
 from .sinkhorn import sinkhorn_dual, transport_plan

@@ -25,8 +25,8 @@ import torch
 from ...checks import check_choice
 from ...errors import ConfigError
 from ...distributed.collectives import all_reduce_sum
-from ..dispatch.counting import count_values
-from ..routing_types import SCOPES, Routing, RouterInputs, RoutingContext, is_recomputing
+from ..counting import count_values
+from ..routing.types import SCOPES, Routing, RouterInputs, RoutingContext, is_recomputing
 from .base import gate_normalization, renormalize
 from .registry import register_router
 from .wrapping import WrappingRouter, topk_set_changed

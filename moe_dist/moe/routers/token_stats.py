@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from ..routing_types import RouterInputs, RoutingContext
+from ..routing.types import RouterInputs, RoutingContext
 
 
 def real_token_weights(inputs: RouterInputs, ctx: RoutingContext, num_tokens: int, device) -> Optional[torch.Tensor]:

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..routing_types import Routing, RouterInputs, RoutingContext
+from ..routing.types import Routing, RouterInputs, RoutingContext
 from .base import Router, gate_normalization, fp32_linear, layout_invariant_normal
 from .registry import register_router
 

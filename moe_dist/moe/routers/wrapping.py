@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from ..routing_types import Routing, RouterInputs, RoutingContext
+from ..routing.types import Routing, RouterInputs, RoutingContext
 from .base import Router
 from .registry import ROUTERS, build_router
 from ...checks import check_choice

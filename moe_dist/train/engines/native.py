@@ -2,7 +2,7 @@
 
 Experts are spread by expert parallelism and sharded over (or, with replicated dense weights,
 summed over) their replicas; dense weights are sharded with FSDP2 or replicated
-(``parallel.dense``), see :mod:`moe_dist.train.parallelize`.
+(``parallel.dense``), see :mod:`moe_dist.parallel.parallelize`.
 The optimizer is :func:`moe_dist.train.optim.build_optimizer`'s AdamW.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from ..optim import build_optimizer
-from ..parallelize import Parallelized, parallelize
+from ...parallel.parallelize import Parallelized, parallelize
 from .base import Engine
 
 

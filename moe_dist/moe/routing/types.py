@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..checks import check_choice
+from ...checks import check_choice
 
 # the ranks a router's token-coupling statistics are reduced over (router option ``scope``):
 # those holding distinct tokens, the expert-parallel group, or this rank alone
@@ -62,6 +62,8 @@ class RoutingContext:
     token_offset / global_tokens: filled in by the layer when a router needs them
         (``Router.needs_token_layout``): position of this rank's first token in the
         concatenated global batch, and its size.
+    stand_in: a dry run's routing model (:class:`~moe_dist.moe.routing.stand_in.RoutingModel`): the
+        host reads that size tensors take their values from it (fake tensors hold none); None otherwise.
     """
 
     stats_group: Optional[dist.ProcessGroup] = None
@@ -72,6 +74,7 @@ class RoutingContext:
     seed: int = 0
     token_offset: int = 0
     global_tokens: Optional[int] = None
+    stand_in: Optional[Any] = None
 
     def group_for(self, scope: str) -> Optional[dist.ProcessGroup]:
         """The process group a statistic with this scope (one of :data:`SCOPES`) is reduced over."""

@@ -1,38 +1,29 @@
 """Grouped feed-forward experts: one weight tensor per projection, ``[local_experts, ...]``.
 
-Rows arrive grouped by local expert (``counts[i]`` rows for expert i, in order) or, with
-expert parallelism, in send order with the exchange that takes them to their experts
-(:mod:`moe_dist.moe.dispatch.exchange`). Three kernels compute the same thing (``loop``:
-:mod:`moe_dist.moe.dispatch.loop_kernel`); which is fastest depends on dtype and size on a given
-machine, so ``kernel="auto"`` times them once per shape bucket and caches the winner.
+The experts only compute: rows arrive grouped by local expert (``counts[i]`` rows for expert i,
+in order) or laid out as segments; the dispatcher (:mod:`moe_dist.moe.dispatch`) owns every
+exchange, the one overlapped with the loop kernel included (it runs the kernel's spans through
+:meth:`GroupedExperts.run_spans`). Three kernels compute the same thing (``loop``:
+:mod:`moe_dist.moe.experts.loop_kernel`); which is fastest depends on dtype and size on a given
+machine, so ``kernel="auto"`` times them once per shape bucket and caches the winner
+(:mod:`moe_dist.tuning.expert_kernel`).
 """
 from __future__ import annotations
 
-import math
-import time
 from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..distributed.shards import local_rows
-from ..checks import check_choice
-from ..hardware import synchronize
-from .dispatch.exchange import Exchange, PipelinedLoop, exchange_rows, return_rows
-from .dispatch.loop_kernel import LoopFFN
+from ...distributed.shards import local_rows
+from ...checks import check_choice
+from ...tuning.expert_kernel import KERNEL_TUNER, TunedExperts
+from ..rows import PermuteRows, host_ints, inverse_permutation
+from .loop_kernel import LoopFFN
 
 ACTIVATIONS = ("swiglu", "gelu")
 KERNELS = ("auto", "loop", "bmm", "grouped_mm")
-
-
-def host_ints(values: Sequence[int], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """A small tensor of host integers on ``device`` without a host synchronisation: on an
-    accelerator ``torch.tensor(values, device=...)`` copies from pageable memory and waits for the
-    stream, so the values go through pinned memory with a non-blocking copy instead."""
-    if device.type == "cpu":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, device="cpu", pin_memory=True).to(device, non_blocking=True)
 
 
 def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
@@ -42,28 +33,7 @@ def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel(), device=perm.device)
-    return inv
-
-
-class PermuteRows(torch.autograd.Function):
-    """``x[perm]`` whose backward is the gather by the inverse permutation (autograd's
-    ``index_select`` backward would zero-fill and scatter-add instead)."""
-
-    @staticmethod
-    def forward(ctx, x, perm, inverse):
-        ctx.save_for_backward(inverse)
-        return x.index_select(0, perm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (inverse,) = ctx.saved_tensors
-        return grad.index_select(0, inverse), None, None
-
-
-class GroupedExperts(nn.Module):
+class GroupedExperts(nn.Module, TunedExperts):
     """``num_experts`` local experts of a layer whose experts ``offset .. offset+num_experts-1``
     (global indices) live on this rank.
 
@@ -87,6 +57,18 @@ class GroupedExperts(nn.Module):
 
     def expert_parameters(self):
         return [p for p in (self.w1, self.w3, self.w2) if p is not None]
+
+    def probe(self, dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> "GroupedExperts":
+        """Experts of this shape with random weights, allocated directly in ``dtype`` (no fp32 copy
+        first): what a rank's layer computes, timed without touching this module's own weights
+        (:func:`~moe_dist.tuning.expert_kernel.agree_expert_kernels`)."""
+        with torch.device("meta"):
+            probe = GroupedExperts(self.num_experts, self.d_model, self.d_ff, activation=self.activation, kernel="loop")
+        probe = probe.to(dtype).to_empty(device=device)  # dtype set on the meta device: nothing allocated in fp32
+        with torch.no_grad():
+            for w in probe.expert_parameters():
+                w.copy_(torch.randn(w.shape, generator=gen, dtype=dtype, device=gen.device) * 0.02)
+        return probe
 
     def held(self, t: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         """``(global expert index, view)`` of every expert of ``t`` (a weight of this module, or a
@@ -161,21 +143,26 @@ class GroupedExperts(nn.Module):
     def _act(self, h1: torch.Tensor, h3: Optional[torch.Tensor]) -> torch.Tensor:
         return F.silu(h1) * h3 if self.activation == "swiglu" else F.gelu(h1)
 
-    def _loop(self, x: torch.Tensor, counts: Sequence[int], segments: Optional[Sequence[tuple[int, int]]] = None,
-              exchange: Optional[Exchange] = None) -> torch.Tensor:
-        """The loop kernel on rows grouped by expert, laid out as ``segments``, or in send order over
-        ``exchange`` (the pipelined exchange)."""
+    def _loop(self, x: torch.Tensor, counts: Sequence[int],
+              segments: Optional[Sequence[tuple[int, int]]] = None) -> torch.Tensor:
+        """The loop kernel on rows grouped by expert, or laid out as ``segments``."""
+        return self.run_spans(LoopFFN, x, list(enumerate(counts)) if segments is None else segments)
+
+    def run_spans(self, fn, x: torch.Tensor, layout) -> torch.Tensor:
+        """``fn.apply(x, layout, w1, w3, w2)``: a loop-kernel function (:class:`LoopFFN`, or the
+        dispatcher's pipelined exchange) on these experts' weights, cast once under autocast."""
         weights = (self.w1, self.w3, self.w2)
-        if exchange is not None:
-            fn, layout = PipelinedLoop, exchange
-        else:
-            fn, layout = LoopFFN, list(enumerate(counts)) if segments is None else segments
         if torch.is_autocast_enabled(x.device.type):  # cast once here, run the kernel without autocast
             dtype = torch.get_autocast_dtype(x.device.type)
             x, weights = x.to(dtype), tuple(None if w is None else w.to(dtype) for w in weights)
             with torch.autocast(x.device.type, enabled=False):
                 return fn.apply(x, layout, *weights)
         return fn.apply(x, layout, *weights)
+
+    def cast_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` in the experts' dtype, unless autocast casts it (e.g. bf16 activations into fp32
+        experts without autocast)."""
+        return x if torch.is_autocast_enabled(x.device.type) else x.to(self.w1.dtype)
 
     def _bmm(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         cap = max(counts) if counts else 0
@@ -212,28 +199,17 @@ class GroupedExperts(nn.Module):
             return self._grouped(x, counts)
         raise ValueError(f"unknown expert kernel {name!r}; allowed: {list(KERNELS)}")
 
-    def forward(self, x: torch.Tensor, counts: Sequence[int], exchange: Optional[Exchange] = None,
-                segments: Optional[Sequence[tuple[int, int]]] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: Sequence[int], segments: Optional[Sequence[tuple[int, int]]] = None,
+                spans: Optional[tuple] = None) -> torch.Tensor:
         """Rows ``x`` grouped by local expert (``counts[e]`` rows each, in expert order), or laid out
-        as ``segments`` (``(local expert, rows)`` in row order, an expert possibly in several), or, with
-        expert parallelism, this rank's routed rows in send order and the ``exchange`` that takes
-        them to their experts' ranks: the outputs come back in send order. The loop kernel
-        overlaps the transfers with the rows that stay here; the other kernels exchange the rows,
-        group them by expert, compute, ungroup and return them."""
-        counts = [int(c) for c in counts]
-        if not torch.is_autocast_enabled(x.device.type):
-            x = x.to(self.w1.dtype)  # e.g. bf16 activations into fp32 experts without autocast
-        if exchange is not None:
-            if x.shape[0] != sum(exchange.send):
-                raise ValueError(f"the exchange sends {sum(exchange.send)} rows but {x.shape[0]} were given")
-            if torch.is_grad_enabled() and not x.requires_grad:
-                x = x.detach().requires_grad_()  # every rank takes part in the backward exchange
-            if self.kernel == "loop":
-                self.last_kernel = "loop"
-                return self._loop(x, counts, exchange=exchange)
-            rows, segments = exchange_rows(x, exchange)
-            return return_rows(self._compute(rows, counts, segments), exchange)
-        return self._compute(x, counts, segments)
+        as ``segments`` (``(local expert, rows)`` in row order, an expert possibly in several).
+        ``spans``: ``(fn, layout)``, a loop-kernel function the caller runs over these experts' weights
+        instead (:meth:`run_spans`; the dispatcher's overlapped exchange): called through the module,
+        so hooks on it (FSDP2's unsharding of the weights) run as for any forward."""
+        if spans is not None:
+            fn, layout = spans
+            return self.run_spans(fn, self.cast_rows(x), layout)
+        return self._compute(self.cast_rows(x), [int(c) for c in counts], segments)
 
     def _compute(self, x: torch.Tensor, counts: list[int],
                  segments: Optional[Sequence[tuple[int, int]]] = None) -> torch.Tensor:
@@ -269,72 +245,3 @@ class GroupedExperts(nn.Module):
         ungroup = inverse_permutation(group)
         y = self.run_kernel(kernel, PermuteRows.apply(x, group, ungroup), counts)
         return PermuteRows.apply(y, ungroup, group)
-
-
-class KernelTuner:
-    """Times the expert kernels (forward + backward) once per shape bucket and remembers the
-    fastest. The bucket is (device, dtype, experts, d_model, d_ff, activation, rows rounded up
-    to a power of two).
-
-    The kernels run on the real rows (a smaller sample favours kernels whose big temporaries
-    only cost page faults at full size), in interleaved rounds (best time of ``reps`` after a
-    warm-up round); a kernel more than ``drop`` times slower than the best is not run again,
-    and the loop kernel is kept unless another one is faster by more than ``margin`` (noise).
-    On CPU the time is this process's CPU time, which other processes on a shared machine
-    barely disturb; on accelerators it is the synchronised wall time.
-    """
-
-    def __init__(self, reps: int = 2, margin: float = 0.1, drop: float = 1.5, clock=None):
-        self.reps, self.margin, self.drop = reps, margin, drop
-        self.clock = clock  # seconds-returning callable; default: CPU time on CPU, wall time elsewhere
-        self.choices: dict[tuple, str] = {}
-
-    def key(self, experts: GroupedExperts, x: torch.Tensor, counts: Sequence[int]) -> tuple:
-        rows = max(1, x.shape[0])
-        return (x.device.type, x.dtype, experts.num_experts, experts.d_model, experts.d_ff, experts.activation,
-                1 << math.ceil(math.log2(rows)))
-
-    def choose(self, experts: GroupedExperts, x: torch.Tensor, counts: Sequence[int]) -> str:
-        if x.shape[0] < 256:  # too small to matter; the loop is exact and cheap
-            return "loop"
-        key = self.key(experts, x, counts)
-        if key not in self.choices:
-            self.choices[key] = self._measure(experts, x, counts)
-        return self.choices[key]
-
-    def _measure(self, experts: GroupedExperts, x: torch.Tensor, counts: Sequence[int]) -> str:
-        return self.pick(self.time_kernels(experts, x, counts))
-
-    def candidates(self, experts: GroupedExperts, dtype: torch.dtype) -> list[str]:
-        """The kernels that can run these experts in ``dtype`` (``grouped_mm`` needs aligned sizes)."""
-        return ["loop", "bmm"] + (["grouped_mm"] if experts.grouped_mm_supported(dtype) else [])
-
-    def time_kernels(self, experts: GroupedExperts, x: torch.Tensor, counts: Sequence[int]) -> dict[str, float]:
-        """Seconds of one forward + backward of each candidate kernel on ``x`` (best of ``reps``
-        rounds after a warm-up round; a kernel ``drop`` times slower than the best so far is not
-        run again and keeps its last time)."""
-        candidates = self.candidates(experts, x.dtype)
-        xs = x.detach().clone().requires_grad_(True)
-        wrt = [xs] + [p for p in experts.expert_parameters() if p.requires_grad]
-        times = dict.fromkeys(candidates, float("inf"))
-        clock = self.clock or (time.process_time if xs.device.type == "cpu" else time.perf_counter)
-        with torch.enable_grad():
-            for r in range(self.reps + 1):  # round 0 warms up (and weeds out clear losers)
-                for name in [c for c in candidates if times[c] <= self.drop * min(times.values())]:
-                    synchronize(xs.device)
-                    t0 = clock()
-                    y = experts.run_kernel(name, xs, counts)
-                    torch.autograd.grad(y, wrt, torch.ones_like(y))
-                    del y
-                    synchronize(xs.device)
-                    t = clock() - t0
-                    times[name] = t if r == 1 else min(times[name], t)  # round 0 only as a first guess
-        return times
-
-    def pick(self, times: dict[str, float]) -> str:
-        """The fastest kernel, but ``loop`` unless another one is faster by more than ``margin``."""
-        best = min(times, key=times.get)
-        return best if times[best] < (1 - self.margin) * times["loop"] else "loop"
-
-
-KERNEL_TUNER = KernelTuner()

@@ -21,8 +21,9 @@ from ..distributed.ranges import COLLECTIVE, timed_range
 from ..model.init import is_meta, materialize
 from ..moe import moe_layers
 from ..moe.routers import synchronize_frozen_routers
-from ..parallel import apply_expert_parallel, dense_parameters, expert_parameters, sync_gradients
-from ..parallel.expert_shard import shard_dim
+from .expert_parallel import apply_expert_parallel, dense_parameters, expert_parameters
+from .expert_shard import shard_dim
+from .grad_sync import sync_gradients
 
 
 class Parallelized:

@@ -16,10 +16,9 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from ..distributed.collectives import all_gather_tensor, group_rank, group_size
-from . import stand_in
-from .dispatch.counting import count_values
-from ..errors import ConfigError
+from ...distributed.collectives import all_gather_tensor, group_rank, group_size
+from ..counting import count_values
+from ...errors import ConfigError
 
 
 
@@ -77,19 +76,20 @@ def _keep_by_gate_ranking(flat_e: torch.Tensor, flat_g: torch.Tensor, capacity, 
 
 
 def keep_by_probs(expert_ids: torch.Tensor, gates: torch.Tensor, capacity, num_experts: int,
-                  group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+                  group: Optional[dist.ProcessGroup] = None, modelled: bool = False) -> torch.Tensor:
     """Expert e keeps its ``capacity`` pairs of highest gate (ties: earlier token first).
 
     With a ``group`` the ranking is over the pairs of every rank in it (global scope); the
     ranks' pair counts are then read to the host once, to size the gather of every rank's
-    gates (one host synchronisation; none without a group).
+    gates (one host synchronisation; none without a group, nor when ``modelled``: a dry run,
+    where every rank routes as many pairs).
     """
     flat_e = expert_ids.reshape(-1)
     flat_g = gates.detach().reshape(-1).float()
     if group_size(group) == 1:
         return _keep_by_gate_ranking(flat_e, flat_g, capacity, num_experts).view_as(expert_ids)
     n_local = flat_e.numel()
-    if stand_in.active() is not None:  # a dry run: every rank routes as many pairs
+    if modelled:  # a dry run: every rank routes as many pairs
         sizes = [n_local] * group_size(group)
     else:
         sizes = all_gather_tensor(torch.full((1,), n_local, device=flat_e.device), group).view(-1).tolist()  # the one read
@@ -117,9 +117,9 @@ class CapacityDecision:
 
 def apply_capacity(routing, stats, capacity_factor: Optional[float], *, scope: str = "global",
                    drop_policy: str = "position", min_capacity: int = 0,
-                   group: Optional[dist.ProcessGroup] = None) -> CapacityDecision:
+                   group: Optional[dist.ProcessGroup] = None, modelled: bool = False) -> CapacityDecision:
     """The capacity stage: which of ``routing``'s pairs are kept, from the gathered statistics
-    ``stats`` (:class:`~moe_dist.moe.cross_rank_stats.GatheredStats` over ``group``, the stats group).
+    ``stats`` (:class:`~moe_dist.moe.routing.statistics.GatheredStats` over ``group``, the stats group).
 
     Host synchronisation: none for ``position`` (the capacity and this rank's start positions are
     computed on the device from the gathered counts); ``probs`` with the global scope on 2+ ranks
@@ -135,7 +135,7 @@ def apply_capacity(routing, stats, capacity_factor: Optional[float], *, scope: s
             start = per_rank.counts[:group_rank(group)].sum(0).long().to(routing.expert_ids.device)
             keep = keep_by_position(routing.expert_ids, capacity, E, start)
         else:
-            keep = keep_by_probs(routing.expert_ids, routing.gates, capacity, E, group)
+            keep = keep_by_probs(routing.expert_ids, routing.gates, capacity, E, group, modelled)
         return CapacityDecision(keep, capacity, dropped)
     capacity = expert_capacity(capacity_factor, n_tok, k, E, min_capacity)
     caps = expert_capacity(capacity_factor, per_rank.tokens, k, E, min_capacity)  # every rank's, on the device

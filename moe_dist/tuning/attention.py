@@ -21,16 +21,14 @@ its own batch.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..hardware import synchronize
-from ..model.layers import Attention, rotary_tables
+from .timing import best_times, slowest_over_ranks
 
 CHOICES = ("auto", "bf16", "fp32")
 MARGIN = 0.05  # fp32 is taken only when faster by more than this (noise)
@@ -53,51 +51,45 @@ class AttentionDecision:
                 f"forward + backward; slowest rank's time: {timed})")
 
 
-def probe_layer(like: Attention, device: torch.device, seed: int = 0) -> Attention:
-    """A fresh attention layer of ``like``'s shape on ``device`` (random weights): timed in place of
-    the model's own, whose weights may be sharded."""
-    d_model = like.wq.in_features
-    probe = Attention(d_model, like.n_heads, like.n_kv_heads, 0.02, 0.02, qkv_bias=like.wq.bias is not None,
-                      qk_norm="projection" if like.q_norm is not None else "none")
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for w in probe.parameters():
-            w.copy_(torch.randn(w.shape, generator=gen) * 0.02)
-    return probe.to(device)
+class TimedAttention:
+    """What an attention layer whose fused kernel's dtype is chosen here provides (a base of
+    ``moe_dist.model.layers.Attention``): ``sdpa_dtype`` (None: its inputs' dtype; ``torch.float32``:
+    fp32 copies), ``n_heads``, ``n_kv_heads``, ``head_dim``, and the two calls the timing needs."""
+
+    sdpa_dtype: Optional[torch.dtype]
+
+    def probe(self, device: torch.device, seed: int = 0) -> "TimedAttention":
+        """A fresh layer of this one's shape on ``device`` (random weights): timed in place of the
+        model's own, whose weights may be sharded."""
+        raise NotImplementedError
+
+    def timing_step(self, batch: int, seq_len: int, device: torch.device, seed: int = 0) -> Callable[[], None]:
+        """One forward + backward of this layer under bf16 autocast as the model runs it, as a call."""
+        raise NotImplementedError
 
 
-def time_attention(layer: Attention, batch: int, seq_len: int, device: torch.device, reps: int = REPS,
+def time_attention(layer: TimedAttention, batch: int, seq_len: int, device: torch.device, reps: int = REPS,
                    seed: int = 0) -> dict[str, float]:
     """Seconds of one forward + backward of ``layer`` under bf16 autocast as the model runs it
-    (fp32 inputs, RoPE), its kernel in bf16 and on fp32 copies (best of ``reps`` alternating
-    rounds after a warm-up). The layer's own layouts and casts count: the projections are
-    transposed views and RoPE returns fp32 queries and keys, so the bf16 way casts them back."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(batch, seq_len, layer.wq.in_features, generator=gen).to(device).requires_grad_()
-    g = torch.randn(batch, seq_len, layer.wo.out_features, generator=gen).to(device, torch.bfloat16)
-    cos, sin = rotary_tables(seq_len, layer.head_dim, 10000.0, device, torch.float32)
-    clock = time.process_time if device.type == "cpu" else time.perf_counter
-    times = {"bf16": float("inf"), "fp32": float("inf")}
+    (:meth:`TimedAttention.timing_step`: its own layouts and casts count), its kernel in bf16 and on
+    fp32 copies (best of ``reps`` alternating rounds after a warm-up, :func:`~.timing.best_times`)."""
+    step = layer.timing_step(batch, seq_len, device, seed)
     kept = layer.sdpa_dtype
+
+    def way(dtype: Optional[torch.dtype]) -> Callable[[], None]:
+        def run() -> None:
+            layer.sdpa_dtype = dtype
+            step()
+        return run
+
     try:
-        for r in range(reps + 1):
-            for name in (times if r % 2 == 0 else reversed(list(times))):
-                layer.sdpa_dtype = torch.float32 if name == "fp32" else None
-                synchronize(device)
-                t0 = clock()
-                with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
-                    out, _ = layer(x, cos, sin)
-                torch.autograd.grad(out, [x, *layer.parameters()], g)
-                synchronize(device)
-                if r:  # round 0 warms up
-                    times[name] = min(times[name], clock() - t0)
+        return best_times({"bf16": way(None), "fp32": way(torch.float32)}, device, reps, alternate=True)
     finally:
         layer.sdpa_dtype = kept
-    return times
 
 
-def attention_modules(model: nn.Module) -> list[Attention]:
-    return [m for m in model.modules() if isinstance(m, Attention)]
+def attention_modules(model: nn.Module) -> list[TimedAttention]:
+    return [m for m in model.modules() if isinstance(m, TimedAttention)]
 
 
 def decide_attention_dtype(model: nn.Module, setting: str, train_dtype: str, batch: int, seq_len: int,
@@ -118,12 +110,8 @@ def decide_attention_dtype(model: nn.Module, setting: str, train_dtype: str, bat
     if setting == "auto":
         a = layers[0]
         shape = (batch, a.n_heads, a.n_kv_heads, seq_len, a.head_dim)
-        local = times if times is not None else time_attention(probe_layer(a, device), batch, seq_len, device)
-        names = sorted(local)
-        t = torch.tensor([local[n] for n in names], dtype=torch.float64, device=device)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        slowest = dict(zip(names, t.tolist()))
+        local = times if times is not None else time_attention(a.probe(device), batch, seq_len, device)
+        slowest = slowest_over_ranks(local, device, group)
         chosen = "fp32" if slowest["fp32"] < (1 - MARGIN) * slowest["bf16"] else "bf16"
     for m in layers:
         m.sdpa_dtype = torch.float32 if chosen == "fp32" else None

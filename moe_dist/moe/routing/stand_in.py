@@ -3,7 +3,7 @@
 A dry run (``moe-dist plan --dry-run``) runs the layer on fake tensors, which hold shapes but
 no values. The only values that decide a shape in the MoE layer are the routed pairs per expert
 (the dispatch's one host read: split sizes and rows per local expert) and, for some settings,
-the ranks' token counts. Under :func:`moe_dist.moe.stand_in.stand_in` the layer takes them from
+the ranks' token counts. Under :func:`moe_dist.moe.layer.set_stand_in` the layer takes them from
 a :class:`RoutingModel` instead of reading the device:
 
 - ``balanced``: every expert receives ``T k / E`` of each rank's ``T k`` pairs;
@@ -15,7 +15,7 @@ a :class:`RoutingModel` instead of reading the device:
   (the dry run's own validation).
 
 Every rank of a model routes the same shares (``balanced``, ``skew``, a histogram); a capacity
-factor then caps what each rank keeps, as :func:`~moe_dist.moe.capacity.apply_capacity` would.
+factor then caps what each rank keeps, as :func:`~moe_dist.moe.routing.capacity.apply_capacity` would.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .capacity import expert_capacity
 
 

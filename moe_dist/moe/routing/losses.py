@@ -80,8 +80,8 @@ class BalanceLosses:
 
 def balance_losses(routing, stats, loss_scope: str = "global", balance_loss: str = "batch",
                    seq_loss_sum: Optional[torch.Tensor] = None, num_sequences: int = 0) -> BalanceLosses:
-    """The load-balance and z losses of ``routing`` (this rank's :class:`~moe_dist.moe.routing_types.Routing`)
-    from the gathered statistics ``stats`` (:class:`~moe_dist.moe.cross_rank_stats.GatheredStats`;
+    """The load-balance and z losses of ``routing`` (this rank's :class:`~moe_dist.moe.routing.types.Routing`)
+    from the gathered statistics ``stats`` (:class:`~moe_dist.moe.routing.statistics.GatheredStats`;
     ``loss_scope=local`` needs its per-rank values). ``seq_loss_sum``: this rank's
     :func:`sequence_balance_sum` over its ``num_sequences`` sequences for ``balance_loss=sequence``. Token counts stay on the device
     (no host read)."""

@@ -1,7 +1,7 @@
 """The routing statistics across ranks: measured on each rank, exchanged in one small collective.
 
 :class:`RoutingStats` names every statistic the balance losses, the capacity and the reported
-:class:`~moe_dist.moe.layer_stats.MoEStats` read. It travels as one float64 row per rank; the row's
+:class:`~moe_dist.moe.routing.layer_stats.MoEStats` read. It travels as one float64 row per rank; the row's
 layout is written once, in :data:`FIELDS`, and :meth:`RoutingStats.pack` /
 :meth:`RoutingStats.unpack` are its only readers. Adding a statistic is one entry there. The group
 spans, the last field, ride in the row only with node-limited routing (``2E + 6`` values without,
@@ -17,10 +17,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..distributed.collectives import all_gather_tensor, all_reduce_sum
-from .dispatch.counting import count_values
-from .routers.base import count_nonfinite
-from .routing_types import Routing
+from ...distributed.collectives import all_gather_tensor, all_reduce_sum
+from ..counting import count_values
+from ..routers.base import count_nonfinite
+from .types import Routing
 
 # (name, width) in row order; width None = num_experts
 FIELDS = (("counts", None), ("prob_sums", None), ("z_sum", 1), ("entropy_sum", 1), ("nonfinite", 1),

@@ -19,7 +19,7 @@ class MoEStats:
     capacity: token slots per expert (None: dropless; a 0-d int64 tensor on the device for the
         global capacity scope, an int for the local one).
     group_spans: with node-limited routing, ``[E]`` tokens whose experts lie in ``j + 1`` distinct
-        expert groups (:func:`~moe_dist.moe.cross_rank_stats.group_spans`); None without it.
+        expert groups (:func:`~moe_dist.moe.routing.statistics.group_spans`); None without it.
     extras: router-specific figures.
     """
 
@@ -37,9 +37,9 @@ class MoEStats:
     @classmethod
     def of(cls, total, losses, capacity, routing, grouped: bool = False) -> "MoEStats":
         """The stats of one forward from its stages' results: ``total`` the routing statistics summed
-        over the stats group (:class:`~moe_dist.moe.cross_rank_stats.RoutingStats`), ``losses``
-        (:class:`~moe_dist.moe.losses.BalanceLosses`), ``capacity``
-        (:class:`~moe_dist.moe.capacity.CapacityDecision`) and this rank's ``routing``; ``grouped``:
+        over the stats group (:class:`~moe_dist.moe.routing.statistics.RoutingStats`), ``losses``
+        (:class:`~moe_dist.moe.routing.losses.BalanceLosses`), ``capacity``
+        (:class:`~moe_dist.moe.routing.capacity.CapacityDecision`) and this rank's ``routing``; ``grouped``:
         the routing was node-limited (``total`` counted the group spans)."""
         return cls(expert_counts=total.counts, dropped=capacity.dropped, pairs=total.tokens * routing.top_k,
                    tokens=total.tokens, aux_loss=losses.aux_value, z_loss=losses.z_value,
