@@ -86,6 +86,8 @@ def test_the_recommended_command_is_accepted_at_that_world_size():
     # a Hugging Face config has no batch settings: overrides for the config upcycle writes
     hf = plan(os.path.join(ROOT, "configs", "hf", "mixtral-8x7b.json"), 2, 8, 80)
     assert hf["batch_changes"] == {} and hf["command"]["train"] is None and hf["command"]["dry_run"]
+    per_rank = plan(os.path.join(ROOT, "configs", "hf", "mixtral-8x7b.json"), 2, 8, 80, micro_batch=2)
+    assert " --micro-batch 2 --dry-run " in per_rank["command"]["dry_run"]  # the planned batch, for the dry run
 
 
 def test_the_recommended_dry_run_runs_and_fits():

@@ -45,9 +45,10 @@ def _key(override: str) -> str:
 
 
 def recommended_command(source: str, kind: str, user_overrides: Iterable[str], best: dict, changed: dict,
-                        cluster: dict, seq_len: Optional[int]) -> dict:
+                        cluster: dict, seq_len: Optional[int], micro_batch: Optional[int] = None) -> dict:
     """``overrides`` (the user's, then the layout's and the batch's, each key once), the ``train``
-    command (None for a Hugging Face config: upcycle or import it first) and the ``dry_run`` command."""
+    command (None for a Hugging Face config: upcycle or import it first) and the ``dry_run`` command
+    (for a Hugging Face config with ``--micro-batch``, passed on: it has no batch setting to carry it)."""
     ours = [f"parallel.ep={best['ep']}",
             f"train.activation_checkpointing={str(best['activation_checkpointing']).lower()}"]
     if best.get("grad_sync", "step") != "step":
@@ -59,7 +60,8 @@ def recommended_command(source: str, kind: str, user_overrides: Iterable[str], b
     overrides = [o for o in user_overrides if _key(o) not in replaced] + ours
     args = " ".join(shlex.quote(o) for o in overrides)
     config = shlex.quote(source)
+    per_rank = f" --micro-batch {micro_batch}" if micro_batch is not None and kind != "moe_dist" else ""
     return {"overrides": overrides,
             "train": f"moe-dist train --config {config} {args}" if kind == "moe_dist" else None,
             "dry_run": (f"moe-dist plan --config {config} --nodes {cluster['nodes']} --gpus-per-node "
-                        f"{cluster['gpus_per_node']} --gpu-mem-gib {cluster['gpu_mem_gib']:g} --dry-run {args}")}
+                        f"{cluster['gpus_per_node']} --gpu-mem-gib {cluster['gpu_mem_gib']:g}{per_rank} --dry-run {args}")}

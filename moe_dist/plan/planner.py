@@ -425,7 +425,8 @@ def plan(path: str, nodes: int, gpus_per_node: int, gpu_mem_gib: float, override
     m = inp.model
     cluster = {"nodes": nodes, "gpus_per_node": gpus_per_node, "world_size": world, "gpu_mem_gib": gpu_mem_gib,
                "usable_gib": round(usable, 3), "usable_fraction": USABLE_FRACTION}
-    command = recommended_command(inp.source, inp.kind, overrides, best, batch_changes, cluster, seq_len) if best else None
+    command = recommended_command(inp.source, inp.kind, overrides, best, batch_changes, cluster, seq_len,
+                                  micro_batch) if best else None
     return {
         "source": inp.source, "kind": inp.kind,
         "total_params": counts["total"], "active_params": counts["active"],
