@@ -40,6 +40,10 @@ if ! docker info >/dev/null 2>&1; then
     { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io debootstrap; } >/dev/null \
       || fail "apt-get install docker.io debootstrap failed"
   fi
+  # dockerd sets the iptables FORWARD policy to DROP, which silently drops traffic between network
+  # namespaces on other bridges of this machine (the multi-node tests' nodes); its own containers are
+  # let through by its explicit rules, so the policy it found is put back
+  forward=$(iptables -S FORWARD 2>/dev/null | awk '$1 == "-P" { print $3; exit }')
   nohup dockerd >"$DOCKERD_LOG" 2>&1 &
   for _ in $(seq 60); do
     docker info >/dev/null 2>&1 && break
@@ -47,6 +51,9 @@ if ! docker info >/dev/null 2>&1; then
     sleep 1
   done
   docker info >/dev/null 2>&1 || fail "dockerd did not answer within 60 s (log: $DOCKERD_LOG)"
+  if [ "$forward" = ACCEPT ] && [ "$(iptables -S FORWARD | awk '$1 == "-P" { print $3; exit }')" != ACCEPT ]; then
+    iptables -P FORWARD ACCEPT && echo "docker_engine: iptables FORWARD policy put back to ACCEPT after dockerd" >&2
+  fi
 fi
 
 if ! docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then

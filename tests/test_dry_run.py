@@ -50,7 +50,9 @@ def test_capacity_caps_the_kept_pairs_as_the_capacity_stage_does():
 
 
 def test_dry_run_at_16_ranks_builds_what_the_trainer_would():
-    from moe_dist.plan.dry_run import GIB, dry_run, with_planner
+    from moe_dist.plan.dry_run import dry_run
+    from moe_dist.plan.dry_run_report import with_planner
+    from moe_dist.plan.memory import GIB
 
     seen = {}
 
@@ -159,7 +161,8 @@ def test_the_planner_equals_the_dry_run_category_by_category(dtype, ep, reshard)
     """The planner's activation model (what each block keeps, the loss's fp32 rows) and its phases:
     at 8 ranks, dense and MoE blocks, with and without resharding after forward, each category at
     the peak within 2% of the dry run's (GiB rounded to 3 decimals: sizes of a GiB or more)."""
-    from moe_dist.plan.dry_run import comparison_rows, dry_run, with_planner
+    from moe_dist.plan.dry_run import dry_run
+    from moe_dist.plan.dry_run_report import comparison_rows, with_planner
 
     overrides = ["model.n_layers=2", "model.moe.layers=every_other", "train.seq_len=2048", "train.global_batch=16",
                  "model.d_model=1024", "model.d_ff=2816", "model.moe.d_ff=1024", "data.vocab_size=32000",

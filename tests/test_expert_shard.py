@@ -220,7 +220,8 @@ DRY = ["model.n_layers=2", "train.seq_len=256", "train.global_batch=16", "model.
 
 
 def test_every_replica_holds_an_even_share_in_the_dry_run_and_the_planner_agrees():
-    from moe_dist.plan.dry_run import comparison_rows, dry_run, with_planner
+    from moe_dist.plan.dry_run import dry_run
+    from moe_dist.plan.dry_run_report import comparison_rows, with_planner
 
     def weights(rank, *extra):
         result = dry_run("configs/tiny.yaml", DRY + list(extra), nodes=2, gpus_per_node=8, rank=rank)
@@ -242,7 +243,8 @@ def test_every_replica_holds_an_even_share_in_the_dry_run_and_the_planner_agrees
 
 @pytest.mark.parametrize("grad_sync", ["step", "microbatch"])
 def test_the_planner_counts_the_gradients_of_either_grad_sync_as_the_dry_run(grad_sync):
-    from moe_dist.plan.dry_run import comparison_rows, dry_run, with_planner
+    from moe_dist.plan.dry_run import dry_run
+    from moe_dist.plan.dry_run_report import comparison_rows, with_planner
 
     result = with_planner(dry_run("configs/tiny.yaml", DRY + ["train.grad_accum=2", "train.global_batch=32",
                                                         f"parallel.grad_sync={grad_sync}"],

@@ -25,7 +25,8 @@ GIB = float(1 << 30)
 
 
 def case(name: str, gpus: int, gpus_per_node: int) -> dict:
-    from ..plan.dry_run import comparison_rows, dry_run, with_planner
+    from ..plan.dry_run import dry_run
+    from ..plan.dry_run_report import comparison_rows, with_planner
 
     config, extra = PRESETS[name]
     nodes = max(1, gpus // gpus_per_node)

@@ -465,7 +465,7 @@ def section_memory_vs_dry_run(ctx: Context) -> dict:
 def _planner_memory(result: dict) -> Optional[dict]:
     """The planner's memory of the dry run's layout (``result["planner"]`` when the dry run has none)."""
     try:
-        from ..plan.dry_run import with_planner
+        from ..plan.dry_run_report import with_planner
     except (ImportError, AttributeError):
         return None
     return with_planner(result).get("planner")

@@ -14,6 +14,7 @@ from typing import Any, Literal, Optional, Sequence, Union
 from ..checks import check_choice, knob
 from ..errors import ConfigError
 from ..moe.args import MoEArgs
+from .batch import batch_problems
 from .layout import AUTO, check_ep, expert_parallel_size
 
 DEFAULT_CORPUS = "/usr/share/doc/python3.11/html/_sources"
@@ -394,9 +395,5 @@ class Config:
         if rpn is not None and (rpn < 1 or world_size % rpn):
             _fail("parallel.ranks_per_node", f"{rpn} must be >= 1 and divide the number of processes ({world_size}), "
                   "or null (nodes by host name)")
-        per_forward = self.train.global_batch // self.train.grad_accum
-        if per_forward < world_size:
-            _fail("train.global_batch", f"global_batch / grad_accum = {per_forward} sequences per forward must be at "
-                  f"least the number of data-parallel ranks ({world_size}); raise train.global_batch or lower train.grad_accum")
-        if self.eval.batch < world_size:
-            _fail("eval.batch", f"{self.eval.batch} must be at least the number of data-parallel ranks ({world_size})")
+        for key, why in batch_problems(self.train.global_batch, self.train.grad_accum, self.eval.batch, world_size):
+            _fail(key, why)

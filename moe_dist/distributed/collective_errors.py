@@ -21,6 +21,15 @@ from typing import Optional
 
 from .ranges import timed_range, kind_of
 
+# the package's directory: frames of files under it are moe_dist's (a checkout is often itself named
+# moe_dist, e.g. /opt/moe_dist in the Docker images, so a "/moe_dist/" in a path does not say it)
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _ours(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_PACKAGE + os.sep)
+
+
 _TIMEOUT = re.compile(r"time[d]? ?out|timeout|deadline exceeded", re.IGNORECASE)
 _PEER_LOST = re.compile(r"connection (closed|reset)|broken pipe|peer|socket closed|ECONNRESET|EPIPE|"
                         r"remote process exited|ProcessGroupGloo.*(abort|closed)", re.IGNORECASE)
@@ -96,8 +105,7 @@ def failed_collective(exc: BaseException) -> Optional[FailedCollective]:
         tb = tb.tb_next
     if isinstance(exc, AsyncCollectiveError):
         mine = os.path.abspath(__file__)
-        ours = [f for f in frames if f"{os.sep}moe_dist{os.sep}" in f.f_code.co_filename
-                and os.path.abspath(f.f_code.co_filename) != mine]
+        ours = [f for f in frames if _ours(f.f_code.co_filename) and os.path.abspath(f.f_code.co_filename) != mine]
         return _described(exc.collective, exc.group, ours[-1] if ours else None, str(exc))
     c10d = [i for i, f in enumerate(frames) if f.f_code.co_filename.endswith(f"distributed{os.sep}distributed_c10d.py")]
     anywhere = [i for i, f in enumerate(frames) if f"{os.sep}torch{os.sep}distributed{os.sep}" in f.f_code.co_filename]
@@ -108,14 +116,14 @@ def failed_collective(exc: BaseException) -> Optional[FailedCollective]:
             frames[i].f_code.co_filename:  # a private helper: name the public collective that called it
         i -= 1
     frame = frames[i]
-    ours = [f for f in frames[:i] if f"{os.sep}moe_dist{os.sep}" in f.f_code.co_filename]
+    ours = [f for f in frames[:i] if _ours(f.f_code.co_filename)]
     return _described(frame.f_code.co_name, frame.f_locals.get("group"), ours[-1] if ours else None, str(exc))
 
 
 def _described(collective: str, group, caller_frame, message: str) -> FailedCollective:
     caller = ""
     if caller_frame is not None:
-        short = caller_frame.f_code.co_filename.split(f"{os.sep}moe_dist{os.sep}", 1)[1]
+        short = os.path.relpath(os.path.abspath(caller_frame.f_code.co_filename), _PACKAGE).replace(os.sep, "/")
         caller = f"moe_dist/{short}:{caller_frame.f_lineno} in {caller_frame.f_code.co_name}"
     timed_out = bool(_TIMEOUT.search(message))
     name, ranks = _group(group)

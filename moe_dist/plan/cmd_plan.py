@@ -22,12 +22,13 @@ def add_arguments(parser) -> None:
     dry = parser.add_argument_group("dry run: one rank's real training step on fake tensors (moe_dist/plan/dry_run.py)")
     dry.add_argument("--dry-run", action="store_true",
                      help="run the training step of one rank of this cluster in this process (fake process group "
-                          "and tensors) and print its memory at the peak next to the planner's")
+                          "and tensors), print its memory at the peak next to the planner's and a verdict against "
+                          "--gpu-mem-gib; exit status 0: fits, 3: does not fit, 2: bad input")
     dry.add_argument("--rank", type=int, default=None, metavar="R",
                      help="the rank to play (default: the busiest expert's rank under --routing)")
     dry.add_argument("--routing", default="balanced", metavar="MODEL",
-                     help="the dispatch's counts: balanced, skew:F (the busiest expert F x the mean), or a run's "
-                          "metrics.jsonl / run directory (its last logged expert counts)")
+                     help="the dispatch's counts: balanced, skew:F (the busiest expert F x the mean, 1 <= F <= "
+                          "num_experts / top_k), or a run's metrics.jsonl / run directory (its last logged expert counts)")
     dry.add_argument("--steps", type=int, default=1, metavar="K",
                      help="training steps of the dry run (default 1: the optimizer state is made before it)")
     dry.add_argument("--check-collectives", action="store_true",
@@ -89,13 +90,14 @@ def run(args) -> int:
         if args.check_collectives:
             return _check_collectives(args)
         if args.dry_run:
-            from .dry_run import dry_run, format_dry_run, with_planner
+            from .dry_run import dry_run
+            from .dry_run_report import DOES_NOT_FIT, format_dry_run, with_planner
 
             result = with_planner(dry_run(args.config, args.overrides, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                                           rank=args.rank, routing=args.routing, steps=args.steps,
                                           micro_batch=args.micro_batch), args.gpu_mem_gib)
             print(json.dumps(result, indent=2) if args.json else format_dry_run(result))
-            return 0
+            return 0 if result["verdict"]["fits"] else DOES_NOT_FIT
         from . import format_plan, plan
         from .planner import make_network
 

@@ -34,10 +34,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..config import ConfigError, load_config
 from ..moe import moe_layers
-from ..moe.routing.stand_in import RoutingModel, parse_routing_model
 from ..moe.layer import set_stand_in
+from ..moe.routing.stand_in import RoutingModel, Skewed, parse_routing_model
 from ..parallel import expert_parameters
-from .memory import GIB
 
 # tracker category -> the name the dry run reports it under
 CATEGORIES = {"Sharded Param": "weights", "Unsharded Param": "gathered_weights", "Buffer": "buffers",
@@ -174,10 +173,10 @@ def busiest_rank(cfg, routing: RoutingModel, world: int, gpus_per_node: int) -> 
 
 def _load(config: str, overrides: Iterable[str], world: int, gpus_per_node: int, micro_batch: Optional[int]):
     """The config as the trainer of that world would run it, on fake CPU tensors: the world's nodes
-    declared, bf16 kept as bf16 (this CPU's speed says nothing of the target's)."""
+    declared (the dtype stays the config's: :func:`_runtime`)."""
     from .plan_input import hf_config, hf_seq_len, read_source
 
-    extra = ["run.device=cpu", f"parallel.ranks_per_node={gpus_per_node}", "train.bf16_on_slow_cpu=bf16"]
+    extra = ["run.device=cpu", f"parallel.ranks_per_node={gpus_per_node}"]
     path, raw, hf = read_source(config)
     if hf:  # a Hugging Face config: its model, trained as the planner assumes
         sections = {"train": {"dtype": "bf16", "seq_len": hf_seq_len(raw), "global_batch": world, "grad_accum": 1},
@@ -194,6 +193,32 @@ def _load(config: str, overrides: Iterable[str], world: int, gpus_per_node: int,
 
         cfg.model.vocab_size = _vocab_of(cfg)
     return cfg
+
+
+def check_skew(routing: RoutingModel, cfg) -> None:
+    """Refuse a ``skew:F`` no router can produce: a token picks an expert at most once, so one expert
+    receives at most every token, ``num_experts / top_k`` times the mean."""
+    moe = cfg.model.moe
+    if not isinstance(routing, Skewed) or not moe.layer_indices(cfg.model.n_layers):
+        return
+    most = moe.num_experts / moe.top_k
+    if routing.factor > most:
+        raise ConfigError(f"--routing: skew:{routing.factor:g}; allowed: skew:F with 1 <= F <= {most:g} "
+                          f"({moe.num_experts} experts, top-{moe.top_k}: a token picks an expert at most once, so no "
+                          f"expert receives more than experts / top_k = {most:g}x the mean)")
+
+
+def _runtime(cfg):
+    """The trainer's runtime for ``cfg`` (the world-size rules, the groups, the meshes) without the
+    bf16 speed probe of the trainer's runtime: that times this CPU's matmuls to choose a CPU job's
+    dtype, and a dry run plays a rank of a GPU job, whose dtype is the config's."""
+    from ..train.runtime import setup_runtime
+
+    dtype, cfg.train.dtype = cfg.train.dtype, "fp32"  # fp32: nothing to probe
+    try:
+        return setup_runtime(cfg)
+    finally:
+        cfg.train.dtype = dtype
 
 
 def _track_plain_parameters(tracker, model) -> None:
@@ -351,7 +376,6 @@ def dry_run(config: str, overrides: Iterable[str] = (), *, nodes: int = 1, gpus_
     from ..train.metrics import MoEStepStats
     from ..train.model_setup import build_meta_model, weights_filler
     from ..train.step import TrainStep
-    from ..train.runtime import setup_runtime
 
     for key, value in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node), ("--steps", steps)):
         if not isinstance(value, int) or value < 1:
@@ -359,6 +383,7 @@ def dry_run(config: str, overrides: Iterable[str] = (), *, nodes: int = 1, gpus_
     world = nodes * gpus_per_node
     model_of_routing = routing if isinstance(routing, RoutingModel) else parse_routing_model(routing)
     cfg = _load(config, overrides, world, gpus_per_node, micro_batch)
+    check_skew(model_of_routing, cfg)
     if not fake:
         rank = dist.get_rank() if dist.is_initialized() else 0
     if rank is None:
@@ -368,7 +393,7 @@ def dry_run(config: str, overrides: Iterable[str] = (), *, nodes: int = 1, gpus_
     start = time.perf_counter()
     vocab = cfg.model.vocab_size
     with (_fake_world(world, rank) if fake else contextlib.nullcontext()):
-        rt = setup_runtime(cfg)  # the world-size rules of the config, the groups, the meshes
+        rt = _runtime(cfg)
         groups = rt.groups
         per_rank = cfg.train.global_batch // cfg.train.grad_accum // groups.dp_size
         micro = cfg.train.grad_accum if all_micro_batches else min(cfg.train.grad_accum, 2)
@@ -408,61 +433,3 @@ def dry_run(config: str, overrides: Iterable[str] = (), *, nodes: int = 1, gpus_
             "seconds": round(time.perf_counter() - start, 2),
             **({} if fake else {"routed_calls": [c.tolist() for c in routed_calls]}),
             **({"collectives": reads.collectives} if log_collectives else {})}
-
-
-def with_planner(result: dict, gpu_mem_gib: float = 80.0) -> dict:
-    """``result`` with the planner's memory of the same layout (``result["planner"]``)."""
-    from .planner import plan
-
-    lay = result["layout"]
-    planned = plan(result["config"], lay["nodes"], lay["gpus_per_node"], gpu_mem_gib, result["overrides"],
-                   seq_len=lay["seq_len"], micro_batch=lay["micro_batch"])
-    same = [l for l in planned["layouts"] if l["ep"] == lay["ep"]]
-    memory = same[0]["memory_gib"] if same else None
-    if memory is not None and lay["activation_checkpointing"]:
-        memory = dict(memory, total=memory["total_with_activation_checkpointing"],
-                      activations=memory["activations_checkpointed"],
-                      at_peak=memory["at_peak_with_activation_checkpointing"])
-    return dict(result, planner={"memory_gib": memory, "recommended_ep": (planned["recommended"] or {}).get("ep")})
-
-
-def comparison_rows(result: dict) -> list[tuple[str, float, Optional[float]]]:
-    """(category, dry run GiB, planner GiB or None) for the report."""
-    c = {k: v / GIB for k, v in result["categories_bytes"].items()}
-    p = (result.get("planner") or {}).get("memory_gib") or {}
-
-    def planned(key: str) -> Optional[float]:
-        return p.get(key)
-
-    def at_peak(key: str) -> Optional[float]:  # the planner's figure at its predicted peak
-        return (p.get("at_peak") or {}).get(key)
-
-    rows = [("weights (this rank's shards)", c.get("weights", 0.0), planned("weights")),
-            ("gradients", c.get("grads", 0.0), at_peak("grads")),
-            ("optimizer state", c.get("optimizer", 0.0), at_peak("optimizer")),
-            # the tracker files bf16 autocast copies of weights FSDP2 does not gather as activations
-            ("activations", c.get("activations", 0.0), at_peak("activations")),
-            ("FSDP2 gathered weights", c.get("gathered_weights", 0.0) + c.get("all_gather", 0.0), at_peak("fsdp_gather")),
-            ("FSDP2 reduce-scatter", c.get("reduce_scatter", 0.0), at_peak("fsdp_reduce")),
-            ("temporaries", c.get("temporaries", 0.0), at_peak("temporaries")),
-            ("peak", result["peak_bytes"] / GIB, planned("total"))]
-    return rows
-
-
-def format_dry_run(result: dict) -> str:
-    lay = result["layout"]
-    lines = [f"dry run of {result['config']}: rank {lay['rank']} of {lay['world_size']} ({lay['nodes']} node(s) x "
-             f"{lay['gpus_per_node']}), ep={lay['ep']} edp={lay['edp']}, {lay['experts_per_rank']} expert(s) per MoE "
-             f"layer on this rank, {lay['micro_batch']} x {lay['seq_len']} tokens per micro-batch x {lay['grad_accum']}, "
-             f"{lay['dtype']}, dense={lay['dense']}, routing {result['routing']}, {result['steps']} steps "
-             f"in {result['seconds']:.1f} s",
-             f"{'memory at the peak (GiB)':<32}{'dry run':>10}{'planner':>10}{'ratio':>8}"]
-    for name, got, want in comparison_rows(result):
-        ratio = f"{want / got:.2f}" if want is not None and got > 0 else ""
-        lines.append(f"{name:<32}{got:>10.3f}{'' if want is None else f'{want:10.3f}':>10}{ratio:>8}")
-    phase = (((result.get("planner") or {}).get("memory_gib") or {}).get("at_peak") or {}).get("phase")
-    if phase:
-        lines.append(f"the planner's figures are those at its predicted peak: {phase}")
-    sp = result["save_plan"]
-    lines.append(f"checkpoint: this rank writes {sp['items']} items, {sp['tensor_bytes'] / GIB:.3f} GiB of tensors")
-    return "\n".join(lines)

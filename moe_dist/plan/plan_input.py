@@ -38,6 +38,7 @@ class PlanInput:
     configured_max_groups: Optional[int] = None  # model.moe.max_groups_per_token (groups of model.moe.router_groups)
     expert_shard: str = "auto"  # parallel.expert_shard: how FSDP2 splits the experts over their replicas
     grad_sync: str = "step"  # parallel.grad_sync: reduce-scatter once per step or after every micro-batch
+    eval_batch: Optional[int] = None  # eval.batch (None: a Hugging Face config, which has no training settings)
 
 
 def _read_mapping(path: str) -> dict:
@@ -105,4 +106,4 @@ def load_plan_input(path: str, overrides: Iterable[str] = (), seq_len: Optional[
                      backend="gloo" if cfg.parallel.backend == "gloo" else "nccl",
                      reshard_after_forward=cfg.parallel.reshard_after_forward, notes=[],
                      configured_dispatch=cfg.parallel.dispatch, configured_max_groups=cfg.model.moe.max_groups_per_token,
-                     expert_shard=cfg.parallel.expert_shard, grad_sync=cfg.parallel.grad_sync)
+                     expert_shard=cfg.parallel.expert_shard, grad_sync=cfg.parallel.grad_sync, eval_batch=cfg.eval.batch)

@@ -18,10 +18,13 @@ from .memory import (GIB, STAGES, Units, Workload, activation_bytes, all_to_all_
                      engine_state_bytes, expert_gathered_fraction, expert_shard_fraction, expert_split, fsdp_gathered_bytes, fsdp_head_grad_bytes, fsdp_reduce_peak_bytes,
                      gathered_bytes_per_param, loss_backward_bytes, grad_sync_bytes, optimizer_step_bytes, state_bytes, uses_fsdp)
 from .timing import Cluster, Links, StepWork, passes, step_time, sync_time
+from .command import batch_settings, recommended_command
 from .dispatch_rows import DISPATCHES, dispatch_bytes, group_shape
 from .plan_input import PlanInput, load_plan_input
 
-USABLE_FRACTION = 0.9  # leave 10% of each GPU for the framework, allocator fragmentation and buffers
+# the share of each GPU's memory a plan fills: the rest is kept for what it does not model (the CUDA
+# context, NCCL's buffers, the caching allocator's rounding and fragmentation)
+USABLE_FRACTION = 0.9
 
 
 def _gib(x: float) -> float:
@@ -252,17 +255,13 @@ def dispatch_variants(inp: PlanInput, counts: dict, world: int, gpus_per_node: i
     return out
 
 
-def _micro_batch(inp: PlanInput, world: int, override: Optional[int]) -> tuple[int, list[str]]:
+def _micro_batch(inp: PlanInput, world: int, override: Optional[int]) -> int:
+    """Sequences of the busiest rank per micro-batch (``--micro-batch``, else from the batch settings)."""
     if override is not None:
-        return override, []
+        return override
     if inp.global_batch is None:
-        return 1, []
-    per_forward = inp.global_batch // inp.grad_accum
-    notes = []
-    if per_forward < world:
-        notes.append(f"train.global_batch / train.grad_accum = {per_forward} sequences per forward is below the "
-                     f"{world} data-parallel ranks: the trainer refuses this; raise train.global_batch")
-    return max(1, math.ceil(per_forward / world)), notes
+        return 1
+    return max(1, math.ceil(inp.global_batch // inp.grad_accum / world))
 
 
 def recommend(layouts: list[dict], usable_gib: float) -> tuple[Optional[dict], str]:
@@ -306,7 +305,7 @@ def _floor(inp: PlanInput, counts: dict, nodes: int, gpus_per_node: int, usable:
            micro_batch: Optional[int]) -> str:
     """Why even ``nodes`` nodes do not fit: the part of a GPU's memory that does not shrink with more GPUs."""
     world = nodes * gpus_per_node
-    mb, _ = _micro_batch(inp, world, micro_batch)
+    mb = _micro_batch(inp, world, micro_batch)
     E = inp.model.moe.num_experts if inp.moe_blocks else 1
     far = min((evaluate_layout(inp, counts, world, gpus_per_node, ep, mb) for ep in ep_sizes(world, E)),
               key=lambda l: l["memory_gib"]["total_with_activation_checkpointing"])
@@ -335,7 +334,7 @@ def _alternatives(inp: PlanInput, counts: dict, layouts: list[dict], nodes: int,
 
     def fits(n: int) -> bool:
         world = n * gpus_per_node
-        mb, _ = _micro_batch(inp, world, micro_batch)
+        mb = _micro_batch(inp, world, micro_batch)
         E = inp.model.moe.num_experts if inp.moe_blocks else 1
         eps = ep_sizes(world, E)
         cand = [evaluate_layout(inp, counts, world, gpus_per_node, ep, mb) for ep in eps]
@@ -403,10 +402,12 @@ def plan(path: str, nodes: int, gpus_per_node: int, gpu_mem_gib: float, override
     for key, value in (("--seq-len", seq_len), ("--micro-batch", micro_batch)):
         if value is not None and value < 1:
             raise ConfigError(f"{key}: {value!r}; allowed: an integer >= 1")
+    overrides = list(overrides)
     inp = load_plan_input(path, overrides, seq_len)
     counts = count_params(inp.model, inp.moe_blocks)
     world = nodes * gpus_per_node
-    mb, notes = _micro_batch(inp, world, micro_batch)
+    inp, batch_changes = batch_settings(inp, world, micro_batch)  # what the trainer accepts at this world size
+    mb = _micro_batch(inp, world, micro_batch)
     E = inp.model.moe.num_experts if inp.moe_blocks else 1
     eps = [ep for ep in ep_sizes(world, E)]
     layouts = [evaluate_layout(inp, counts, world, gpus_per_node, ep, mb) for ep in eps]
@@ -422,6 +423,10 @@ def plan(path: str, nodes: int, gpus_per_node: int, gpu_mem_gib: float, override
     if best is None:
         reason += _alternatives(inp, counts, layouts, nodes, gpus_per_node, usable, micro_batch)
     m = inp.model
+    cluster = {"nodes": nodes, "gpus_per_node": gpus_per_node, "world_size": world, "gpu_mem_gib": gpu_mem_gib,
+               "usable_gib": round(usable, 3), "usable_fraction": USABLE_FRACTION}
+    command = recommended_command(inp.source, inp.kind, overrides, best, batch_changes, cluster, seq_len,
+                                  micro_batch) if best else None
     return {
         "source": inp.source, "kind": inp.kind,
         "total_params": counts["total"], "active_params": counts["active"],
@@ -431,13 +436,13 @@ def plan(path: str, nodes: int, gpus_per_node: int, gpu_mem_gib: float, override
                   "moe_layers": inp.moe_blocks, "num_experts": E if inp.moe_blocks else 0,
                   "top_k": m.moe.top_k if inp.moe_blocks else 0, "expert_d_ff": m.moe.d_ff or m.d_ff,
                   "router": m.moe.router if inp.moe_blocks else None},
-        "cluster": {"nodes": nodes, "gpus_per_node": gpus_per_node, "world_size": world, "gpu_mem_gib": gpu_mem_gib,
-                    "usable_gib": round(usable, 3)},
+        "cluster": cluster,
         "workload": {"seq_len": inp.seq_len, "micro_batch_per_gpu": mb, "grad_accum": inp.grad_accum,
                      "tokens_per_gpu_per_micro_batch": mb * inp.seq_len, "activation_dtype": inp.dtype,
                      "dense_weights": inp.dense_mode, "configured_ep": inp.configured_ep,
                      "configured_dispatch": inp.configured_dispatch, "configured_max_groups": inp.configured_max_groups},
-        "layouts": layouts, "recommended": best, "reason": reason, "notes": inp.notes + notes,
+        "layouts": layouts, "recommended": best, "reason": reason, "notes": inp.notes,
+        "batch_changes": batch_changes, "command": command,
         **({"network": {"intra_gbps": network.links.intra_gbps, "inter_gbps_per_node": network.links.inter_gbps,
                         "alpha_us": network.links.alpha_s * 1e6, "compute_tflops": network.compute_flops / 1e12,
                         "fsdp_overlap": network.fsdp_overlap}} if network is not None else {}),

@@ -39,6 +39,25 @@ def format_dispatch(p: dict) -> list[str]:
     return lines
 
 
+def _command_lines(p: dict) -> list[str]:
+    """The recommended command, the batch settings it changes and why, and the dry run that checks it."""
+    cmd = p.get("command")
+    if not cmd:
+        return []
+    lines = []
+    if p.get("batch_changes"):
+        from .command import describe_batch_changes
+
+        lines.append(f"  batch settings changed: {describe_batch_changes(p['batch_changes'], p['cluster']['world_size'])}")
+    if cmd["train"]:
+        lines.append(f"  command: {cmd['train']}")
+    else:
+        lines.append(f"  overrides (for the config that upcycle or import writes): {' '.join(cmd['overrides'])}")
+    lines.append(f"  check it (one rank's real step on fake tensors, its peak against the GPU's memory; exit 0 if it "
+                 f"fits): {cmd['dry_run']}")
+    return lines
+
+
 def format_plan(p: dict) -> str:
     m, c, w, pc = p["model"], p["cluster"], p["workload"], p["params"]
     lines = [f"model: {p['source']} ({p['kind']})",
@@ -50,8 +69,10 @@ def format_plan(p: dict) -> str:
                      f"{_b(pc['experts'])}, everything else {_b(pc['dense_params'])}")
     else:
         lines.append(f"  dense: {m['n_layers']} blocks")
+    reserve = 1 - c.get("usable_fraction", c["usable_gib"] / c["gpu_mem_gib"])
     lines.append(f"cluster: {c['nodes']} node(s) x {c['gpus_per_node']} GPU(s) = {c['world_size']}, "
-                 f"{c['gpu_mem_gib']:g} GiB each ({c['usable_gib']:.1f} usable)")
+                 f"{c['gpu_mem_gib']:g} GiB each ({c['usable_gib']:.1f} usable: {100 * reserve:.0f}% kept for what the "
+                 "plan does not model, the CUDA context, NCCL's buffers and the allocator's fragmentation)")
     lines.append(f"workload: {w['micro_batch_per_gpu']} x {w['seq_len']} tokens per GPU per micro-batch, "
                  f"grad_accum {w['grad_accum']}, {w['activation_dtype']} activations, dense weights {w['dense_weights']}")
     lines.append("")
@@ -72,8 +93,9 @@ def format_plan(p: dict) -> str:
     lines.append("")
     if "network" in p:
         lines += format_dispatch(p) + [""]
-    lines.append("ZeRO stages (dense sharded over all ranks, experts over their edp replicas), total GiB per GPU "
-                 "without / with activation checkpointing:")
+    lines.append("ZeRO stages, for comparison (what DeepSpeed's ZeRO-1/2, train.engine=deepspeed, or ZeRO-3 would hold; "
+                 "dense sharded over all ranks, experts over their edp replicas; the recommendation below is for the "
+                 "moe_dist engine above), total GiB per GPU without / with activation checkpointing:")
     for l in p["layouts"]:
         parts = [f"{k}: {v['total']:.2f} / {v['total_with_activation_checkpointing']:.2f}" for k, v in l["zero_stages_gib"].items()]
         lines.append(f"  ep={l['ep']:<3} " + "  ".join(parts))
@@ -81,10 +103,11 @@ def format_plan(p: dict) -> str:
     r = p["recommended"]
     if r:
         grad_sync = f" parallel.grad_sync={r['grad_sync']}" if r.get("grad_sync", "step") != "step" else ""
+        batch = "".join(f" {key}={new}" for key, (_, new) in (p.get("batch_changes") or {}).items())
         lines.append(f"recommended: ep={r['ep']}, edp={r['edp']}, dp={r['dp']}, activation checkpointing "
                      f"{'on' if r['activation_checkpointing'] else 'off'} "
                      f"(parallel.ep={r['ep']} train.activation_checkpointing={str(r['activation_checkpointing']).lower()}"
-                     f"{grad_sync})")
+                     f"{grad_sync}{batch}{'; batch settings changed: see below' if batch else ''})")
         if r.get("expert_split", "none") != "none":  # how FSDP2 splits each layer's experts over their edp replicas
             lines.append(f"  experts over their {r['edp']} replicas: split {r['expert_split']} (parallel.expert_shard)")
         a = r["all_to_all"]
@@ -95,6 +118,7 @@ def format_plan(p: dict) -> str:
     else:
         lines.append("recommended: none")
     lines.append(f"  why: {p['reason']}")
+    lines += _command_lines(p)
     for note in p["notes"]:
         lines.append(f"note: {note}")
     return "\n".join(lines)
