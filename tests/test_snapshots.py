@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import shutil
 import socket
@@ -144,17 +143,34 @@ def config(root, name, *extra):
                                 "ckpt.save_final=false", "ckpt.verify=false", *extra])
 
 
+class Killed(Exception):
+    """Node B's end, right after step 3's snapshot reached every holder."""
+
+
 def _on_named_nodes(rank, world, root, shm):
     """Ranks 0, 1 on nodeA, 2, 3 on nodeB: the uninterrupted run, then the run that loses nodeB after step 3."""
     os.environ[ROOT_ENV] = shm
     socket.gethostname = lambda: f"node{'AB'[rank // 2]}"  # the host names the ranks' nodes are told by
-    from moe_dist.train.checkpoint.snapshots import Snapshots
+    import torch.distributed as dist
+
+    from moe_dist.train.checkpoint.resume import TrainingCheckpoints
     from moe_dist.train.trainer import train
 
     train(config(root, "uninterrupted", "parallel.ep=4", f"train.steps={STEPS}"))
-    Snapshots.end = lambda self: self.wait()  # the run below is cut off after its step 3: nothing cleaned up
-    train(config(root, "lost", "parallel.ep=4", f"train.steps={KILLED_AFTER + 1}", "ckpt.every=2",
-                 "ckpt.memory_every=1"))
+    take = TrainingCheckpoints.snapshot
+
+    def snapshot_then_stop(self, step):
+        take(self, step)
+        if step == KILLED_AFTER:
+            self.snapshots.wait()
+            dist.barrier()  # every rank's snapshot and buddy copy is in its holder
+            raise Killed
+
+    TrainingCheckpoints.snapshot = snapshot_then_stop
+    try:
+        train(config(root, "lost", "parallel.ep=4", f"train.steps={STEPS}", "ckpt.every=2", "ckpt.memory_every=1"))
+    except Killed:
+        pass
 
 
 def _survivors(rank, world, root, shm):
@@ -178,19 +194,19 @@ def test_a_lost_node_costs_a_step_not_a_checkpoint_interval(tmp_path):
     (run_key,) = os.listdir(holders)
     assert sorted(os.listdir(os.path.join(holders, run_key))) == ["nodeA", "nodeB"]  # one holder per node
     on_a = sorted(os.listdir(os.path.join(holders, run_key, "nodeA")))
-    # two generations (steps 2, 3; the last step, 4, is not snapshot), own shards and the buddies'
+    # two generations (steps 2, 3), own shards and the buddies'
     assert on_a == [f"step_{s:06d}.shard_{r:05d}" for s in (2, 3) for r in range(4)], on_a
     shutil.rmtree(os.path.join(holders, run_key, "nodeB"))  # node B and its memory are gone
-    # the run stopped after step 3's snapshot: what it logged after it is not kept
     lost = os.path.join(root, "lost")
-    rows = metrics_rows(lost)
-    with open(os.path.join(lost, "metrics.jsonl"), "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows if r["step"] <= KILLED_AFTER)
+    before, uninterrupted = metrics_rows(lost), metrics_rows(os.path.join(root, "uninterrupted"))
+    assert [r["step"] for r in before] == list(range(1, KILLED_AFTER + 1))
+    # taking snapshots changes nothing the run computes
+    assert [(r["loss"], r["grad_norm"]) for r in before] == [(r["loss"], r["grad_norm"]) for r in uninterrupted[:3]]
     (seconds, out), _ = run_ranks(_survivors, 2, args=(root, shm), timeout=300)
     assert f"resumed from the in-memory snapshot of step {KILLED_AFTER} " in out, out[-3000:]
     assert "newer than the disk checkpoint of step 2" in out and "now 2 rank(s), ep=2" in out, out[-3000:]
     rows = metrics_rows(lost)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    assert_curve_matches(rows, metrics_rows(os.path.join(root, "uninterrupted")))
+    assert_curve_matches(rows, uninterrupted)
     assert not os.path.exists(os.path.join(holders, run_key)), os.listdir(holders)  # cleaned at the normal end
     print(f"2 survivors resumed from the in-memory snapshot and ended in {seconds:.1f} s")

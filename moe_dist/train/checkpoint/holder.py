@@ -78,6 +78,7 @@ class Holder:
         self.path = os.path.join(self.run_dir, safe_node)
 
     def ensure(self) -> str:
+        os.makedirs(os.path.dirname(root_dir()), exist_ok=True)  # /dev/shm, or the root named by MOE_DIST_SNAPSHOT_ROOT
         _own_dir(root_dir())
         _own_dir(self.run_dir)
         return _own_dir(self.path)

@@ -149,7 +149,7 @@ class TrainingCheckpoints:
         state.update(optimizer_state_dict(self.model, self.optimizer))
         state.update(rng_state(self.rt.rank, self.rt.device))
         manifest = describe(self.model, state, ["model", "optimizer", "rng"], self.config)
-        self.snapshots.take(step, state, self.meta(step), manifest)
+        self.snapshots.take(step, state, {"step": step, **self.meta(step)}, manifest)
 
     def end_snapshots(self) -> None:
         """Collective, at the normal end of a run: this run's snapshots removed from host memory."""
