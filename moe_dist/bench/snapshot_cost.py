@@ -1,8 +1,8 @@
 """What in-memory snapshots (ckpt.memory_every) cost the main job: paired runs of
-``moe-dist train --config configs/tiny.yaml --nproc 2`` without and with a snapshot every step,
+``moe-dist train --config configs/tiny.yaml --nproc 2`` without and with a snapshot every ``--every`` steps,
 alternated (A B A B ...), each run's loop time per step and its phases (summary.json ``time``).
 
-    python -m moe_dist.bench.snapshot_cost --steps 60 --pairs 2 [--out /tmp/snapcost] [override ...]
+    python -m moe_dist.bench.snapshot_cost --steps 60 --pairs 2 [--every 1] [--out /tmp/snapcost] [override ...]
 
 Prints the machine (CPU capability, cores, load average) and per pair the seconds per step of the
 loop, of the training step itself (does the background write slow it?), of the checkpoint phase
@@ -42,6 +42,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--pairs", type=int, default=2)
+    p.add_argument("--every", type=int, default=1, help="ckpt.memory_every of the runs with snapshots")
     p.add_argument("--out", default=None)
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
@@ -51,7 +52,7 @@ def main(argv=None) -> None:
     ratios = []
     for i in range(args.pairs):
         off = one_run(out, f"off{i}", args.steps, 0, args.overrides)
-        on = one_run(out, f"on{i}", args.steps, 1, args.overrides)
+        on = one_run(out, f"on{i}", args.steps, args.every, args.overrides)
         same = off["losses"] == on["losses"]
         ratio = on["loop"] / off["loop"]
         ratios.append(ratio)
@@ -59,7 +60,7 @@ def main(argv=None) -> None:
               f"{off['step']:.3f} -> {on['step']:.3f} (x{on['step'] / off['step']:.3f}), checkpoint phase "
               f"{1e3 * off['checkpoint']:.1f} -> {1e3 * on['checkpoint']:.1f} ms; losses identical: {same}; "
               f"load average {os.getloadavg()[0]:.1f}", flush=True)
-    print(f"snapshot every step: the loop's time per step x{statistics.median(ratios):.3f} (median of {len(ratios)} "
+    print(f"snapshot every {args.every} step(s): the loop's time per step x{statistics.median(ratios):.3f} (median of {len(ratios)} "
           f"pair(s) of {args.steps} steps)")
 
 

@@ -102,10 +102,10 @@ class Holder:
         return final
 
     def prune(self, newest: int) -> None:
-        """Remove every entry (and unfinished one) of a step before ``newest - 1``: two generations stay."""
+        """Remove every entry (unfinished, merged) of a step before ``newest - 1``: two generations stay."""
         for name in os.listdir(self.path) if os.path.isdir(self.path) else []:
-            m = re.match(r"^\.?step_(\d+)\.shard_\d+", name)
-            if m and int(m.group(1)) < newest - 1:
+            m = re.match(r"^\.?(?:step_(\d+)\.shard_\d+|merged_step_(\d+))", name)
+            if m and int(m.group(1) or m.group(2)) < newest - 1:
                 shutil.rmtree(os.path.join(self.path, name), ignore_errors=True)
 
     def remove_all(self) -> None:

@@ -39,9 +39,11 @@ FINGERPRINT_SECTIONS = ("model", "train", "data")  # what decides the trajectory
 
 
 def run_id(run_dir: str) -> str:
-    """The job a snapshot belongs to: its run directory and its torchrun rendezvous id (the same over
-    elastic restarts, another for another job on the same directory)."""
-    return f"{os.path.realpath(run_dir)}|{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
+    """The job a snapshot belongs to: its run directory and the job's id: Slurm's job id (the same over
+    the batch script's relaunches), else torchrun's rendezvous id (the same over elastic restarts);
+    another job on the same directory has another."""
+    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return f"{os.path.realpath(run_dir)}|{job}"
 
 
 def fingerprint(config: dict, tokenizer_sha256: str) -> str:
@@ -169,9 +171,8 @@ class Snapshots:
         if chosen is None:
             return None
         step, world = chosen
-        self._fetch(step, world, [(node, [s for s in held if s.step == step]) for node, held, _ in reports])
-        error = None
-        if self.leader:
+        error = self._fetch(step, world, [(node, [s for s in held if s.step == step]) for node, held, _ in reports])
+        if self.leader and error is None:
             try:
                 saved = self._marker_manifest(step)
                 merge(self.holder, step, world, {**saved, "format": FORMAT, "version": FORMAT_VERSION, "step": step})
@@ -188,8 +189,9 @@ class Snapshots:
         marker = read_json(os.path.join(self.holder.entry(step, 0), MARKER), 1 << 20)
         return dict(marker.get("manifest") or {})
 
-    def _fetch(self, step: int, world: int, reports: list[tuple[str, list[Shard]]]) -> None:
-        """Every node gets the shards of ``step`` it lacks, from the lowest rank of a node that has them."""
+    def _fetch(self, step: int, world: int, reports: list[tuple[str, list[Shard]]]) -> Optional[str]:
+        """Every node gets the shards of ``step`` it lacks, from the lowest rank of a node that has them.
+        Collective; returns what went wrong on this rank (None: nothing), for the caller to agree on."""
         node_names = [node for node, _ in reports]
         holds: dict[str, set[int]] = {}
         for node, shards in reports:
@@ -202,14 +204,17 @@ class Snapshots:
                     source = min(r for r, (n, _) in enumerate(reports) if shard in holds[n])
                     sends.append((source, leaders[node], shard))
         if not sends:
-            return
+            return None
         mine = [(dst, shard, pack(self.holder.entry(step, shard))) for src, dst, shard in sends if src == self.rank]
         incoming = [(src, shard) for src, dst, shard in sends if dst == self.rank]
         received = _transfer([(self.rank, dst, data) for dst, _shard, data in mine], [src for src, _ in incoming],
                              self.rank, self.group, tags=([s for _d, s, _ in mine], [s for _src, s in incoming]))
-        for (src, shard) in incoming:
-            unpack(received[(src, shard)], self.holder, step, shard)
-        barrier(self.group)
+        try:
+            for (src, shard) in incoming:
+                unpack(received[(src, shard)], self.holder, step, shard)
+        except (OSError, ValueError, CheckpointError) as e:
+            return f"cannot keep the shard of step {step} sent to {self.holder.node}: {e}"
+        return None
 
     def done_with(self, path: str) -> None:
         """Collective, after the merged directory was loaded: it is removed (the shards stay)."""
