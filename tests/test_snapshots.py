@@ -101,6 +101,13 @@ def test_a_torn_entry_is_never_complete_and_two_generations_stay(holder):
     assert sorted((s.step, s.rank) for s in found) == [(2, 0), (2, 1), (3, 0), (3, 1)]
 
 
+def test_entries_after_the_resumed_step_are_another_timeline(holder):
+    for step in (5, 6, 30):
+        _write(holder, step, 0)
+    holder.remove_after(6)
+    assert [(s.step, s.rank) for s in holder.complete(_accept)[0]] == [(5, 0), (6, 0)]
+
+
 def test_another_jobs_or_configs_snapshot_is_refused(holder):
     _write(holder, 7, 0, run_id="someone else")
     _write(holder, 7, 1, fingerprint="another config")

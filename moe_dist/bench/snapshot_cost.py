@@ -60,8 +60,8 @@ def main(argv=None) -> None:
               f"{off['step']:.3f} -> {on['step']:.3f} (x{on['step'] / off['step']:.3f}), checkpoint phase "
               f"{1e3 * off['checkpoint']:.1f} -> {1e3 * on['checkpoint']:.1f} ms; losses identical: {same}; "
               f"load average {os.getloadavg()[0]:.1f}", flush=True)
-    print(f"snapshot every {args.every} step(s): the loop's time per step x{statistics.median(ratios):.3f} (median of {len(ratios)} "
-          f"pair(s) of {args.steps} steps)")
+    print(f"snapshot every {args.every} step(s): the loop's time per step x{statistics.median(ratios):.3f} "
+          f"(median of {len(ratios)} pair(s) of {args.steps} steps)")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 import stat
@@ -28,7 +29,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from ...safe_io import read_json
+from ...safe_io import UnreadableFile, read_json
 from .files import MARKER, META, CheckpointError, file_record, write_json_durably
 
 ROOT_ENV = "MOE_DIST_SNAPSHOT_ROOT"
@@ -101,12 +102,19 @@ class Holder:
         os.rename(tmp, final)
         return final
 
-    def prune(self, newest: int) -> None:
-        """Remove every entry (unfinished, merged) of a step before ``newest - 1``: two generations stay."""
+    def _remove_steps(self, doomed: Callable[[int], bool]) -> None:
         for name in os.listdir(self.path) if os.path.isdir(self.path) else []:
             m = re.match(r"^\.?(?:step_(\d+)\.shard_\d+|merged_step_(\d+))", name)
-            if m and int(m.group(1) or m.group(2)) < newest - 1:
+            if m and doomed(int(m.group(1) or m.group(2))):
                 shutil.rmtree(os.path.join(self.path, name), ignore_errors=True)
+
+    def prune(self, newest: int) -> None:
+        """Remove every entry (unfinished, merged) of a step before ``newest - 1``: two generations stay."""
+        self._remove_steps(lambda step: step < newest - 1)
+
+    def remove_after(self, step: int) -> None:
+        """Remove every entry of a step after ``step`` (another timeline once the run goes on from ``step``)."""
+        self._remove_steps(lambda s: s > step)
 
     def remove_all(self) -> None:
         """This node's entries of the run, and the run's directory once no node's are left."""
@@ -139,8 +147,7 @@ class Holder:
                 files = marker["files"]
                 ok = all(_NAME.match(n) and os.path.getsize(os.path.join(full, n)) == size for n, size in files.items())
                 step, rank, world = int(marker["step"]), int(marker["rank"]), int(marker["world"])
-            except (OSError, KeyError, TypeError, ValueError, AttributeError) as e:
-                del e
+            except (OSError, UnreadableFile, KeyError, TypeError, ValueError, AttributeError):
                 continue  # torn or foreign: never taken as complete
             if not ok or (step, rank) != (int(m.group(1)), int(m.group(2))) or not 0 <= rank < world:
                 continue
@@ -204,7 +211,8 @@ def merge(holder: Holder, step: int, world: int, manifest: dict) -> str:
     shutil.rmtree(out, ignore_errors=True)
     os.mkdir(tmp, 0o700)
     sd_md, storage, planner = {}, {}, {}
-    seen: dict[str, set] = {}
+    chunks_seen: dict[str, set] = {}  # fqn -> the offsets of its chunks taken so far
+    stored: set = set()  # (fqn, offsets) of the storage records taken so far
     version = None
     for rank in range(world):
         entry = holder.entry(step, rank)
@@ -217,23 +225,24 @@ def merge(holder: Holder, step: int, world: int, manifest: dict) -> str:
                 os.link(os.path.join(entry, name), os.path.join(tmp, renamed[name]))
         for index, info in md.storage_data.items():
             key = (index.fqn, tuple(index.offset) if index.offset is not None else None)
-            if key in seen.setdefault("storage", set()):
-                continue
-            seen["storage"].add(key)
+            if key in stored:
+                continue  # a replica's copy (a replicated tensor, an expert of several edp ranks): once
+            if info.relative_path not in renamed:
+                raise CheckpointError(f"{entry}: its metadata names {info.relative_path!r}, which it does not hold")
+            stored.add(key)
             info.relative_path = renamed[info.relative_path]
             storage[index] = info
         for fqn, tmd in md.state_dict_metadata.items():
+            seen = chunks_seen.setdefault(fqn, set())
             if fqn not in sd_md:
                 sd_md[fqn] = tmd
-                seen[fqn] = {tuple(c.offsets) for c in getattr(tmd, "chunks", [])}
+                seen.update(tuple(c.offsets) for c in getattr(tmd, "chunks", []))
                 continue
             for chunk in getattr(tmd, "chunks", []):
-                if tuple(chunk.offsets) not in seen[fqn]:
-                    seen[fqn].add(tuple(chunk.offsets))
+                if tuple(chunk.offsets) not in seen:
+                    seen.add(tuple(chunk.offsets))
                     sd_md[fqn].chunks.append(chunk)
         planner.update(md.planner_data or {})
-    import pickle
-
     merged = Metadata(state_dict_metadata=sd_md, planner_data=planner, storage_data=storage)
     if version is not None:
         merged.version = version

@@ -226,6 +226,8 @@ class TrainingCheckpoints:
             self.loaded_counters = dict(meta.get("counters") or {})
             self._report(path, step, meta, manifest)
             break
+        if self.snapshots is not None:
+            self.snapshots.forget_after(step)  # never a snapshot of another timeline taken for a newer one
         if self.rt.is_main:
             self._tidy(path, step, inside=resumed is not None)
         barrier(group)

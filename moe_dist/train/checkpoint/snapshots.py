@@ -216,6 +216,12 @@ class Snapshots:
             return f"cannot keep the shard of step {step} sent to {self.holder.node}: {e}"
         return None
 
+    def forget_after(self, step: int) -> None:
+        """After the resume chose ``step`` (0: a fresh start): this node's entries of later steps belong to
+        another timeline (an earlier run on this directory) and are removed before any new one is written."""
+        if self.leader:
+            self.holder.remove_after(step)
+
     def done_with(self, path: str) -> None:
         """Collective, after the merged directory was loaded: it is removed (the shards stay)."""
         barrier(self.group)
