@@ -113,7 +113,7 @@ def test_a_lost_node_costs_a_step_not_a_checkpoint_interval(cluster, tmp_path, m
                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT * 2)
     assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-3000:]
     assert_curve_matches(rows, metrics_rows(tmp_path / "uninterrupted"))
-    assert not os.listdir(os.path.join(shm, f"moe_dist-{os.getuid()}")), "host memory not cleaned at the end"
+    assert not os.path.exists(os.path.join(shm, f"moe_dist-{os.getuid()}")), "host memory not cleaned at the end"
 
     disk = _lose_node1(c, tmp_path, "disk", shm, memory=False)
     assert disk["start"] == 20, disk["out"][-3000:]

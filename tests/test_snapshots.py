@@ -215,5 +215,5 @@ def test_a_lost_node_costs_a_step_not_a_checkpoint_interval(tmp_path):
     rows = metrics_rows(lost)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert_curve_matches(rows, uninterrupted)
-    assert not os.path.exists(os.path.join(holders, run_key)), os.listdir(holders)  # cleaned at the normal end
+    assert not os.path.exists(holders)  # host memory cleaned at the normal end (the survivors' node was the last)
     print(f"2 survivors resumed from the in-memory snapshot and ended in {seconds:.1f} s")

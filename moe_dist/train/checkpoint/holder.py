@@ -117,12 +117,13 @@ class Holder:
         self._remove_steps(lambda s: s > step)
 
     def remove_all(self) -> None:
-        """This node's entries of the run, and the run's directory once no node's are left."""
+        """This node's entries of the run; the run's directory and the root once empty."""
         shutil.rmtree(self.path, ignore_errors=True)
-        try:
-            os.rmdir(self.run_dir)
-        except OSError:
-            pass
+        for empty in (self.run_dir, root_dir()):  # each only once nothing else is in it
+            try:
+                os.rmdir(empty)
+            except OSError:
+                pass
 
     # ---- reading --------------------------------------------------------------------------------------
     def merged(self, step: int) -> str:
