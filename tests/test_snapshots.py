@@ -180,9 +180,9 @@ def _on_named_nodes(rank, world, root, shm):
         pass
 
 
-def _survivors(rank, world, root, shm):
+def _survivors(rank, world, root, shm, nodes):
     os.environ[ROOT_ENV] = shm
-    socket.gethostname = lambda: "nodeA"
+    socket.gethostname = lambda: nodes[rank]
     from moe_dist.train.trainer import train
 
     out = io.StringIO()
@@ -194,7 +194,11 @@ def _survivors(rank, world, root, shm):
 
 
 @pytest.mark.slow
-def test_a_lost_node_costs_a_step_not_a_checkpoint_interval(tmp_path):
+@pytest.mark.parametrize("survivors", [("nodeA", "nodeA"), ("nodeA", "nodeC")], ids=["one-node", "a-new-node"])
+def test_a_lost_node_costs_a_step_not_a_checkpoint_interval(tmp_path, survivors):
+    """One-node: both survivors on node A, which holds every shard (its own and node B's buddy copies).
+    A-new-node: one survivor on node A and one on a node C that holds nothing: node A sends it the
+    shards, and the continued run's snapshots go from A to C and back."""
     root, shm = str(tmp_path / "runs"), str(tmp_path / "shm")
     run_ranks(_on_named_nodes, 4, args=(root, shm), timeout=400)
     holders = os.path.join(shm, f"moe_dist-{os.getuid()}")
@@ -209,7 +213,7 @@ def test_a_lost_node_costs_a_step_not_a_checkpoint_interval(tmp_path):
     assert [r["step"] for r in before] == list(range(1, KILLED_AFTER + 1))
     # taking snapshots changes nothing the run computes
     assert [(r["loss"], r["grad_norm"]) for r in before] == [(r["loss"], r["grad_norm"]) for r in uninterrupted[:3]]
-    (seconds, out), _ = run_ranks(_survivors, 2, args=(root, shm), timeout=300)
+    (seconds, out), _ = run_ranks(_survivors, 2, args=(root, shm, survivors), timeout=300)
     assert f"resumed from the in-memory snapshot of step {KILLED_AFTER} " in out, out[-3000:]
     assert "newer than the disk checkpoint of step 2" in out and "now 2 rank(s), ep=2" in out, out[-3000:]
     rows = metrics_rows(lost)
