@@ -1,6 +1,6 @@
 """What in-memory snapshots (ckpt.memory_every) cost the main job: paired runs of
 ``moe-dist train --config configs/tiny.yaml --nproc 2`` without and with a snapshot every ``--every`` steps,
-alternated (A B A B ...), each run's loop time per step and its phases (summary.json ``time``).
+alternated (A B, B A, A B, ...), each run's loop time per step and its phases (summary.json ``time``).
 
     python -m moe_dist.bench.snapshot_cost --steps 60 --pairs 2 [--every 1] [--out /tmp/snapcost] [override ...]
 
@@ -51,12 +51,16 @@ def main(argv=None) -> None:
           f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start", flush=True)
     ratios = []
     for i in range(args.pairs):
-        off = one_run(out, f"off{i}", args.steps, 0, args.overrides)
-        on = one_run(out, f"on{i}", args.steps, args.every, args.overrides)
+        if i % 2 == 0:  # A B, then B A: the order within a pair does not favour either side
+            off = one_run(out, f"off{i}", args.steps, 0, args.overrides)
+            on = one_run(out, f"on{i}", args.steps, args.every, args.overrides)
+        else:
+            on = one_run(out, f"on{i}", args.steps, args.every, args.overrides)
+            off = one_run(out, f"off{i}", args.steps, 0, args.overrides)
         same = off["losses"] == on["losses"]
         ratio = on["loop"] / off["loop"]
         ratios.append(ratio)
-        print(f"pair {i}: s/step loop {off['loop']:.3f} -> {on['loop']:.3f} (x{ratio:.3f}), training step "
+        print(f"pair {i} ({'off, on' if i % 2 == 0 else 'on, off'}): s/step loop {off['loop']:.3f} -> {on['loop']:.3f} (x{ratio:.3f}), training step "
               f"{off['step']:.3f} -> {on['step']:.3f} (x{on['step'] / off['step']:.3f}), checkpoint phase "
               f"{1e3 * off['checkpoint']:.1f} -> {1e3 * on['checkpoint']:.1f} ms; losses identical: {same}; "
               f"load average {os.getloadavg()[0]:.1f}", flush=True)
