@@ -169,6 +169,13 @@ def engine_state_bytes(dense_params: int, expert_params_local: int, world: int, 
             "optimizer": part(8, dense_shard, expert_shard)}
 
 
+def snapshot_bytes(engine_state: dict[str, float]) -> float:
+    """Bytes of one rank's in-memory snapshot (ckpt.memory_every): its fp32 weights and AdamW state as
+    :func:`engine_state_bytes` counts them (RNG states and the metadata are small); the same bytes go
+    to its buddy rank on another node at every snapshot."""
+    return engine_state["weights"] + engine_state["optimizer"]
+
+
 def norm_bytes(d: int, consumer_bytes: int) -> int:
     """Bytes per token one RMSNorm leaves for backward: its fp32 input and normalised input
     (torch's composite kernel) and its output as the matmul after it keeps it."""

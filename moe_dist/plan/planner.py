@@ -16,7 +16,7 @@ from ..config.layout import ep_sizes
 from ..model.params import block_shape, count_params, flops_per_token
 from .memory import (GIB, STAGES, Units, Workload, activation_bytes, all_to_all_bytes, autocast_copy_bytes,
                      engine_state_bytes, expert_gathered_fraction, expert_shard_fraction, expert_split, fsdp_gathered_bytes, fsdp_head_grad_bytes, fsdp_reduce_peak_bytes,
-                     gathered_bytes_per_param, loss_backward_bytes, grad_sync_bytes, optimizer_step_bytes, state_bytes, uses_fsdp)
+                     gathered_bytes_per_param, loss_backward_bytes, grad_sync_bytes, optimizer_step_bytes, snapshot_bytes, state_bytes, uses_fsdp)
 from .timing import Cluster, Links, StepWork, passes, step_time, sync_time
 from .command import batch_settings, recommended_command
 from .dispatch_rows import DISPATCHES, dispatch_bytes, group_shape
@@ -162,6 +162,8 @@ def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int
                                                                            inp.dense_mode, inp.grad_accum, inp.dtype,
                                                                            split_of["fraction"], inp.grad_sync)),
         "grad_sync": inp.grad_sync,
+        # ckpt.memory_every: kept in the node's host memory and sent once over the inter-node link per snapshot
+        "snapshot_bytes_per_rank": int(snapshot_bytes(engine)),
     }
 
 

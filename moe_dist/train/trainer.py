@@ -267,9 +267,13 @@ class Trainer:
                 with self.clock.phase("checkpoint"):
                     if (cfg.ckpt.every and self.step % cfg.ckpt.every == 0) or (last and cfg.ckpt.save_final):
                         self.save()
+                    if cfg.ckpt.memory_every and self.step % cfg.ckpt.memory_every == 0 and not last:
+                        with self.engine.state_for_save():
+                            self.checkpoints.snapshot(self.step)
                 stop_if_requested(self.preemption, self.step, steps, run_dir=self.run_dir, is_main=self.is_main,
                                   save=self.save, log=self.log)
                 self.clock.iteration_done()
+        self.checkpoints.end_snapshots()  # a run that ended well: its snapshots leave host memory
         if last_val is None:  # resumed from the last step's checkpoint: nothing left to train
             last_val = self.validate()
         summary = self.report.summary(self.step, row["loss"], last_val, baseline, totals, self.params, self.health,

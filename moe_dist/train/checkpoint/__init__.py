@@ -8,7 +8,12 @@ One module per concept, each importing only the ones listed before it:
 * :mod:`.rng`: every rank's RNG states as tensors;
 * :mod:`.state`: the model and optimizer state keyed by global expert (layout-independent);
 * :mod:`.checkpointer`: :class:`Checkpointer`, the collective save (also async) and the checked load;
-* :mod:`.resume`: :class:`TrainingCheckpoints`, what the trainer saves and the resume policy.
+* :mod:`.holder`: a node's host-memory holder of in-memory snapshot shards (/dev/shm), their packed
+  form, and the merge of one step's shards into a checkpoint directory;
+* :mod:`.snapshots`: :class:`~.snapshots.Snapshots` (``ckpt.memory_every``): taking them (buddy copy on
+  another node) and choosing / fetching the newest complete one on a restart;
+* :mod:`.resume`: :class:`TrainingCheckpoints`, what the trainer saves and the resume policy
+  (the newest complete in-memory snapshot first, when newer than the disk checkpoint).
 
 What a checkpoint holds: one DCP state dict of tensors only (the model's weights with experts
 keyed by global index, ``optim.<parameter>.<state>``, ``rng.rank_<r>.<generator>``), ``meta.json``

@@ -52,6 +52,16 @@ def _layout(model: nn.Module, state: dict) -> dict:
     return {"world_size": world, "ep": ep, "edp": world // ep, "dp": world, "dense": dense, "expert_split": split}
 
 
+def describe(model: nn.Module, state: dict, contents: list[str], config: Optional[dict]) -> dict:
+    """The manifest's description of a state dict: contents, layout, experts, config digests."""
+    out = {"contents": contents, "layout": _layout(model, state), "torch": torch.__version__,
+           "experts": {prefix: layer.num_experts for prefix, layer in expert_layers(model).items()}}
+    if config is not None:
+        out["config_sha256"] = config_sha256(config)
+        out["model_config_sha256"] = config_sha256(config.get("model", {}))
+    return out
+
+
 class NoSpaceLeft(JobStopped):
     """A save failed for lack of disk space (one line: where, how much was needed and is free)."""
 
@@ -163,12 +173,7 @@ class Checkpointer:
         if rng_device is not None:
             state.update(rng_state(self.rank, rng_device))
             contents.append("rng")
-        manifest = {"format": FORMAT, "version": FORMAT_VERSION, "step": step, "contents": contents,
-                    "layout": _layout(model, state), "torch": torch.__version__,
-                    "experts": {prefix: layer.num_experts for prefix, layer in expert_layers(model).items()}}
-        if config is not None:
-            manifest["config_sha256"] = config_sha256(config)
-            manifest["model_config_sha256"] = config_sha256(config.get("model", {}))
+        manifest = {"format": FORMAT, "version": FORMAT_VERSION, "step": step, **describe(model, state, contents, config)}
         expected = [k for k in global_keys(model, state) if not k.startswith(RNG)]
         self._need = _local_bytes(state) * self.world  # for the message of a full disk (ranks hold similar shares)
         meta = {"step": step, **(meta or {})}

@@ -18,12 +18,14 @@ import torch.nn as nn
 
 from ...config import ConfigError
 from ...safe_io import LOG_LIMIT, UnreadableFile, open_append, read_json_lines, write_atomically
-from .checkpointer import Checkpointer
+from .checkpointer import Checkpointer, describe
 from .collective import barrier, broadcast
-from .divergence import set_aside_pending
+from .divergence import RECORD, set_aside_pending
 from .files import (DAMAGED_SUFFIX, META, CheckpointError, DamagedCheckpoint, latest_checkpoint, remove_leftovers,
                     scan, set_aside)
+from .rng import rng_state
 from .schema import TRAINER_META_FIELDS, check_meta
+from .state import expert_keyed_state_dict, optimizer_state_dict
 
 if TYPE_CHECKING:
     from ...distributed.bootstrap import Runtime
@@ -108,6 +110,11 @@ class TrainingCheckpoints:
                                          verify=ckpt["verify"], log=log)
         self.resumed_from: Optional[str] = None
         self.loaded_counters: dict = {}  # the resumed checkpoint's ``counters`` (empty on a fresh start)
+        self.snapshots = None  # ckpt.memory_every: in-memory snapshots on this node and a buddy node
+        if ckpt.get("memory_every"):
+            from .snapshots import Snapshots
+
+            self.snapshots = Snapshots(run_dir, config, tokenizer_sha256, log=log)
 
     # ---- save ------------------------------------------------------------------------------------------
     def meta(self, step: int) -> dict:
@@ -134,6 +141,20 @@ class TrainingCheckpoints:
 
     def wait(self) -> None:
         self.checkpointer.wait()
+
+    def snapshot(self, step: int) -> None:
+        """Collective (the routing diagnostics are gathered): the in-memory snapshot of the state after
+        ``step``; copied now, written to host memory and a buddy node in the background."""
+        state = expert_keyed_state_dict(self.model)
+        state.update(optimizer_state_dict(self.model, self.optimizer))
+        state.update(rng_state(self.rt.rank, self.rt.device))
+        manifest = describe(self.model, state, ["model", "optimizer", "rng"], self.config)
+        self.snapshots.take(step, state, {"step": step, **self.meta(step)}, manifest)
+
+    def end_snapshots(self) -> None:
+        """Collective, at the normal end of a run: this run's snapshots removed from host memory."""
+        if self.snapshots is not None:
+            self.snapshots.end()
 
     # ---- resume ----------------------------------------------------------------------------------------
     def _resolve(self) -> tuple[list[str], list[str], Optional[str]]:
@@ -179,6 +200,9 @@ class TrainingCheckpoints:
         if error:
             raise ConfigError(error)
         step, path = 0, None
+        resumed = self._resume_from_snapshot(paths)
+        if resumed is not None:
+            paths, (step, path) = [], resumed
         for i, candidate in enumerate(paths):
             try:
                 meta, manifest = self.checkpointer.load(
@@ -202,10 +226,42 @@ class TrainingCheckpoints:
             self.loaded_counters = dict(meta.get("counters") or {})
             self._report(path, step, meta, manifest)
             break
+        if self.snapshots is not None:
+            self.snapshots.forget_after(step)  # never a snapshot of another timeline taken for a newer one
         if self.rt.is_main:
-            self._tidy(path, step)
+            self._tidy(path, step, inside=resumed is not None)
         barrier(group)
         return step
+
+    def _resume_from_snapshot(self, paths: list[str]) -> Optional[tuple[int, str]]:
+        """Collective, under resume=auto with snapshots on: (step, where) after loading the newest complete
+        in-memory snapshot newer than the newest disk checkpoint, or None (the disk path then)."""
+        if self.snapshots is None or self.config["resume"] != "auto":
+            return None
+        if os.path.exists(os.path.join(self.run_dir, RECORD)):
+            self.log(f"resume: {RECORD} records a divergence: in-memory snapshots are not used, only disk checkpoints")
+            return None
+        disk = int(os.path.basename(os.path.normpath(paths[0])).split("_")[-1]) if paths else 0
+        try:
+            found = self.snapshots.restore(disk)
+            if found is None:
+                return None
+            merged, step = found
+            meta, manifest = self.checkpointer.load(
+                merged, self.model, self.optimizer, rng_device=self.rt.device,
+                before_load=lambda m, man: self._check_compatible(merged, m, man))
+        except CheckpointError as e:
+            if self.rt.is_main:
+                self.log(f"resume: the in-memory snapshot was not used: {e}; the disk checkpoint is")
+            return None
+        self.snapshots.done_with(merged)
+        if meta.get("diagnostics") and self.diagnostics is not None:
+            self.diagnostics.load_state_dict(meta["diagnostics"])
+        self.resumed_from = os.path.abspath(merged)
+        self.loaded_counters = dict(meta.get("counters") or {})
+        where = f"the in-memory snapshot of step {step} ({merged}, newer than the disk checkpoint of step {disk})"
+        self._report(where, step, meta, manifest)
+        return step, os.path.join(self.run_dir, "checkpoints", f"snapshot_{step:06d}")
 
     def _report(self, path: str, step: int, meta: dict, manifest: dict) -> None:
         train = self.config["train"]
@@ -253,7 +309,7 @@ class TrainingCheckpoints:
                      f"crash or a full disk?); kept in {damaged}, the {len(kept)} whole row(s) up to step {step} kept")
         write_atomically(metrics, "".join(json.dumps(row) + "\n" for row in kept))
 
-    def _tidy(self, path: Optional[str], step: int) -> None:
+    def _tidy(self, path: Optional[str], step: int, inside: bool = False) -> None:
         """Rank 0, after a successful resume (or a fresh start): metrics.jsonl keeps the rows up to
         the resumed step; checkpoints of another timeline (newer than the resumed step, or all of
         them on a fresh start / a resume from elsewhere) are moved to checkpoints.superseded-<time>."""
@@ -263,7 +319,7 @@ class TrainingCheckpoints:
         elif path is not None and os.path.lexists(metrics):
             self._keep_metrics_rows(metrics, step)
         own_root = os.path.realpath(os.path.join(self.run_dir, "checkpoints"))
-        inside = path is not None and os.path.realpath(os.path.dirname(os.path.normpath(path))) == own_root
+        inside = inside or (path is not None and os.path.realpath(os.path.dirname(os.path.normpath(path))) == own_root)
         limit = step if inside else -1
         complete, incomplete = scan(self.run_dir)
         stale = [p for saved, p in complete if saved > limit]
