@@ -190,8 +190,9 @@ def test_a_preset_trains_after_its_conversion_job(cluster):
     job = cluster.submit([f"--dependency=afterok:{conv}", "-n", "2", "--ntasks-per-node=2", "--cpus-per-task=1",
                           "--gpus-per-node=0", "-o", train_out], preset,
                          ["train.steps=4", "train.global_batch=4", "train.seq_len=32", f"data.corpus={corpus}",
-                          f"data.cache_dir={work}/cache", "eval.max_sequences=8", "eval.batch=4", "parallel.ep=2",
-                          *QUIET], _job_env(RUN=run))
+                          f"data.cache_dir={work}/cache", "data.val_fraction=0.2", "eval.max_sequences=8", "eval.batch=4",
+                          "parallel.ep=2",
+                          *QUIET], _job_env(RUN=run), cwd=REPO)
     info = cluster.wait(conv, lambda i: i["JobState"] == "COMPLETED", 300, "the conversion COMPLETED", conv_out)
     assert "[convert] moe-dist upcycle exited with 0" in read_text(conv_out.replace("%j", conv))
     info = cluster.wait(job, lambda i: i["JobState"] == "COMPLETED", 300, "the training COMPLETED", train_out)
