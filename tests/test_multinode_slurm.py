@@ -307,58 +307,34 @@ def _ranks_on(s: SlurmCluster, node: str, run_dir: str) -> list[int]:
     return pids
 
 
-def _out_of_memory(pids: list[int], name: str) -> str:
-    """Put ``pids`` in a memory cgroup (v1) of their own limited to 8 MiB more than nothing: the kernel's
-    out-of-memory killer ends them at their next allocations. The cgroup's directory (remove it after)."""
-    base = "/sys/fs/cgroup/memory"
-    if not os.path.exists(os.path.join(base, "memory.limit_in_bytes")):
-        pytest.skip("needs cgroup v1's memory controller at /sys/fs/cgroup/memory (ENVIRONMENT.md section 10)")
-    group = os.path.join(base, name)
-    os.makedirs(group, exist_ok=True)
-    with open(os.path.join(group, "memory.limit_in_bytes"), "w") as f:
-        f.write(str(8 * 1024 * 1024))
-    for pid in pids:
-        with open(os.path.join(group, "cgroup.procs"), "w") as f:
-            f.write(str(pid))
-    return group
-
-
-def test_a_node_whose_ranks_ran_out_of_memory_is_not_lost(slurm, reference):
-    """node1's ranks killed by the kernel's out-of-memory killer (a memory cgroup too small for them) while
-    node1 stays up: node0's ranks name node1 lost, but node1 answers the batch script's one-task step, so
-    the script says why its ranks ended (the kernel's "Killed process" line) and launches the job again on
-    both nodes, not on node0 alone; the job resumes from the last checkpoint on 4 ranks (``parallel.ep=4``
-    as given) and ends with the uninterrupted curve, every step's metrics row once."""
+def test_a_node_whose_ranks_crashed_is_not_lost(slurm, reference):
+    """node1's ranks killed (a crash, the out-of-memory killer) while node1 stays up: node0's ranks name
+    node1 lost, but node1 answers the batch script's one-task step, so the script says that its ranks
+    ended (and why, as far as the node knows: tests/test_launch_oom.py has the kernel's out-of-memory kill)
+    and launches the job again on both nodes, not on node0 alone; the job resumes from the last
+    checkpoint on 4 ranks (``parallel.ep=4`` as given) and ends with the uninterrupted curve, bit for bit,
+    every step's metrics row once."""
     s = slurm
-    job = Job(s, "oom", "parallel.timeout_s=300", "parallel.heartbeat_timeout_s=10")
+    job = Job(s, "crashed", "parallel.timeout_s=300", "parallel.heartbeat_timeout_s=10")
     job.wait_for_step(5, checkpoint=True)
     pids = _ranks_on(s, "node1", job.run_dir)
     assert len(pids) == 2, pids
-    group = _out_of_memory(pids, f"moe-oom-{os.getpid()}")
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
-    try:
-        relaunched = _seen(job, "[launch] relaunch 1/3 on 2 node(s): node0,node1", t0)
-        info = job.wait(lambda i: i["JobState"] in ("FAILED", "COMPLETED"), "the end")
-    finally:
-        deadline = time.monotonic() + 30
-        while os.path.isdir(group) and time.monotonic() < deadline:
-            try:
-                os.rmdir(group)
-            except OSError:  # the killed ranks not yet gone
-                time.sleep(0.5)
+    relaunched = _seen(job, "[launch] relaunch 1/3 on 2 node(s): node0,node1", t0)
+    info = job.wait(lambda i: i["JobState"] in ("FAILED", "COMPLETED"), "the end")
     out = job.output()
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), (info, out[-3000:])
     before, after = out.split("[launch] relaunch 1/3 on 2 node(s): node0,node1", 1)
     lines = [line for line in before.splitlines() if line.startswith("moe-dist train: rank")]
     assert lines and all("node node1 (ranks 2, 3)" in line for line in lines), before[-3000:]
-    why = re.search(r"^\[launch\] node node1 answers: not lost, its ranks ended: out of memory: the kernel: "
-                    r".*Killed process (\d+)", before, flags=re.M)
-    assert why and int(why.group(1)) in pids, before[-3000:]
+    assert re.search(r"^\[launch\] node node1 answers: not lost, its ranks ended: ", before, flags=re.M), before[-3000:]
     assert "[launch] lost node(s)" not in out, out[-3000:]
+    m = re.search(r"resumed from \S+step_(\d{6}) at step \d+", after)
+    assert m and int(m.group(1)) >= 4, after[:3000]
     rows = metrics_rows(job.run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), [r["step"] for r in rows]
     assert [r["loss"] for r in rows] == [r["loss"] for r in reference["four"]]
-    assert re.search(r"resumed from \S+step_\d{6} at step \d+ \(saved by 4 rank", after) or "resumed from" in after, \
-        after[:3000]
-    print(f"\nslurm, node1's ranks out of memory: relaunched on both nodes {relaunched:.1f} s later; "
-          f"{why.group(0)[len('[launch] '):]}")
+    print(f"\nslurm, node1's ranks killed, node1 up: relaunched on both nodes {relaunched:.1f} s later, resumed from "
+          f"step {int(m.group(1))}")
