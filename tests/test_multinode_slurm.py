@@ -338,3 +338,37 @@ def test_a_node_whose_ranks_crashed_is_not_lost(slurm, reference):
     assert [r["loss"] for r in rows] == [r["loss"] for r in reference["four"]]
     print(f"\nslurm, node1's ranks killed, node1 up: relaunched on both nodes {relaunched:.1f} s later, resumed from "
           f"step {int(m.group(1))}")
+
+
+def test_a_lost_node_that_comes_back_is_taken_back(slurm):
+    """node1 killed (slurmd included) after step 6: the job goes on on node0 alone; node1 restarted
+    (its slurmd registers again before Slurm sets it DOWN, so the job's allocation still holds it:
+    measured, launch/README.md): the batch script's watch (MOE_DIST_REGROW_S=5) finds it answering, the
+    run checkpoints and the job is launched again on both nodes, which finish it; every step's metrics
+    row once, no requeue."""
+    s = slurm
+    steps = 240  # long enough that node0 alone is still training when node1 is back
+    job = Job(s, "regrow", "parallel.ep=auto", "parallel.heartbeat_timeout_s=10", "parallel.timeout_s=300",
+              f"train.steps={steps}", "ckpt.every=20", MOE_DIST_REGROW_S="5")
+    job.wait_for_step(6, checkpoint=True)
+    s.cluster.kill_node("node1")
+    t0 = time.monotonic()
+    try:
+        alone = _seen(job, "[launch] relaunch 1/3 on 1 node(s): node0", t0)
+    finally:
+        _reboot(s, "node1")
+    back = _seen(job, "[launch] node node1 is back in the job's allocation and answers", t0)
+    grown = _seen(job, "[launch] relaunch 2/3 on 2 node(s): node0,node1", t0)
+    info = job.wait(lambda i: i["JobState"] in ("FAILED", "COMPLETED"), "the end")
+    out = job.output()
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), (info, out[-3000:])
+    middle, last = out.split("[launch] relaunch 1/3 on 1 node(s): node0", 1)[1].split("[launch] relaunch 2/3", 1)
+    m = re.search(r"SIGUSR1 received: stopped after step (\d+)/%d" % steps, middle)
+    assert m and "parallel: 2 process(es)" in middle, middle[-3000:]
+    stopped = int(m.group(1))
+    assert re.search(r"resumed from \S+step_%06d at step %d \(saved by 2 rank" % (stopped, stopped), last), last[:3000]
+    assert "parallel: 4 process(es)" in last, last[:3000]
+    rows = metrics_rows(job.run_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)), [r["step"] for r in rows]  # none missing or twice
+    print(f"\nslurm, node1 killed after step 6 and restarted: node0 alone from {alone:.1f} s, node1 found back at "
+          f"{back:.1f} s, the run checkpointed at step {stopped} and was launched on both nodes at {grown:.1f} s")
