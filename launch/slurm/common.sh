@@ -71,25 +71,19 @@ oom_evidence() {
   done | tail -n 3
 }
 
-# job_holds NODE: whether Slurm still counts NODE in this job's allocation (a node it set DOWN has left it).
-job_holds() {
-  local list
-  list=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | tr ' ' '\n' | sed -n 's/^NodeList=//p')
-  [ -n "$list" ] && scontrol show hostnames "$list" 2>/dev/null | grep -qx "$1"
-}
-
 # watch_for_return NOTE NODE...: in the background, every MOE_DIST_REGROW_S seconds (default 30), until
-# one of these left-out nodes is in the job's allocation again and answers (node_answers): then writes
-# its name to NOTE and sends SIGUSR1 to the batch script, whose run checkpoints and stops so that the
-# job is launched again on it too. Prints its pid.
+# one of these lost nodes is idle in Slurm again (back in service, outside this job: Slurm removes a node
+# that stops answering from a running job and does not give it back, launch/README.md): then writes its
+# name to NOTE and sends SIGUSR1 to the batch script, whose run checkpoints and stops; the job is then
+# requeued, and starts again on the nodes there are. Prints its pid.
 watch_for_return() {
-  local note=$1 batch=$$
+  local note=$1 batch=$$ n
   shift
   (
     trap - USR1 TERM
     while sleep "${MOE_DIST_REGROW_S:-30}"; do
       for n in "$@"; do
-        if job_holds "$n" && node_answers "$n" "$(date +%s)" >/dev/null; then
+        if [ "$(sinfo -h -n "$n" -o %T 2>/dev/null)" = idle ]; then
           echo "$n" >"$note"
           kill -USR1 "$batch"
           exit 0
