@@ -22,10 +22,12 @@ moe_dist_python() {
 #                    launcher before its workers have saved.
 #   Sets RUN_RC (the job's exit status: CMD's, or 2 / 75 when the ranks reported them: read_reports,
 #   no Python needed), RUN_SIGNALLED (the signal name, or empty) and RUN_LOST_NODES (the nodes the
-#   ranks' reports name as lost, space-separated, or empty). The reports go to a new directory under
-#   $MOE_DIST_STATUS_ROOT (default $TMPDIR or /tmp), which every rank must see at the same path (other
-#   nodes, a container: the Slurm batch script puts it on the shared checkout). Under an outer launcher
-#   that collects reports (the Slurm batch script around torchrun.sh) they are passed on to it.
+#   ranks' reports name as lost, space-separated, or empty); REPORTS_READ (how many ranks reported) and
+#   RUN_STATUS_DIR (where; removed now) let a caller say when none did. The reports go to a new
+#   directory under $MOE_DIST_STATUS_ROOT (default $TMPDIR or /tmp), which every rank must see at the
+#   same path (other nodes, a container: the Slurm batch script puts it on the shared checkout). Under
+#   an outer launcher that collects reports (the Slurm batch script around torchrun.sh) they are passed
+#   on to it.
 run_forwarding_signals() {
   local mode=$1
   shift
@@ -56,12 +58,8 @@ run_forwarding_signals() {
   RUN_RC=$REPORTS_RC
   if [ "$RUN_RC" != 0 ]; then  # (a run that ended well names no lost node)
     RUN_LOST_NODES=$REPORTS_LOST
-    if [ "$REPORTS_READ" = 0 ] && [ -z "$RUN_SIGNALLED" ] && [ -z "$outer" ]; then
-      echo "[launch] no rank reported how it ended in $MOE_DIST_STATUS_DIR: exit status $RUN_RC untranslated," \
-           "no lost node named, no relaunch (killed ranks say nothing; a rank that cannot see this directory" \
-           "at the same path, e.g. in a container without it mounted, cannot report)" >&2
-    fi
   fi
+  RUN_STATUS_DIR=$MOE_DIST_STATUS_DIR
   if [ -n "$outer" ] && [ -d "$outer" ]; then
     cp "$MOE_DIST_STATUS_DIR"/rank_*.json "$outer"/ 2>/dev/null
   fi

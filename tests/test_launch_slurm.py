@@ -11,7 +11,8 @@ munge socket and ports, and its daemons are stopped at the end, also after a fai
 * the same job shape with one torchrun per node (MOE_DIST_LAUNCH=torchrun);
 * launch/slurm/prepare.sbatch as a 3-task array: the parts, combined by the last task to finish;
 * a preset: launch/slurm/convert.sbatch upcycles as a job of its own, the preset's wrapper of
-  train.sbatch trains after it (and refuses, in one line, to start without it).
+  train.sbatch trains after it (and refuses, in one line, to start without it);
+* tasks that cannot report (the status directory out of their sight): one line says so.
 """
 from __future__ import annotations
 
@@ -213,3 +214,18 @@ def test_a_preset_without_its_converted_model_says_so(tmp_path):
     assert res.returncode == 2 and res.stdout == "", res
     assert res.stderr.startswith(f"olmoe-1b-7b: {tmp_path}/run/init/import.json is missing: convert the model first, a "
                                  "job of its own (launch/slurm/convert.sbatch") and len(res.stderr.splitlines()) == 1, res
+
+
+def test_ranks_that_cannot_report_are_said_in_one_line(cluster):
+    """Tasks that do not see the status directory (a container without it mounted: here their
+    MOE_DIST_STATUS_DIR points elsewhere) cannot report: the failed job's output says, in one line, that
+    its exit status is untranslated and no lost node can be named, instead of going on silently."""
+    out_file = os.path.join(cluster.root, "unreported-%j.out")
+    job = _submit(cluster, ["-n", "2", "-o", out_file],
+                  ["configs/test.yaml", f"run.dir={cluster.root}/unreported", "parallel.ep=3", *QUIET],
+                  _job_env(MOE_DIST_TASK_PREFIX=f"env MOE_DIST_STATUS_DIR={cluster.root}/not-there"))
+    info = cluster.wait(job, lambda i: i["JobState"] == "FAILED", 300, "FAILED", out_file)
+    out = read_text(out_file.replace("%j", job))
+    assert "parallel.ep" in out and info["ExitCode"] != "0:0", out[-3000:]
+    lines = [line for line in out.splitlines() if line.startswith("[launch] no rank reported how it ended in ")]
+    assert len(lines) == 1 and "untranslated, no lost node named, no relaunch" in lines[0], out[-3000:]
