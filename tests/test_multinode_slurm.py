@@ -102,7 +102,8 @@ def _one_host(root: str, name: str, *args: str, first: int = 1) -> list[dict]:
     assert res.returncode == 0, res.stdout + res.stderr
     rows = metrics_rows(run_dir)
     rows = [r for r in rows if r["step"] >= first]
-    assert [r["step"] for r in rows] == list(range(first, STEPS + 1)) and rows[-1]["loss"] < rows[0]["loss"]
+    assert [r["step"] for r in rows] == list(range(first, STEPS + 1))
+    assert first > 1 or rows[-1]["loss"] < rows[0]["loss"]  # (a few steps late in the run need not go down)
     return rows
 
 
