@@ -28,6 +28,7 @@ setup(
         "hf": ["transformers"],
         "wandb": ["wandb>=0.31"],  # log.wandb: Weights & Biases tracking (docs/tracking.md)
         "data": ["pyarrow", "zstandard", "tokenizers"],  # moe-dist prepare: Parquet, .zst, tokenizer.json inputs
+        "etcd": ["python-etcd"],  # launch/torchrun.sh's etcd rendezvous (MOE_DIST_RDZV_ENDPOINTS, launch/etcd.sh)
     },
     entry_points={"console_scripts": ["moe-dist=moe_dist.cli:main"]},
 )

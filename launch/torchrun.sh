@@ -21,7 +21,10 @@
 # the last complete checkpoint (resume=auto is added; use parallel.ep=auto). A node started again
 # with the same command joins: the job restarts with it, from the last complete checkpoint.
 # RDZV_LAST_CALL_S (default 5): how long a meeting that has MIN nodes waits for more. The node at
-# MASTER_ADDR holds the rendezvous: the job cannot outlive it.
+# MASTER_ADDR holds the rendezvous: the job cannot outlive it, unless the rendezvous is an etcd cluster:
+#   MOE_DIST_RDZV_ENDPOINTS=node0:2379,node1:2379,node2:2379   (launch/etcd.sh starts one member per node)
+# torchrun's etcd-v2 backend then talks to this node's member (else the first that answers), and the
+# job goes on without any one node, MASTER_ADDR's included (needs python-etcd: the `etcd` extra).
 # SIGUSR1 / SIGTERM sent to this script reach the training processes as SIGUSR1: they save a
 # checkpoint at the next step boundary and stop; the script then exits with 75 ("requeue me").
 set -uo pipefail
@@ -44,12 +47,28 @@ fi
 NNODES=${NNODES:-${SLURM_NNODES:-1}}
 NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}
 ELASTIC=()
+BACKEND=c10d
+if [ -n "${MOE_DIST_RDZV_ENDPOINTS:-}" ]; then
+  # an etcd cluster holds the rendezvous: this node's member, else the first that accepts a connection
+  if ! "$PY" -c 'import etcd' 2>/dev/null; then
+    echo "torchrun.sh: MOE_DIST_RDZV_ENDPOINTS needs python-etcd in $PY (pip install -e '.[etcd]')" >&2
+    exit 2
+  fi
+  BACKEND=etcd-v2
+  MOE_DIST_RENDEZVOUS=$(etcd_member "$MOE_DIST_RDZV_ENDPOINTS") || {
+    echo "torchrun.sh: no etcd member of MOE_DIST_RDZV_ENDPOINTS=$MOE_DIST_RDZV_ENDPOINTS accepts a connection" >&2
+    exit 1
+  }
+  export MOE_DIST_RENDEZVOUS
+fi
 if [[ "$NNODES" == *:* ]]; then
   # elastic: MIN:MAX nodes; when a node is lost the others meet again and restart their workers
   # with the new world size, which continue from the last complete checkpoint
-  : "${MASTER_ADDR:?set MASTER_ADDR to the node that holds the rendezvous}"
-  export MOE_DIST_RENDEZVOUS="$MASTER_ADDR:${MASTER_PORT:-29500}"
-  RDZV=(--nnodes="$NNODES" --rdzv-backend=c10d --rdzv-endpoint="$MOE_DIST_RENDEZVOUS"
+  if [ "$BACKEND" = c10d ]; then
+    : "${MASTER_ADDR:?set MASTER_ADDR to the node that holds the rendezvous (or MOE_DIST_RDZV_ENDPOINTS)}"
+    export MOE_DIST_RENDEZVOUS="$MASTER_ADDR:${MASTER_PORT:-29500}"
+  fi
+  RDZV=(--nnodes="$NNODES" --rdzv-backend="$BACKEND" --rdzv-endpoint="$MOE_DIST_RENDEZVOUS"
         --rdzv-id="${RDZV_ID:-${SLURM_JOB_ID:-moe-dist}.${SLURM_RESTART_COUNT:-0}}"
         --max-restarts="${MAX_RESTARTS:-3}" --rdzv-conf="last_call_timeout=${RDZV_LAST_CALL_S:-5}")
   ELASTIC=(resume=auto)
@@ -59,11 +78,13 @@ if [[ "$NNODES" == *:* ]]; then
   # store then lives in rank 0's process, as under srun)
   export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 elif [ "$NNODES" -gt 1 ]; then
-  : "${MASTER_ADDR:?set MASTER_ADDR to the first node of the job}"
   # the rendezvous every node reached: the workers find their interface by the route to it
   # (moe_dist/distributed/interfaces.py); torchrun gives them another MASTER_ADDR, the first rank's host name
-  export MOE_DIST_RENDEZVOUS="$MASTER_ADDR:${MASTER_PORT:-29500}"
-  RDZV=(--nnodes="$NNODES" --node-rank="$NODE_RANK" --rdzv-backend=c10d
+  if [ "$BACKEND" = c10d ]; then
+    : "${MASTER_ADDR:?set MASTER_ADDR to the first node of the job}"
+    export MOE_DIST_RENDEZVOUS="$MASTER_ADDR:${MASTER_PORT:-29500}"
+  fi
+  RDZV=(--nnodes="$NNODES" --node-rank="$NODE_RANK" --rdzv-backend="$BACKEND"
         --rdzv-endpoint="$MOE_DIST_RENDEZVOUS"
         --rdzv-id="${RDZV_ID:-${SLURM_JOB_ID:-moe-dist}.${SLURM_RESTART_COUNT:-0}}")
 else

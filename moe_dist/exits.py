@@ -15,14 +15,22 @@ Under ``moe-dist --nproc N`` (:mod:`moe_dist.local_launch`) every rank writes wh
 one that explains the failure; elsewhere (torchrun, srun, mpirun, one process) a rank prints
 its own: a traceback for an internal error, one line for a timed-out collective, a lost peer or
 an interruption. The launch scripts set ``MOE_DIST_STATUS_DIR``: ranks print as usual and
-also report, and ``python -m moe_dist.exits DIR RC`` turns the launcher's exit status (torchrun
-says 1 for any failure, MPICH ORs the ranks' codes) back into the job's.
+also report, and ``read_reports`` in launch/lib.sh turns the launcher's exit status (torchrun
+says 1 for any failure, MPICH ORs the ranks' codes) back into the job's and names the lost nodes.
+
+The report is one line of flat JSON (:func:`write_report`) so that a shell reads it without
+Python (the batch host of a container job has no project Python): ``"code": N`` (the rank's exit
+code), ``"lost": "NODE ..."`` (for a failed rank, the nodes its line names as lost, space-separated
+host names) and ``"host"``; the other fields (``kind``, ``line``, ``traceback``) are for people and
+the Python launchers. A string never holds an unescaped ``"``, so ``"code": `` and ``"lost": "``
+occur once, as keys.
 """
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import sys
 import traceback
 from typing import Callable, Optional
@@ -58,8 +66,13 @@ def process_rank() -> int:
 
 
 def write_report(directory: str, rank: int, report: dict) -> None:
-    """Atomically write ``rank_<rank>.json`` (best effort: a full disk must not hide the real error)."""
+    """Atomically write ``rank_<rank>.json`` (best effort: a full disk must not hide the real error),
+    with the shell-readable fields of the module's docstring: ``lost`` and ``host`` added."""
+    from .distributed.roll_call import named_nodes
+
     path = os.path.join(directory, f"rank_{rank}.json")
+    lost = named_nodes(str(report.get("line", ""))) if report.get("code") == EXIT_FAILED else []
+    report = {**report, "lost": " ".join(lost), "host": socket.gethostname()}
     try:
         write_json_atomically(path, report, indent=None)
     except OSError:
@@ -203,43 +216,3 @@ def killed_line(command: str, rank: int, pid: int, signum: int) -> str:
     cause = " (out of memory?)" if signum == signal.SIGKILL else ""
     return (f"moe-dist {command}: rank {rank} (pid {pid}) was killed by {name}{cause}; the job stopped. resume=auto "
             "continues from the last complete checkpoint")
-
-
-def job_exit_code(codes: list[int], launcher_rc: int) -> int:
-    """The job's exit code from its ranks' codes: 2 if a rank had a user error, 75 if the ranks that
-    ended on their own were stopped for preemption, else the launcher's own status."""
-    if EXIT_USAGE in codes:
-        return EXIT_USAGE
-    if codes and EXIT_PREEMPTED in codes and all(c in (EXIT_OK, EXIT_PREEMPTED) for c in codes):
-        return EXIT_PREEMPTED
-    return launcher_rc
-
-
-def read_reports(directory: str) -> list[dict]:
-    """Every rank's report in ``directory``, by rank."""
-    ranks = sorted(int(n[5:-5]) for n in os.listdir(directory)
-                   if n.startswith("rank_") and n.endswith(".json") and n[5:-5].isdigit())
-    return [r for r in (read_report(directory, rank) for rank in ranks) if r]
-
-
-def lost_nodes(reports: list[dict]) -> list[str]:
-    """The nodes the reports' lines name as lost (a roll call after a failed collective, a heartbeat)."""
-    from .distributed.roll_call import named_nodes
-
-    return list(dict.fromkeys(n for r in reports if r.get("code") == EXIT_FAILED
-                              for n in named_nodes(str(r.get("line", "")))))
-
-
-def main(argv: list[str]) -> int:
-    """``python -m moe_dist.exits DIR RC``: print the job's exit code from the reports in DIR.
-    ``python -m moe_dist.exits --lost-nodes DIR``: print the nodes they name as lost, one line."""
-    if argv[0] == "--lost-nodes":
-        print(" ".join(lost_nodes(read_reports(argv[1]))))
-        return 0
-    directory, rc = argv[0], int(argv[1])
-    print(job_exit_code([r["code"] for r in read_reports(directory)], rc))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -15,6 +15,7 @@ import pytest
 from helpers.dist_harness import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 CASE = os.path.join(HERE, "helpers", "heartbeat_case.py")
 HEARTBEAT_S = 2
 
@@ -114,10 +115,22 @@ def test_silent_ranks_are_named_by_node():
     assert name_ranks(["vm"] * 3, [1, 2]) == "ranks 1, 2 on vm"
 
 
+def _read_reports(directory, rc: int) -> tuple[str, str, str]:
+    """launch/lib.sh's read_reports, as the batch script runs it (bash, no Python): (exit status, lost
+    nodes, reports read)."""
+    lib = os.path.join(ROOT, "launch", "lib.sh")
+    out = subprocess.run(["bash", "-c", f'. "{lib}"; read_reports "$1" {rc}; '
+                          'printf "%s|%s|%s" "$REPORTS_RC" "$REPORTS_LOST" "$REPORTS_READ"', "_", str(directory)],
+                         capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0 and not out.stderr, out
+    return tuple(out.stdout.split("|"))
+
+
 def test_a_launcher_reads_the_lost_nodes_from_the_ranks_reports(tmp_path):
-    """What the Slurm batch script relaunches without (``python -m moe_dist.exits --lost-nodes DIR``):
-    the nodes whose ranks are all gone, from the lines of the ranks that failed; not a node with some
-    ranks left, not a cut-off rank's own node, not a rank that ended well."""
+    """What the Slurm batch script relaunches without (launch/lib.sh's read_reports, in bash with no
+    Python on the PATH): the nodes whose ranks are all gone, from the lines of the ranks that failed; not
+    a node with some ranks left, not a cut-off rank's own node, not a rank that ended well; a line that
+    quotes a report's keys inside its text changes nothing."""
     from moe_dist.distributed.roll_call import name_ranks, named_nodes
     from moe_dist.exits import write_report
 
@@ -131,14 +144,21 @@ def test_a_launcher_reads_the_lost_nodes_from_the_ranks_reports(tmp_path):
                "(ranks 2, 3): none of its ranks answered a roll call within 10 s"),
         3: (1, "moe-dist train: rank 3: ...: this node (node1) is cut off from the others, or node0 is lost"),
         5: (0, "lost node node5 (rank 9)"),  # ended well: names nothing
+        10: (1, 'a line that quotes "code": 2, "lost": "node7" and a \\ backslash'),
     }
     for rank, (code, line) in reports.items():
         write_report(str(tmp_path), rank, {"rank": rank, "code": code, "kind": "lost_peer", "line": line})
-    out = subprocess.run([sys.executable, "-m", "moe_dist.exits", "--lost-nodes", str(tmp_path)], capture_output=True,
-                         text=True, timeout=120)
-    assert (out.returncode, out.stdout) == (0, "node2 node1\n"), out
-    assert subprocess.run([sys.executable, "-m", "moe_dist.exits", str(tmp_path), "1"], capture_output=True,
-                          text=True, timeout=120).stdout == "1\n"
+    (tmp_path / "rank_11.json.tmp").write_text("not a report")
+    assert _read_reports(tmp_path, 1) == ("1", "node2 node1", "5")
+    # the job's exit status: the launcher's, 2 when a rank had bad input, 75 when the ranks that reported
+    # were preempted (or done)
+    for codes, launcher_rc, expected in [([0, 75, 75], 1, "75"), ([75, 1], 1, "1"), ([0, 2, 1], 1, "2"),
+                                         ([0, 0], 0, "0"), ([], 137, "137"), ([1, 1], 3, "3")]:
+        d = tmp_path / f"case{len(codes)}-{launcher_rc}-{expected}"
+        d.mkdir()
+        for rank, code in enumerate(codes):
+            write_report(str(d), rank, {"rank": rank, "code": code, "kind": "x", "line": ""})
+        assert _read_reports(d, launcher_rc) == (expected, "", str(len(codes))), (codes, launcher_rc)
 
 
 _ROLL_CALL = """

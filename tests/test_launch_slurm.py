@@ -9,7 +9,10 @@ munge socket and ports, and its daemons are stopped at the end, also after a fai
   does): the ranks checkpoint at the next step boundary and exit 75, the script requeues the
   job, and the requeued job continues from that checkpoint (resume=auto) to the last step;
 * the same job shape with one torchrun per node (MOE_DIST_LAUNCH=torchrun);
-* launch/slurm/prepare.sbatch as a 3-task array: the parts, combined by the last task to finish.
+* launch/slurm/prepare.sbatch as a 3-task array: the parts, combined by the last task to finish;
+* a preset: launch/slurm/convert.sbatch upcycles as a job of its own, the preset's wrapper of
+  train.sbatch trains after it (and refuses, in one line, to start without it);
+* tasks that cannot report (the status directory out of their sight): one line says so.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -161,3 +165,67 @@ def test_prepare_as_an_array_job(cluster):
     with open(os.path.join(out, "manifest.json")) as f:
         m = json.load(f)
     assert m["parts"] == 3 and m["documents"] == 400 and m["source"]["files"] == 4
+
+
+def test_a_preset_trains_after_its_conversion_job(cluster):
+    """A preset's two steps: launch/slurm/convert.sbatch upcycles a tiny dense checkpoint as a job of its
+    own, the preset's batch script (launch/slurm/presets/*.sbatch, a wrapper of train.sbatch) trains it
+    after that job (``--dependency=afterok``) on 2 ranks; converting again is skipped."""
+    pytest.importorskip("transformers")
+    from helpers.hf_cases import add_sentencepiece, build_dense
+
+    work = os.path.join(cluster.root, "preset")
+    dense, run = os.path.join(work, "dense"), os.path.join(work, "run")
+    os.makedirs(dense)
+    corpus = os.path.join(REPO, "tests", "data", "python-docs")
+    texts = [read_text(os.path.join(corpus, "tutorial", n)) for n in ("introduction.rst.txt", "controlflow.rst.txt")]
+    add_sentencepiece(dense, texts, vocab_size=300)
+    build_dense("llama", dense, vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    convert = os.path.join(REPO, "launch", "slurm", "convert.sbatch")
+    args = ["upcycle", "--dense", dense, "--out", os.path.join(run, "init"), "model.moe.num_experts=4",
+            "model.moe.top_k=2", "model.moe.layers=every_other"]
+    conv_out, train_out = os.path.join(work, "convert-%j.out"), os.path.join(work, "train-%j.out")
+    conv = cluster.submit(["-o", conv_out], convert, args, _job_env(), cwd=REPO)
+    preset = os.path.join(REPO, "launch", "slurm", "presets", "phi3-mini-upcycle-4x2.sbatch")
+    # the preset's 8-GPU node given as what this cluster has: 2 ranks, no GPU
+    job = cluster.submit([f"--dependency=afterok:{conv}", "-n", "2", "--ntasks-per-node=2", "--cpus-per-task=1",
+                          "--gpus-per-node=0", "-o", train_out], preset,
+                         ["train.steps=4", "train.global_batch=4", "train.seq_len=32", f"data.corpus={corpus}",
+                          f"data.cache_dir={work}/cache", "data.val_fraction=0.2", "eval.max_sequences=8", "eval.batch=4",
+                          "parallel.ep=2",
+                          *QUIET], _job_env(RUN=run), cwd=REPO)
+    info = cluster.wait(conv, lambda i: i["JobState"] == "COMPLETED", 300, "the conversion COMPLETED", conv_out)
+    assert "[convert] moe-dist upcycle exited with 0" in read_text(conv_out.replace("%j", conv))
+    info = cluster.wait(job, lambda i: i["JobState"] == "COMPLETED", 300, "the training COMPLETED", train_out)
+    out = read_text(train_out.replace("%j", job))
+    assert info["ExitCode"] == "0:0", out[-3000:]
+    _check_finished_run(run, 4, out, launcher="slurm")
+    again = cluster.submit(["-o", conv_out], convert, args, _job_env(), cwd=REPO)
+    cluster.wait(again, lambda i: i["JobState"] == "COMPLETED", 120, "the second conversion COMPLETED", conv_out)
+    assert "upcycle done already, nothing to do" in read_text(conv_out.replace("%j", again))
+
+
+def test_a_preset_without_its_converted_model_says_so(tmp_path):
+    """A preset submitted before its conversion: one line naming the missing file and the step, exit 2."""
+    preset = os.path.join(REPO, "launch", "slurm", "presets", "olmoe-1b-7b.sbatch")
+    res = subprocess.run(["bash", preset, "train.steps=4"], env={"PATH": "/usr/bin:/bin", "RUN": str(tmp_path / "run"),
+                                                                 "MOE_DIST_HOME": REPO},
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert res.returncode == 2 and res.stdout == "", res
+    assert res.stderr.startswith(f"olmoe-1b-7b: {tmp_path}/run/init/import.json is missing: convert the model first, a "
+                                 "job of its own (launch/slurm/convert.sbatch") and len(res.stderr.splitlines()) == 1, res
+
+
+def test_ranks_that_cannot_report_are_said_in_one_line(cluster):
+    """Tasks that do not see the status directory (a container without it mounted: here their
+    MOE_DIST_STATUS_DIR points elsewhere) cannot report: the failed job's output says, in one line, that
+    its exit status is untranslated and no lost node can be named, instead of going on silently."""
+    out_file = os.path.join(cluster.root, "unreported-%j.out")
+    job = _submit(cluster, ["-n", "2", "-o", out_file],
+                  ["configs/test.yaml", f"run.dir={cluster.root}/unreported", "parallel.ep=3", *QUIET],
+                  _job_env(MOE_DIST_TASK_PREFIX=f"env MOE_DIST_STATUS_DIR={cluster.root}/not-there"))
+    info = cluster.wait(job, lambda i: i["JobState"] == "FAILED", 300, "FAILED", out_file)
+    out = read_text(out_file.replace("%j", job))
+    assert "parallel.ep" in out and info["ExitCode"] != "0:0", out[-3000:]
+    lines = [line for line in out.splitlines() if line.startswith("[launch] no rank reported how it ended in ")]
+    assert len(lines) == 1 and "untranslated, no lost node named, no relaunch" in lines[0], out[-3000:]
