@@ -44,7 +44,7 @@ def recorded_calls(tmp_path: Path) -> list[dict]:
     environment variables the batch script reads); the page's ``grep`` reads a job log that holds one
     ``[launch]`` line."""
     rec = tmp_path / "calls"
-    stubs = "".join(f"{tool}() {{ printf '%s{FIELD}' {tool} \"MOE_DIST_SRUN_ARGS=${{MOE_DIST_SRUN_ARGS-}}\" "
+    stubs = "".join(f"{tool}() {{ printf '%s{FIELD}' {tool} \"MOE_DIST_CONTAINER_IMAGE=${{MOE_DIST_CONTAINER_IMAGE-}}\" "
                     f"\"PYTHON=${{PYTHON-}}\" \"$@\" >>{shlex.quote(str(rec))}; printf '{RECORD}' >>{shlex.quote(str(rec))}; }}\n"
                     for tool in TOOLS)
     (tmp_path / "moe-dist-JOBID.out").write_text("[launch] lost node(s): node3; 7 node(s) left\n")
@@ -53,8 +53,8 @@ def recorded_calls(tmp_path: Path) -> list[dict]:
     assert res.returncode == 0, res.stderr
     calls = []
     for raw in rec.read_text().split(RECORD)[:-1]:
-        tool, srun_args, python, *argv = raw.split(FIELD)[:-1]
-        calls.append({"tool": tool, "srun_args": srun_args.split("=", 1)[1], "python": python.split("=", 1)[1],
+        tool, image, python, *argv = raw.split(FIELD)[:-1]
+        calls.append({"tool": tool, "image": image.split("=", 1)[1], "python": python.split("=", 1)[1],
                       "argv": argv})
     assert calls, res.stderr
     return calls
@@ -87,7 +87,7 @@ def test_every_command_is_accepted(tmp_path):
         args = parse_args(build_parser(argv[0]), argv)  # the CLI's own parser: options and overrides
         load_config(None, args.overrides)  # every KEY=VALUE a key of the schema with an allowed value
     for call in (c for c in calls if c["tool"] == "sbatch"):
-        assert "--container-image=" in call["srun_args"], call
+        assert call["image"].endswith(".sqsh") and not call["python"], call  # the ranks in the container
 
 
 def test_the_job_fits_the_rules_at_every_node_count(tmp_path):
