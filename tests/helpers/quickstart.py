@@ -24,11 +24,11 @@ def page_script() -> str:
 
 
 def substitute(text: str, paths: dict[str, str]) -> str:
-    """``text`` with every key of ``paths`` replaced by its value, in the order given (the longer paths
-    first, e.g. ``/shared/corpus`` before ``/shared``)."""
-    for old, new in paths.items():
-        text = text.replace(old, new)
-    return text
+    """``text`` with every key of ``paths`` replaced by its value, in one pass (a value is not replaced
+    again); where keys overlap, the first given wins (``/shared/corpus`` before ``/shared``)."""
+    if not paths:
+        return text
+    return re.sub("|".join(map(re.escape, paths)), lambda m: paths[m.group(0)], text)
 
 
 def tiny_dense(directory: Path) -> Path:
