@@ -25,18 +25,10 @@ import pytest
 
 from moe_dist.cli import build_parser, parse_args
 from moe_dist.config import load_config
+from helpers.quickstart import ROOT, page_paths, page_script, substitute, tiny_dense
 
-ROOT = Path(__file__).resolve().parents[1]
-PAGE = ROOT / "docs" / "cluster-quickstart.md"
 TOOLS = ("srun", "sbatch", "enroot", "tensorboard")
 FIELD, RECORD = "\x1f", "\x1e"
-
-
-def page_script() -> str:
-    """The page's bash blocks, in order, as one script."""
-    blocks = re.findall(r"^```bash\n(.*?)^```", PAGE.read_text(encoding="utf-8"), re.S | re.M)
-    assert blocks, "no bash blocks in docs/cluster-quickstart.md"
-    return "\n".join(blocks)
 
 
 def recorded_calls(tmp_path: Path) -> list[dict]:
@@ -106,12 +98,7 @@ def test_the_job_fits_the_rules_at_every_node_count(tmp_path):
 
 
 def _substitute(argv: list[str], paths: dict[str, str]) -> list[str]:
-    out = []
-    for a in argv:
-        for old, new in paths.items():
-            a = a.replace(old, new)
-        out.append(a)
-    return out
+    return [substitute(a, paths) for a in argv]
 
 
 def _moe_dist(argv: list[str], cwd: Path) -> str:
@@ -125,15 +112,8 @@ def _moe_dist(argv: list[str], cwd: Path) -> str:
 @pytest.mark.skipif(os.environ.get("MOE_DIST_QUICKSTART") != "1",
                     reason="opt-in: MOE_DIST_QUICKSTART=1 (the page's moe-dist commands on a tiny model, minutes)")
 def test_the_moe_dist_commands_run_on_a_tiny_model(tmp_path):
-    from helpers.hf_cases import add_tokenizer_json, build_dense
-
     calls = recorded_calls(tmp_path)
-    dense = tmp_path / "dense"
-    build_dense("llama", str(dense), vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2)
-    corpus = ROOT / "tests" / "data" / "python-docs"
-    add_tokenizer_json(str(dense), [p.read_text() for p in sorted(corpus.rglob("*"))[:40] if p.is_file()], 512)
-    paths = {"/shared/models/Llama-2-7b-hf": str(dense), "/shared/corpus": str(corpus), "/shared": str(tmp_path)}
+    paths = page_paths(tiny_dense(tmp_path / "dense"), tmp_path)
     tiny = ["train.seq_len=32", "train.steps=4", "eval.max_sequences=64", "data.val_fraction=0.2"]
     upcycle = up = None
     for call in calls:

@@ -44,6 +44,7 @@ import pytest
 
 from moe_dist.testing.slurm import SlurmCluster, install_slurm
 from helpers.run_dir import assert_curve_matches, complete_checkpoints, metrics_rows, read_text
+from helpers.slurm_container import container_stand_in
 from helpers.multinode_harness import ROOT, _env, cluster  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
@@ -228,19 +229,8 @@ def _reboot(s: SlurmCluster, node: str) -> None:
 
 
 def _container(s: SlurmCluster) -> dict:
-    """A container for the tasks, as pyxis or apptainer make one: this test's interpreter (its virtual
-    environment) is mounted at a path that is an empty directory outside, in a mount namespace of each
-    task's own (``MOE_DIST_TASK_PREFIX``); the batch script on the host cannot run it."""
-    inside = os.path.join(s.root, "container-venv")
-    os.makedirs(inside, exist_ok=True)
-    wrapper = os.path.join(s.root, "container.sh")
-    with open(wrapper, "w") as f:
-        f.write("#!/bin/bash\nexec unshare --mount --propagation private /bin/bash -c "
-                f"'mount --bind {sys.prefix} {inside} && exec \"$@\"' container \"$@\"\n")
-    os.chmod(wrapper, 0o755)
-    python = os.path.join(inside, "bin", os.path.basename(sys.executable))
-    assert not os.path.exists(python)
-    return {"PYTHON": python, "MOE_DIST_TASK_PREFIX": wrapper}
+    """The tasks in a container whose interpreter the batch host does not have (tests/helpers/slurm_container.py)."""
+    return container_stand_in(s.root)
 
 
 @pytest.mark.parametrize("how", [pytest.param("unplugged", marks=FULL), "killed", "killed-container"])
