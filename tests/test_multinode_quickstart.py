@@ -38,16 +38,14 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
 
-from moe_dist.testing.slurm import SlurmCluster, install_slurm
-from helpers.multinode_harness import ROOT, _env, cluster  # noqa: F401 (fixture)
+from moe_dist.testing.slurm import SlurmCluster
+from helpers.multinode_harness import ROOT, _env, cluster, slurm_on  # noqa: F401 (fixture)
 from helpers.quickstart import page_blocks, page_paths, substitute, tiny_dense
 from helpers.run_dir import complete_checkpoints, metrics_rows, read_text
 from helpers.slurm_container import container_stand_in
@@ -81,16 +79,8 @@ tensorboard() { [ -n "$(find "$2" -name 'events.out.tfevents*')" ] && echo "tens
 
 @pytest.fixture(scope="module")
 def slurm(cluster):  # noqa: F811 (the harness's fixture)
-    reason = install_slurm()
-    if reason:
-        pytest.skip(f"cannot set up Slurm: {reason}")
-    root = tempfile.mkdtemp(prefix="moe-quickstart-")
-    os.chmod(root, 0o755)
-    try:
-        with SlurmCluster(root, on=cluster, slurmd_timeout=30, kill_wait=10) as s:
-            yield s
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    with slurm_on(cluster, "moe-quickstart-", slurmd_timeout=30, kill_wait=10) as s:
+        yield s
 
 
 class Page:

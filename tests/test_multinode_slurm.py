@@ -37,15 +37,14 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
 
-from moe_dist.testing.slurm import SlurmCluster, install_slurm
+from moe_dist.testing.slurm import SlurmCluster
 from helpers.run_dir import assert_curve_matches, complete_checkpoints, metrics_rows, read_text
 from helpers.slurm_container import container_stand_in
-from helpers.multinode_harness import ROOT, _env, cluster  # noqa: F401 (fixture)
+from helpers.multinode_harness import ROOT, _env, cluster, slurm_on  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 
@@ -66,16 +65,8 @@ FULL = pytest.mark.skipif(os.environ.get("MOE_DIST_MULTINODE_FULL", "0") in ("",
 
 @pytest.fixture(scope="module")
 def slurm(cluster):  # noqa: F811 (the harness's fixture)
-    reason = install_slurm()
-    if reason:
-        pytest.skip(f"cannot set up Slurm: {reason}")
-    root = tempfile.mkdtemp(prefix="moe-slurm-nodes-")
-    os.chmod(root, 0o755)
-    try:
-        with SlurmCluster(root, on=cluster, slurmd_timeout=SLURMD_TIMEOUT, kill_wait=KILL_WAIT) as s:
-            yield s
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    with slurm_on(cluster, "moe-slurm-nodes-", slurmd_timeout=SLURMD_TIMEOUT, kill_wait=KILL_WAIT) as s:
+        yield s
 
 
 @pytest.fixture(autouse=True)

@@ -10,10 +10,13 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -45,6 +48,24 @@ def up_or_skip(prepare=None, nodes: int = 2, **kw):
         yield c
     finally:
         c.down()
+
+
+@contextlib.contextmanager
+def slurm_on(c: Cluster, prefix: str, **kw):
+    """The project's test Slurm across the namespace nodes of ``c`` in a fresh directory (skipped with
+    the reason when it cannot be set up); ``kw`` go to :class:`~moe_dist.testing.slurm.SlurmCluster`."""
+    from moe_dist.testing.slurm import SlurmCluster, install_slurm
+
+    reason = install_slurm()
+    if reason:
+        pytest.skip(f"cannot set up Slurm: {reason}")
+    root = tempfile.mkdtemp(prefix=prefix)
+    os.chmod(root, 0o755)
+    try:
+        with SlurmCluster(root, on=c, **kw) as s:
+            yield s
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
