@@ -25,15 +25,16 @@ def markdown_files() -> list[Path]:
     return out
 
 
-def _prose(text: str) -> str:
-    """``text`` without fenced code blocks and inline code spans (links there are not links)."""
+def _prose(text: str, code_spans: bool = False) -> str:
+    """``text`` without fenced code blocks (a ``#`` comment there is not a heading), and without inline
+    code spans unless ``code_spans`` (links there are not links; a heading keeps its span's text)."""
     lines, fenced = [], False
     for line in text.splitlines():
         if _FENCE.match(line.strip()):
             fenced = not fenced
             lines.append("")
             continue
-        lines.append("" if fenced else re.sub(r"`[^`\n]*`", "", line))
+        lines.append("" if fenced else line if code_spans else re.sub(r"`[^`\n]*`", "", line))
     return "\n".join(lines)
 
 
@@ -43,7 +44,7 @@ def anchors(path: Path) -> set[str]:
     text = path.read_text(encoding="utf-8")
     seen: dict[str, int] = {}
     out = set(re.findall(r"<a (?:id|name)=\"([^\"]+)\"", text))
-    for line in _prose_keep_code(text).splitlines():
+    for line in _prose(text, code_spans=True).splitlines():
         m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
         if not m:
             continue
@@ -52,17 +53,6 @@ def anchors(path: Path) -> set[str]:
         seen[slug] = n + 1
         out.add(slug if n == 0 else f"{slug}-{n}")
     return out
-
-
-def _prose_keep_code(text: str) -> str:
-    """``text`` without fenced code blocks (a ``#`` comment there is not a heading)."""
-    lines, fenced = [], False
-    for line in text.splitlines():
-        if _FENCE.match(line.strip()):
-            fenced = not fenced
-            continue
-        lines.append("" if fenced else line)
-    return "\n".join(lines)
 
 
 def broken_links() -> list[str]:
