@@ -214,11 +214,7 @@ def _runtime(cfg):
     dtype, and a dry run plays a rank of a GPU job, whose dtype is the config's."""
     from ..train.runtime import setup_runtime
 
-    dtype, cfg.train.dtype = cfg.train.dtype, "fp32"  # fp32: nothing to probe
-    try:
-        return setup_runtime(cfg)
-    finally:
-        cfg.train.dtype = dtype
+    return setup_runtime(cfg, choose_dtype=False)
 
 
 def _track_plain_parameters(tracker, model) -> None:

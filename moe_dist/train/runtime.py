@@ -60,9 +60,11 @@ def _largest_over_ranks(rt: Runtime):
 _SAID: set[str] = set()  # the dtype notes this process printed
 
 
-def setup_runtime(cfg: Config, rt: Optional[Runtime] = None) -> Runtime:
+def setup_runtime(cfg: Config, rt: Optional[Runtime] = None, choose_dtype: bool = True) -> Runtime:
     """The job's runtime (``rt``, or a new one), checked against the config's rules that need the
-    number of processes. A new runtime that fails a check is shut down before the error leaves."""
+    number of processes. A new runtime that fails a check is shut down before the error leaves.
+    ``choose_dtype``: run bf16 as fp32 where this CPU's bf16 matmuls are slow (a timed probe); a dry
+    run, which plays a rank of a GPU job, keeps the config's dtype untimed."""
     owns = rt is None
     if owns:
         rt = init_distributed(cfg.expert_parallel_size, cfg.model.moe.num_experts, backend=cfg.parallel.backend,
@@ -73,8 +75,10 @@ def setup_runtime(cfg: Config, rt: Optional[Runtime] = None) -> Runtime:
     try:
         cfg.check_world(rt.world_size)
         torch.set_num_threads(thread_choice(cfg.run.threads, rt.launch.local_world_size)[0])
-        cfg.train.dtype, note = bf16_choice(rt.device, cfg.train.dtype, cfg.train.bf16_on_slow_cpu,
-                                            _probe_shape(cfg, rt.world_size), _largest_over_ranks(rt))
+        note = None
+        if choose_dtype:
+            cfg.train.dtype, note = bf16_choice(rt.device, cfg.train.dtype, cfg.train.bf16_on_slow_cpu,
+                                                _probe_shape(cfg, rt.world_size), _largest_over_ranks(rt))
     except BaseException:
         if owns:
             shutdown(rt)  # while the error propagates: no meeting of the ranks, the group destroyed now
