@@ -59,6 +59,73 @@ def _expert_split(inp: PlanInput, s, ep: int, world: int, experts_local: int, sh
             "split": expert_split(*shape) if sharded else "none"}
 
 
+def _workload(inp: PlanInput, s, ep: int, micro_batch: int) -> Workload:
+    """What one rank's micro-batch makes: tokens, the router's extra values, the rows received."""
+    m = inp.model
+    n_moe = len(inp.moe_blocks)
+    from ..moe.routers import ROUTERS
+
+    router_cls = ROUTERS.get(m.moe.router)
+    graph_values = router_cls.graph_values_per_token(inp.seq_len) if n_moe and router_cls is not None else 0.0
+    return Workload(seq_len=inp.seq_len, micro_batch=micro_batch, grad_accum=inp.grad_accum,
+                    act_bytes=gathered_bytes_per_param(inp.dtype), vocab_size=m.vocab_size, n_layers=m.n_layers,
+                    moe_blocks=inp.moe_blocks,
+                    graph_values=graph_values,
+                    attention_probs=bool(n_moe and router_cls is not None and router_cls.attention_needs == "probs"),
+                    received_fraction=(ep - 1) / ep if m.moe.expert_kernel == "loop" else 0.0)
+
+
+@dataclass(frozen=True)
+class _StepPhases:
+    """What each phase of the step holds beside the weights and AdamW state (bytes per GPU), and the
+    peak over the phases for a given size of activations."""
+    held: float  # weights + optimizer state, there in every phase
+    optimizer: float
+    grads: float
+    grads_from_start: float
+    autocast: float
+    at_rest: float  # FSDP2 units left gathered after forward
+    gathered: float
+    head_grad: float
+    reduce: float
+    opt_step: float
+    loss_bw: float
+    log_softmax: float  # the loss's, part of the activations until its backward
+
+    def phases(self, activations: float) -> dict[str, dict[str, float]]:
+        during = {"grads": self.grads_from_start, "activations": activations + self.autocast}
+        return {"backward start": {**during, "fsdp_gather": self.at_rest, "temporaries": self.loss_bw},
+                "backward": {**during, "activations": activations + self.autocast - self.log_softmax,
+                             "fsdp_gather": max(self.gathered, self.at_rest), "temporaries": self.head_grad},
+                "gradient reduction": {"grads": self.grads, "fsdp_reduce": self.reduce},
+                "optimizer step": {"grads": self.grads, "optimizer_step": self.opt_step}}
+
+    def peak_phase(self, activations: float) -> tuple[float, str, dict[str, float]]:
+        totals = [(sum(held_by.values()), name, held_by) for name, held_by in self.phases(activations).items()]
+        return max(totals, key=lambda t: t[:2])
+
+    def peak(self, activations: float) -> float:
+        return self.held + self.peak_phase(activations)[0]
+
+    def at_peak(self, activations: float) -> dict:
+        """Each category at the predicted peak (what the dry run reports), and which phase it is in."""
+        _, phase, held_by = self.peak_phase(activations)
+        return {"phase": phase, "grads": _gib(held_by["grads"]),
+                # AdamW's temporary is made inside its step: torch's tracker files it with its state
+                "optimizer": _gib(self.optimizer + held_by.get("optimizer_step", 0.0)),
+                **{key: _gib(held_by.get(key, 0.0))
+                   for key in ("activations", "fsdp_gather", "fsdp_reduce", "temporaries")}}
+
+
+def _units(counts: dict, s, split_of: dict) -> Units:
+    """The FSDP2 units a rank gathers: the embedding and the head are units of their own when untied."""
+    split = bool(counts["lm_head"])
+    return Units(root=s.d_model if split else counts["embedding"] + s.d_model, block=counts["largest_dense_block"],
+                 experts=split_of["gathered"],
+                 output_head=counts["lm_head"] or counts["embedding"], edges_split=split,
+                 embedding=counts["embedding"])
+
+
 def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int, ep: int, micro_batch: int) -> dict:
     """Memory (GiB per GPU) and traffic of one (world, ep) layout."""
     m = inp.model
@@ -66,77 +133,35 @@ def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int
     n_moe = len(inp.moe_blocks)
     experts_local = n_moe * (s.num_experts // ep) * counts["per_expert"] if n_moe else 0
     dense = counts["dense_params"]
-    from ..moe.routers import ROUTERS
-
-    router_cls = ROUTERS.get(m.moe.router)
-    graph_values = router_cls.graph_values_per_token(inp.seq_len) if n_moe and router_cls is not None else 0.0
-    work = Workload(seq_len=inp.seq_len, micro_batch=micro_batch, grad_accum=inp.grad_accum,
-                    act_bytes=gathered_bytes_per_param(inp.dtype), vocab_size=m.vocab_size, n_layers=m.n_layers,
-                    moe_blocks=inp.moe_blocks,
-                    graph_values=graph_values,
-                    attention_probs=bool(n_moe and router_cls is not None and router_cls.attention_needs == "probs"),
-                    received_fraction=(ep - 1) / ep if m.moe.expert_kernel == "loop" else 0.0)
+    work = _workload(inp, s, ep, micro_batch)
     act = activation_bytes(s, work, checkpointing=False)
     act_ckpt = activation_bytes(s, work, checkpointing=True)
     fsdp = uses_fsdp(inp.dense_mode, world)
     sharded_experts = fsdp and world // ep > 1
     split_of = _expert_split(inp, s, ep, world, experts_local, sharded_experts)
     busiest_share = split_of["share"]
-    split = bool(counts["lm_head"])  # untied: the embedding and the head are FSDP2 units of their own
-    units = Units(root=s.d_model if split else counts["embedding"] + s.d_model, block=counts["largest_dense_block"],
-                  experts=split_of["gathered"],
-                  output_head=counts["lm_head"] or counts["embedding"], edges_split=split,
-                  embedding=counts["embedding"])
+    units = _units(counts, s, split_of)
     engine = engine_state_bytes(dense, experts_local, world, ep, inp.dense_mode, inp.grad_accum,
                                 expert_share=busiest_share, grad_sync=inp.grad_sync)
     # unsharded gradients kept between micro-batches: FSDP2 reduces once per step (parallel.grad_sync=step)
     kept_unsharded = fsdp and inp.grad_accum > 1 and inp.grad_sync == "step"
-    gathered = fsdp_gathered_bytes(units, world, inp.dtype) if fsdp else 0.0
-    head_grad = fsdp_head_grad_bytes(units, world, inp.dtype) if fsdp else 0.0
-    reduce = fsdp_reduce_peak_bytes(units, world, inp.dtype, inp.backend, kept_unsharded) if fsdp else 0.0
     whole = (0 if sharded_experts else experts_local) + (0 if fsdp else dense)  # weights FSDP2 does not gather
-    autocast = autocast_copy_bytes(whole, inp.dtype)
-    largest_group = max(dense / (world if fsdp else 1),
-                        experts_local * busiest_share)
-    opt_step = optimizer_step_bytes(largest_group)
-    held = engine["weights"] + engine["optimizer"]
+    largest_group = max(dense / (world if fsdp else 1), experts_local * busiest_share)
     grads = engine["grads"]
-    # with one micro-batch the gradients are made in backward as the activations are freed; with
-    # more, the earlier micro-batches' are there from the start
-    grads_from_start = grads if inp.grad_accum > 1 else 0.0
-    loss_bw = loss_backward_bytes(work)
-
-    # without resharding after forward every FSDP2 unit stays gathered until its backward
-    at_rest = 0.0 if inp.reshard_after_forward or not fsdp or world == 1 else \
-        (dense + (experts_local if sharded_experts else 0)) * gathered_bytes_per_param(inp.dtype)
-
-    log_softmax = 4.0 * m.vocab_size * work.tokens  # the loss's, part of the activations until its backward
-
-    def phases(activations: float) -> dict[str, dict[str, float]]:
-        """What each phase of the step holds beside the weights and AdamW state, by category."""
-        during = {"grads": grads_from_start, "activations": activations + autocast}
-        return {"backward start": {**during, "fsdp_gather": at_rest, "temporaries": loss_bw},
-                "backward": {**during, "activations": activations + autocast - log_softmax,
-                             "fsdp_gather": max(gathered, at_rest), "temporaries": head_grad},
-                "gradient reduction": {"grads": grads, "fsdp_reduce": reduce},
-                "optimizer step": {"grads": grads, "optimizer_step": opt_step}}
-
-    def peak_phase(activations: float) -> tuple[float, str, dict[str, float]]:
-        totals = [(sum(held_by.values()), name, held_by) for name, held_by in phases(activations).items()]
-        return max(totals, key=lambda t: t[:2])
-
-    def peak(activations: float) -> float:
-        return held + peak_phase(activations)[0]
-
-    def at_peak(activations: float) -> dict:
-        """Each category at the predicted peak (what the dry run reports), and which phase it is in."""
-        _, phase, held_by = peak_phase(activations)
-        return {"phase": phase, "grads": _gib(held_by["grads"]),
-                # AdamW's temporary is made inside its step: torch's tracker files it with its state
-                "optimizer": _gib(engine["optimizer"] + held_by.get("optimizer_step", 0.0)),
-                **{key: _gib(held_by.get(key, 0.0))
-                   for key in ("activations", "fsdp_gather", "fsdp_reduce", "temporaries")}}
-
+    phases = _StepPhases(
+        held=engine["weights"] + engine["optimizer"], optimizer=engine["optimizer"], grads=grads,
+        # with one micro-batch the gradients are made in backward as the activations are freed; with
+        # more, the earlier micro-batches' are there from the start
+        grads_from_start=grads if inp.grad_accum > 1 else 0.0,
+        autocast=autocast_copy_bytes(whole, inp.dtype),
+        # without resharding after forward every FSDP2 unit stays gathered until its backward
+        at_rest=0.0 if inp.reshard_after_forward or not fsdp or world == 1 else
+        (dense + (experts_local if sharded_experts else 0)) * gathered_bytes_per_param(inp.dtype),
+        gathered=fsdp_gathered_bytes(units, world, inp.dtype) if fsdp else 0.0,
+        head_grad=fsdp_head_grad_bytes(units, world, inp.dtype) if fsdp else 0.0,
+        reduce=fsdp_reduce_peak_bytes(units, world, inp.dtype, inp.backend, kept_unsharded) if fsdp else 0.0,
+        opt_step=optimizer_step_bytes(largest_group), loss_bw=loss_backward_bytes(work),
+        log_softmax=4.0 * m.vocab_size * work.tokens)
     stages = _zero_stages(dense, experts_local, world, ep, fsdp_gathered_bytes(units, world, inp.dtype), act, act_ckpt)
     a2a = all_to_all_bytes(s, work, ep, gpus_per_node, checkpointing=False)
     a2a_ckpt = all_to_all_bytes(s, work, ep, gpus_per_node, checkpointing=True)
@@ -146,11 +171,12 @@ def evaluate_layout(inp: PlanInput, counts: dict, world: int, gpus_per_node: int
         "micro_batch": micro_batch, "ep_within_node": ep <= gpus_per_node,
         "memory_gib": {
             "weights": _gib(engine["weights"]), "grads": _gib(engine["grads"]), "optimizer": _gib(engine["optimizer"]),
-            "fsdp_gather": _gib(gathered), "fsdp_head_grad": _gib(head_grad), "fsdp_reduce": _gib(reduce),
-            "autocast_copies": _gib(autocast), "optimizer_step": _gib(opt_step), "loss_backward": _gib(loss_bw),
+            "fsdp_gather": _gib(phases.gathered), "fsdp_head_grad": _gib(phases.head_grad),
+            "fsdp_reduce": _gib(phases.reduce), "autocast_copies": _gib(phases.autocast),
+            "optimizer_step": _gib(phases.opt_step), "loss_backward": _gib(phases.loss_bw),
             "activations": _gib(act), "activations_checkpointed": _gib(act_ckpt),
-            "total": _gib(peak(act)), "total_with_activation_checkpointing": _gib(peak(act_ckpt)),
-            "at_peak": at_peak(act), "at_peak_with_activation_checkpointing": at_peak(act_ckpt),
+            "total": _gib(phases.peak(act)), "total_with_activation_checkpointing": _gib(phases.peak(act_ckpt)),
+            "at_peak": phases.at_peak(act), "at_peak_with_activation_checkpointing": phases.at_peak(act_ckpt),
         },
         "zero_stages_gib": stages,
         "all_to_all": {"bytes_per_gpu_per_step": int(a2a["per_gpu"]),
