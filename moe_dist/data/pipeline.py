@@ -176,20 +176,8 @@ def run_prepare(s: PrepareSettings, tokenizer: Optional[Tokenizer] = None, log: 
         manifest = read_record(os.path.join(out, MANIFEST))
         log(f"prepare: {out} is already complete ({manifest['token_count']:,} tokens); nothing to do")
         return manifest
-    os.makedirs(out, exist_ok=True)
-    progress_path = os.path.join(out, PROGRESS)
-    shards = []
-    if os.path.isfile(progress_path):
-        _check_same(out, fp)
-        shards = _finished_shards(out)
-    else:
-        write_record(progress_path, {"fingerprint": fp, "settings": asdict(s)})
-    for name in os.listdir(out):  # the leftovers of an interrupted shard
-        if name.endswith(".tmp"):
-            os.remove(os.path.join(out, name))
+    shards = _start_output(s, fp, log)
     position = tuple(shards[-1]["end"]) if shards else (0, 0, 0)
-    if shards:
-        log(f"prepare: resuming {out} after {len(shards)} finished shard(s)")
     dtype = token_dtype(tokenizer.vocab_size)
     workers, in_flight, chunk_bytes = _plan(s)
     max_record = min(s.max_record_mb << 20, (s.memory_mb << 20) // 8)  # one record's text, ids and copies fit
@@ -201,54 +189,14 @@ def run_prepare(s: PrepareSettings, tokenizer: Optional[Tokenizer] = None, log: 
         pool = ctx.Pool(workers, initializer=init_worker, initargs=(tokenizer.proto, s.field, s.val_fraction, dtype.str))
     compressed = any(f.path.endswith((".gz", ".zst")) for f in files)
     bar = _bar(s, None if compressed else total_bytes, sum(sh["input_bytes"] for sh in shards))
-    shard = _open_shard(out, len(shards), dtype)
-    pending: collections.deque = collections.deque()
-    end = position
-
-    def take(encoded, meta) -> None:
-        nonlocal shard, end
-        end, nbytes = meta
-        shard.train.add(*encoded.train)
-        shard.val.add(*encoded.val)
-        shard.input_bytes += nbytes
-        shard.characters += encoded.characters
-        shard.empty += encoded.empty
-        shard.bad_count += len(encoded.bad)
-        shard.bad.extend(encoded.bad[: max(SHOWN_BAD - len(shard.bad), 0)])
-        if bar is not None:
-            done_docs = sum(sh["train_documents"] + sh["val_documents"] for sh in shards)
-            done_tok = sum(sh["train_tokens"] + sh["val_tokens"] for sh in shards)
-            bar.set_postfix_str(f"{done_docs + shard.train.documents + shard.val.documents:,} docs, "
-                                f"{done_tok + shard.train.tokens + shard.val.tokens:,} tokens", refresh=False)
-            bar.update(nbytes)
-        if shard.input_bytes >= s.shard_mb * 2**20:
-            _close(shard, end)
-            shards.append(shard.record(end))
-            shard = _open_shard(out, len(shards), dtype)
-
+    writer = _ShardWriter(out, s.shard_mb * 2**20, dtype, shards, position, bar)
     try:
-        for chunk in read_chunks(files, position, chunk_bytes, max_record, s.field):
-            meta = (chunk.end, chunk.bytes)
-            if pool is None:
-                take(encode_chunk(chunk, state), meta)
-                continue
-            pending.append((pool.apply_async(encode_chunk, (chunk,)), meta))
-            del chunk
-            while len(pending) >= in_flight:
-                result, meta = pending.popleft()
-                take(result.get(), meta)
-        while pending:
-            result, meta = pending.popleft()
-            take(result.get(), meta)
-        if shard.input_bytes or shard.bad_count or not shards:
-            _close(shard, end)
-            shards.append(shard.record(end))
-        else:
-            shard.train.abandon()
-            shard.val.abandon()
+        chunks = read_chunks(files, position, chunk_bytes, max_record, s.field)
+        for encoded, meta in _encode_all(chunks, pool, in_flight, state):
+            writer.take(encoded, meta)
+        writer.finish()
     except BaseException:
-        shard.train.abandon()
-        shard.val.abandon()
+        writer.abandon()
         raise
     finally:
         if pool is not None:
@@ -261,6 +209,92 @@ def run_prepare(s: PrepareSettings, tokenizer: Optional[Tokenizer] = None, log: 
     write_record(os.path.join(out, MANIFEST), manifest)
     log(summary_line(manifest, out))
     return manifest
+
+
+def _start_output(s: PrepareSettings, fp: str, log: Callable[[str], None]) -> list:
+    """Start ``s.output`` or go on with it: the shards an interrupted run finished (the same inputs and
+    settings, checked), the leftovers of the shard it was writing removed."""
+    out = s.output
+    os.makedirs(out, exist_ok=True)
+    progress_path = os.path.join(out, PROGRESS)
+    shards = []
+    if os.path.isfile(progress_path):
+        _check_same(out, fp)
+        shards = _finished_shards(out)
+    else:
+        write_record(progress_path, {"fingerprint": fp, "settings": asdict(s)})
+    for name in os.listdir(out):
+        if name.endswith(".tmp"):
+            os.remove(os.path.join(out, name))
+    if shards:
+        log(f"prepare: resuming {out} after {len(shards)} finished shard(s)")
+    return shards
+
+
+def _encode_all(chunks, pool, in_flight: int, state: dict):
+    """(encoded chunk, (its end position, its input bytes)) in input order: here, or by ``pool`` with at
+    most ``in_flight`` chunks held at once."""
+    if pool is None:
+        for chunk in chunks:
+            yield encode_chunk(chunk, state), (chunk.end, chunk.bytes)
+        return
+    pending: collections.deque = collections.deque()
+    for chunk in chunks:
+        pending.append((pool.apply_async(encode_chunk, (chunk,)), (chunk.end, chunk.bytes)))
+        del chunk
+        while len(pending) >= in_flight:
+            result, meta = pending.popleft()
+            yield result.get(), meta
+    while pending:
+        result, meta = pending.popleft()
+        yield result.get(), meta
+
+
+class _ShardWriter:
+    """Adds encoded chunks to the open shard and closes it at ``shard_bytes`` of input; ``shards`` (the
+    finished shards' records) grows as it goes."""
+
+    def __init__(self, out: str, shard_bytes: int, dtype, shards: list, position: tuple, bar) -> None:
+        self.out, self.shard_bytes, self.dtype, self.shards, self.bar = out, shard_bytes, dtype, shards, bar
+        self.end = position
+        self.shard = _open_shard(out, len(shards), dtype)
+
+    def take(self, encoded, meta) -> None:
+        shard = self.shard
+        self.end, nbytes = meta
+        shard.train.add(*encoded.train)
+        shard.val.add(*encoded.val)
+        shard.input_bytes += nbytes
+        shard.characters += encoded.characters
+        shard.empty += encoded.empty
+        shard.bad_count += len(encoded.bad)
+        shard.bad.extend(encoded.bad[: max(SHOWN_BAD - len(shard.bad), 0)])
+        if self.bar is not None:
+            self._show(nbytes)
+        if shard.input_bytes >= self.shard_bytes:
+            _close(shard, self.end)
+            self.shards.append(shard.record(self.end))
+            self.shard = _open_shard(self.out, len(self.shards), self.dtype)
+
+    def _show(self, nbytes: int) -> None:
+        shard, shards = self.shard, self.shards
+        done_docs = sum(sh["train_documents"] + sh["val_documents"] for sh in shards)
+        done_tok = sum(sh["train_tokens"] + sh["val_tokens"] for sh in shards)
+        self.bar.set_postfix_str(f"{done_docs + shard.train.documents + shard.val.documents:,} docs, "
+                                 f"{done_tok + shard.train.tokens + shard.val.tokens:,} tokens", refresh=False)
+        self.bar.update(nbytes)
+
+    def finish(self) -> None:
+        """Close the last shard if it holds anything (or is the only one), else drop it."""
+        if self.shard.input_bytes or self.shard.bad_count or not self.shards:
+            _close(self.shard, self.end)
+            self.shards.append(self.shard.record(self.end))
+        else:
+            self.abandon()
+
+    def abandon(self) -> None:
+        self.shard.train.abandon()
+        self.shard.val.abandon()
 
 
 def _check_same(out: str, fp: str) -> None:
