@@ -65,15 +65,25 @@ def _mean_curve(runs, key, value_key):
 
 
 def write_figures(study: Study, records: list[dict], agg: dict, directory: str) -> list[str]:
+    """The study's PNGs in ``directory``: perplexity, curves, load balance, throughput, inference k."""
     os.makedirs(directory, exist_ok=True)
-    one_variant = len(study.variants) == 1
-    labels = _labels(agg, one_variant)
+    labels = _labels(agg, len(study.variants) == 1)
     rows = agg["routers"]
     if not any(r["val_ppl"]["n"] for r in rows):
         return []
-    out = []
     width = max(6.0, 0.8 * len(labels) + 2)
+    out = [_ppl_figure(study, records, rows, labels, width, directory)]
+    out += _curve_figures(records, rows, labels, directory)
+    out.append(_load_figure(rows, labels, width, directory))
+    out.append(_throughput_figure(study, agg, rows, labels, width, directory))
+    with_k = [(label, r) for label, r in zip(labels, rows) if r["eval_k"]]
+    if with_k:
+        out.append(_eval_k_figure(agg, with_k, directory))
+    return out
 
+
+def _ppl_figure(study: Study, records: list[dict], rows: list[dict], labels: list[str], width: float,
+                directory: str) -> str:
     fig, ax = plt.subplots(figsize=(width, 4))
     ref = next((r["val_ppl"]["mean"] for r in rows if r["router"] == study.reference), None)
     _bars(ax, labels, [r["val_ppl"] for r in rows], "Validation perplexity (mean ± std over seeds; dashed: "
@@ -84,8 +94,12 @@ def write_figures(study: Study, records: list[dict], agg: dict, directory: str) 
         lo, hi = min(finite), max(finite)
         pad = max((hi - lo) * 0.3, hi * 0.01)
         ax.set_ylim(max(0, lo - pad), hi + pad)
-    out.append(_save(fig, os.path.join(directory, "val_ppl.png")))
+    return _save(fig, os.path.join(directory, "val_ppl.png"))
 
+
+def _curve_figures(records: list[dict], rows: list[dict], labels: list[str], directory: str) -> list[str]:
+    """Validation perplexity and routing fluctuation over training, one line per router (none drawn: no file)."""
+    out = []
     for name, key, value_key, title, ylabel in (
             ("val_curve.png", "val_curve", "ppl", "Validation perplexity over training (mean over seeds)", "perplexity"),
             ("fluctuation.png", "fluctuation", "top1", "Routing fluctuation: share of probe tokens whose top-1 expert\n"
@@ -110,13 +124,20 @@ def write_figures(study: Study, records: list[dict], agg: dict, directory: str) 
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
         out.append(_save(fig, os.path.join(directory, name)))
+    return out
 
+
+def _load_figure(rows: list[dict], labels: list[str], width: float, directory: str) -> str:
     fig, axes = plt.subplots(1, 3, figsize=(3 * width * 0.6, 4))
     for ax, key, title in zip(axes, ("load_cv", "max_load_ratio", "dead_experts"),
                               ("Load CV (0 = even)", "Max-load ratio (1 = even)", "Dead experts per layer and step")):
         _bars(ax, labels, [r[key] for r in rows], title, "")
-    out.append(_save(fig, os.path.join(directory, "load_balance.png")))
+    return _save(fig, os.path.join(directory, "load_balance.png"))
 
+
+def _throughput_figure(study: Study, agg: dict, rows: list[dict], labels: list[str], width: float,
+                       directory: str) -> str:
+    """Speed relative to the reference router (the reference itself at 1)."""
     cmp = {c["router"] + "/" + c["variant"]: c for c in agg["comparisons"] if c["against"] == study.reference}
     one, none = {"n": 1, "mean": 1.0, "std": None}, {"mean": None, "std": None}
 
@@ -131,47 +152,49 @@ def write_figures(study: Study, records: list[dict], agg: dict, directory: str) 
     fig, axes = plt.subplots(1, len(panels), figsize=(len(panels) * width * 0.7, 4))
     for ax, (key, title) in zip(axes, panels):
         _bars(ax, labels, ratios(key), title, "ratio", ref=1.0)
-    out.append(_save(fig, os.path.join(directory, "throughput.png")))
+    return _save(fig, os.path.join(directory, "throughput.png"))
 
-    with_k = [(label, r) for label, r in zip(labels, rows) if r["eval_k"]]
+
+def _k_axis(ax, ks) -> None:
+    """A log2 axis of inference k with the k values as plain ticks."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(ks))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlabel("experts per token at inference (k)")
+
+
+def _eval_k_figure(agg: dict, with_k: list, directory: str) -> str:
+    """Perplexity at each inference k and, where declared, its paired difference from the reference."""
     pairs = [c for c in agg["comparisons"] if c["declared"] and c["eval_k"]]
-    if with_k:
-        fig, axes = plt.subplots(1, 2 if pairs else 1, figsize=(11 if pairs else 6, 4.5), squeeze=False)
-        ax = axes[0, 0]
-        for label, r in with_k:
-            ks = sorted(r["eval_k"], key=int)
-            means = [r["eval_k"][k]["mean"] for k in ks]
-            errs = [r["eval_k"][k]["std"] or 0 for k in ks]
-            ax.errorbar([int(k) for k in ks], means, yerr=errs, marker="o", capsize=3, label=label.replace("\n", " / "))
-        ax.set_xscale("log", base=2)
-        values = [s["mean"] for _, r in with_k for s in r["eval_k"].values() if s["mean"]]
-        if values and max(values) > 3 * min(values):
-            ax.set_yscale("log")
-            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.set_xticks(sorted({int(k) for _, r in with_k for k in r["eval_k"]}))
-        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.set_xlabel("experts per token at inference (k)")
-        ax.set_ylabel("validation perplexity")
-        ax.set_title("Perplexity at inference k (mean ± std over seeds)", fontsize=10)
-        ax.grid(alpha=0.3, which="both")
+    fig, axes = plt.subplots(1, 2 if pairs else 1, figsize=(11 if pairs else 6, 4.5), squeeze=False)
+    ax = axes[0, 0]
+    for label, r in with_k:
+        ks = sorted(r["eval_k"], key=int)
+        means = [r["eval_k"][k]["mean"] for k in ks]
+        errs = [r["eval_k"][k]["std"] or 0 for k in ks]
+        ax.errorbar([int(k) for k in ks], means, yerr=errs, marker="o", capsize=3, label=label.replace("\n", " / "))
+    ax.set_xscale("log", base=2)
+    values = [s["mean"] for _, r in with_k for s in r["eval_k"].values() if s["mean"]]
+    if values and max(values) > 3 * min(values):
+        ax.set_yscale("log")
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    _k_axis(ax, {int(k) for _, r in with_k for k in r["eval_k"]})
+    ax.set_ylabel("validation perplexity")
+    ax.set_title("Perplexity at inference k (mean ± std over seeds)", fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    if pairs:  # the paired difference: what seeds share (data order, initial weights) cancels
+        ax = axes[0, 1]
+        for c in pairs:
+            ks = sorted(c["eval_k"], key=int)
+            diffs = [c["eval_k"][k]["diff"] for k in ks]
+            ax.errorbar([int(k) for k in ks], [d["mean"] for d in diffs], yerr=[d["std"] or 0 for d in diffs],
+                        marker="o", capsize=3, label=f"{c['router']} − {c['against']}")
+        ax.axhline(0, color="gray", lw=1, ls="--")
+        _k_axis(ax, {int(k) for c in pairs for k in c["eval_k"]})
+        ax.set_ylabel("Δ validation perplexity")
+        ax.set_title("Paired by seed (mean ± std); below 0: router better", fontsize=10)
+        ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        if pairs:  # the paired difference: what seeds share (data order, initial weights) cancels
-            ax = axes[0, 1]
-            for c in pairs:
-                ks = sorted(c["eval_k"], key=int)
-                diffs = [c["eval_k"][k]["diff"] for k in ks]
-                ax.errorbar([int(k) for k in ks], [d["mean"] for d in diffs], yerr=[d["std"] or 0 for d in diffs],
-                            marker="o", capsize=3, label=f"{c['router']} − {c['against']}")
-            ax.axhline(0, color="gray", lw=1, ls="--")
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(sorted({int(k) for c in pairs for k in c["eval_k"]}))
-            ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-            ax.set_xlabel("experts per token at inference (k)")
-            ax.set_ylabel("Δ validation perplexity")
-            ax.set_title("Paired by seed (mean ± std); below 0: router better", fontsize=10)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-        out.append(_save(fig, os.path.join(directory, "eval_k.png")))
-    return out
+    return _save(fig, os.path.join(directory, "eval_k.png"))
