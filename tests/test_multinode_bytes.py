@@ -1,4 +1,4 @@
-"""The counted inter-node all-to-all bytes against the nodes' links (moe_dist/bench/a2a_bytes.py): 2
+"""The counted inter-node all-to-all bytes against the nodes' links (benchmarks/a2a_bytes.py): 2
 namespace nodes x 2 ranks, one MoE layer at ep=4 called forward + backward and nothing else; what
 each node's eth0 sent beyond an idle window is the bytes its ranks counted plus the transport's
 overhead, which stays within the bounds explained in docs/namespace-cluster.md and measured in
@@ -33,7 +33,7 @@ def run_bench(c, tmp, *args) -> dict:
         env = _env(MOE_DIST_RENDEZVOUS="node0:29511")
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={i}", "--nproc-per-node=2",
                 "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29511", f"--rdzv-id={rdzv}",
-                "-m", "moe_dist.bench.a2a_bytes", "--calls", str(CALLS), "--out", str(out_file), *args]
+                "-m", "benchmarks.a2a_bytes", "--calls", str(CALLS), "--out", str(out_file), *args]
         out, err = open(tmp / f"node{i}.out", "w+"), open(tmp / f"node{i}.err", "w+")
         procs.append((c.popen(nd, argv, env=env, cwd=ROOT, stdout=out, stderr=err), out, err))
     deadline = time.monotonic() + 120

@@ -1,5 +1,5 @@
-"""Slurm across nodes: a real Slurm cluster on the nodes of a namespace cluster (moe_dist/testing/slurm.py
-on moe_dist/testing/cluster.py): slurmctld and munged on node0, one ``slurmd -N nodeI`` on each node.
+"""Slurm across nodes: a real Slurm cluster on the nodes of a namespace cluster (tests/helpers/slurm.py
+on tests/helpers/cluster/): slurmctld and munged on node0, one ``slurmd -N nodeI`` on each node.
 
 * ``sbatch -N 2 --ntasks-per-node=2 launch/slurm/train.sbatch`` with ``parallel.ep=4`` (every MoE
   layer's experts span both nodes), one task per rank and one torchrun per node: preempted with
@@ -41,7 +41,7 @@ import time
 
 import pytest
 
-from moe_dist.testing.slurm import SlurmCluster
+from helpers.slurm import SlurmCluster
 from helpers.run_dir import assert_curve_matches, complete_checkpoints, metrics_rows, read_text
 from helpers.slurm_container import container_stand_in
 from helpers.multinode_harness import ROOT, _env, cluster, slurm_on  # noqa: F401 (fixture)

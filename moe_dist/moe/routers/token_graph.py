@@ -169,7 +169,7 @@ def lowest_entropy_head(attn_probs: torch.Tensor, padding_mask: Optional[torch.T
 # Score elements per block of the entropy scan (fp32): 128 query rows of 8 heads over 512 keys;
 # more heads or keys get fewer rows (at least 16), so a block stays a few MiB.
 ENTROPY_BLOCK_ELEMENTS = 1 << 19
-# the scan's name in profiles (python -m moe_dist.bench.router --parts)
+# the scan's name in profiles (python -m benchmarks.router --parts)
 ENTROPY_SCAN_RANGE = "moe_dist.entropy_scan"
 # fill for the keys a query may not use in the scan: softmax gives them exactly 0 and 0 * fill = 0
 # (an infinite fill would make p * s NaN)
