@@ -3,7 +3,7 @@
 glibc serves every allocation of 32 MiB or more (the most its dynamic threshold reaches)
 with a fresh ``mmap`` and unmaps it on free, so each step of a large MoE layer touches
 hundreds of MiB of new pages (one fault and one page zeroing per 4 KiB; what that costs a
-step is on bench/results.md). ``keep_freed_memory()`` makes malloc
+step is on benchmarks/results/layer.md). ``keep_freed_memory()`` makes malloc
 serve everything from its heap and never return freed memory to the system, so later steps
 reuse the same pages. The price is a resident size that stays at its peak, which a training
 process reaches anyway. Call it once at start-up, before the big allocations.

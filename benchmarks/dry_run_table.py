@@ -1,5 +1,5 @@
 """The planner against the dry run for the presets at several cluster sizes (the table in
-bench/results.md, "Dry run against the planner").
+benchmarks/results/scale.md, "Dry run against the planner").
 
     python -m benchmarks.dry_run_table [--gpus 8,16,64] [--presets tinyllama,phi3,olmoe,mixtral]
         [--gpus-per-node 8] [--out benchmarks/data/scale/dry-run-table.json]
@@ -41,7 +41,7 @@ def case(name: str, gpus: int, gpus_per_node: int) -> dict:
 
 
 def markdown(cases: list[dict]) -> str:
-    """The table for bench/results.md: peak and the categories that differ, dry run / planner (GiB)."""
+    """The table for benchmarks/results/scale.md: peak and the categories that differ, dry run / planner (GiB)."""
     keys = [("weights (this rank's shards)", "weights"), ("optimizer state", "optimizer"),
             ("activations", "activations"), ("peak", "peak")]
     head = "| preset | GPUs | ep/edp | " + " | ".join(f"{k} dry run / planner" for _, k in keys) + " | dry run s |"

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout (benchmarks/ is at its top)
 NODES, PER_NODE = 2, 2
 MODES = ("flat", "hierarchical", "flat", "hierarchical")
 WORKER = "MOE_DIST_HIERARCHICAL_BYTES_WORKER"

@@ -27,7 +27,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout (benchmarks/ is at its top)
 PRESETS = {"tinyllama": os.path.join(ROOT, "configs", "tinyllama-upcycle-8x2.yaml"),
            "phi3": os.path.join(ROOT, "configs", "phi3-mini-upcycle-4x2.yaml")}
 # small data: the committed corpus slice and a small tokenizer (model.vocab_size stays the preset's)

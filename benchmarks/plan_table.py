@@ -20,7 +20,7 @@ from typing import Optional
 from moe_dist.plan.planner import (DEFAULT_ALPHA_US, DEFAULT_COMPUTE_TFLOPS, DEFAULT_INTER_GBPS, DEFAULT_INTRA_GBPS,
                             make_network, plan)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout (benchmarks/ is at its top)
 PRESETS = ("olmoe-1b-7b", "tinyllama-upcycle-8x2", "phi3-mini-upcycle-4x2")
 COLUMNS = (("flat", None), ("hierarchical", None), ("hierarchical", 1), ("hierarchical", 2))
 REGIMES = (  # around OLMoE at 64 GPUs, ep=64 (8 nodes): one change each

@@ -36,7 +36,7 @@ from typing import Optional
 from moe_dist.plan.planner import Network, plan
 from moe_dist.plan.timing import Links
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout (benchmarks/ is at its top)
 QUIET = ["run.progress=false", "run.plots=false", "run.tensorboard=false", "ckpt.save_final=false",
          "eval.every=0", "eval.max_sequences=8", "run.print_every=1000"]
 PAYLOAD = 1448 / 1514  # TCP payload of one full Ethernet frame (TCP timestamps on)

@@ -86,7 +86,7 @@ def target_check(records: list[dict]) -> list[str]:
 
 
 def markdown(records: list[dict]) -> str:
-    """The table as GitHub markdown (for bench/results.md)."""
+    """The table as GitHub markdown (for the pages of benchmarks/results/)."""
     head = [h for h, _, _ in COLUMNS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(_cell(r, k, f) for _, k, f in COLUMNS) + " |" for r in records]

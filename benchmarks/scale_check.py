@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout (benchmarks/ is at its top)
 PRESET = os.path.join(ROOT, "configs", "tinyllama-upcycle-8x2.yaml")
 HF_CONFIG = os.path.join(ROOT, "configs", "hf", "tinyllama-1.1b.json")
 # small data: the committed corpus slice and a small tokenizer (model.vocab_size stays 32000)

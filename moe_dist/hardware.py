@@ -53,7 +53,7 @@ def map_large_allocations(threshold: int = 1 << 20) -> bool:
     """glibc: serve every allocation of ``threshold`` bytes or more with a mapping of its own,
     unmapped when freed. glibc's default threshold grows to the largest block freed so far (up to
     32 MiB), so FSDP2's gathered weights and their all-gather buffers (megabytes each) land in the
-    heap, whose fragmentation keeps memory that was freed (bench/results.md: the 3.76B model's
+    heap, whose fragmentation keeps memory that was freed (benchmarks/results/scale.md: the 3.76B model's
     evaluation). A fixed threshold also stops that growth. No-op where glibc is absent or
     ``MALLOC_MMAP_THRESHOLD_`` is set (the user's choice). Returns whether it was applied."""
     if os.environ.get("MALLOC_MMAP_THRESHOLD_"):

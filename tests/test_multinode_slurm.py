@@ -57,7 +57,7 @@ SLURMD_TIMEOUT = 30  # s without an answer before slurmctld sets a node DOWN (Sl
 KILL_WAIT = 10  # s between SIGTERM and SIGKILL when Slurm ends a job (Slurm's default: 30)
 JOB_TIMEOUT = 420  # one job, start to end, on a busy 2-core machine (~60-120 s alone)
 # the cases that add little to the others and minutes to the suite run with MOE_DIST_MULTINODE_FULL=1
-# (measured in bench/results.md, "Slurm across nodes"): an unplugged node (the same relaunch as a killed one, after a
+# (measured in benchmarks/results/multinode.md, "Slurm across nodes"): an unplugged node (the same relaunch as a killed one, after a
 # longer silence)
 FULL = pytest.mark.skipif(os.environ.get("MOE_DIST_MULTINODE_FULL", "0") in ("", "0"),
                           reason="set MOE_DIST_MULTINODE_FULL=1 for the unplugged node under Slurm")

@@ -53,7 +53,7 @@ def up_or_skip(prepare=None, nodes: int = 2, **kw):
 @contextlib.contextmanager
 def slurm_on(c: Cluster, prefix: str, **kw):
     """The project's test Slurm across the namespace nodes of ``c`` in a fresh directory (skipped with
-    the reason when it cannot be set up); ``kw`` go to :class:`~moe_dist.testing.slurm.SlurmCluster`."""
+    the reason when it cannot be set up); ``kw`` go to :class:`~helpers.slurm.SlurmCluster`."""
     from helpers.slurm import SlurmCluster, install_slurm
 
     reason = install_slurm()

@@ -111,7 +111,7 @@ class SimilarityRouter(TokenGraphRouter):
     graph_dtype: ``fp32`` (default) or ``bf16`` for the graph's ``u . u`` products and their
         gradients (bf16 rounds the scores to 8 significant bits, so ``dot`` logits near
         ``|u|^2 ~ d = 512`` are rounded to multiples of 4 before the division by tau; use a tau of
-        sqrt(d) or more, or ``cosine``, with it; timings in bench/results.md).
+        sqrt(d) or more, or ``cosine``, with it; timings in benchmarks/results/routers.md).
     """
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, *, base: str = "topk",
@@ -189,7 +189,7 @@ def lowest_entropy_head_from_scores(queries: torch.Tensor, keys: torch.Tensor, p
     score and no logarithm but one per row (``p_max >= 1 / keys``, so its log is well
     conditioned). queries ``[B, H, S, dh]``, keys ``[B, H_kv, S, dh]`` (GQA: ``H_kv`` divides
     ``H``); the score products in ``mm_dtype``, the rest fp32."""
-    with torch.profiler.record_function(ENTROPY_SCAN_RANGE):  # a named range for profilers (bench.router --parts)
+    with torch.profiler.record_function(ENTROPY_SCAN_RANGE):  # a named range for profilers (benchmarks.router --parts)
         return _lowest_entropy_head_from_scores(queries, keys, padding_mask, causal, block, mm_dtype)
 
 
