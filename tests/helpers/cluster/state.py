@@ -13,8 +13,9 @@ from typing import Optional, Sequence
 from .host import PREFIX, STATE_DIR, alive, list_netns, netns_pids, run, state_path
 
 
-# ---- removal ----
 def remove(prefix: str, netns: Sequence[str], bridge: str, iptables_rule: Optional[list[str]]) -> None:
+    """Kill every process on the namespaces, then remove them, their hosts files, the bridge, the
+    iptables rule and the record; anything already gone is skipped."""
     for ns in netns:
         for _ in range(50):  # a namespace stays alive while a process runs in it
             pids = netns_pids(ns)
