@@ -23,4 +23,12 @@ skipped, seconds, figures, the error's last lines), ``gpu_check.md`` (a short su
 themselves go to ``--work``. The JSON and the summary are rewritten after every section, so a run
 stopped from outside keeps what it finished. ``--device cpu`` runs everything on the CPU at small
 sizes (the check's own test).
+
+The pieces: :mod:`.settings` (paths, sections, sizes), :mod:`.context` (what a section sees), one
+module per section (:mod:`.device`, :mod:`.device_tests`, :mod:`.train`, :mod:`.memory`,
+:mod:`.host_syncs`, :mod:`.layer_bench`), :mod:`.runner` (each section in its own process, the
+budget), :mod:`.report` (gpu_check.json and gpu_check.md), :mod:`.__main__` (the command line).
+The machine's helpers come from the package: :func:`moe_dist.hardware.synchronize`,
+:func:`~moe_dist.hardware.matmul_peak`, :func:`~moe_dist.hardware.datasheet_tflops` and the
+trainer's MFU arithmetic, :class:`moe_dist.train.mfu.Utilisation`.
 """
