@@ -332,7 +332,7 @@ def test_a_node_whose_ranks_crashed_is_not_lost(slurm, reference):
 def test_a_lost_node_that_comes_back_grows_the_job_by_a_requeue(slurm):
     """node1 killed (slurmd included) after step 6: Slurm removes it from the job ("Removing failed node")
     and the job goes on on node0 alone; node1 restarted, Slurm returns it to service but not to the job
-    (a step on it is refused: measured, launch/README.md). The batch script's watch (MOE_DIST_REGROW_S=5)
+    (a step on it is refused: measured, benchmarks/results/multinode.md). The batch script's watch (MOE_DIST_REGROW_S=5)
     sees it idle, the run checkpoints, the job is requeued and starts again on both nodes, which finish it
     from that checkpoint; every step's metrics row once."""
     s = slurm
