@@ -53,7 +53,7 @@ def map_large_allocations(threshold: int = 1 << 20) -> bool:
     """glibc: serve every allocation of ``threshold`` bytes or more with a mapping of its own,
     unmapped when freed. glibc's default threshold grows to the largest block freed so far (up to
     32 MiB), so FSDP2's gathered weights and their all-gather buffers (megabytes each) land in the
-    heap, whose fragmentation keeps memory that was freed (bench/results.md: the 3.76B model's
+    heap, whose fragmentation keeps memory that was freed (benchmarks/results/scale.md: the 3.76B model's
     evaluation). A fixed threshold also stops that growth. No-op where glibc is absent or
     ``MALLOC_MMAP_THRESHOLD_`` is set (the user's choice). Returns whether it was applied."""
     if os.environ.get("MALLOC_MMAP_THRESHOLD_"):
@@ -90,19 +90,22 @@ def datasheet_tflops(gpu_name: Optional[str]) -> Optional[float]:
     return None
 
 
-def matmul_peak(dtype: torch.dtype, threads: Optional[int] = None, n: int = 2048, seconds: float = 2.0) -> float:
-    """FLOP/s of an ``n x n`` matmul on the CPU with ``threads`` threads (default: as set now), the
-    best of the repeats that fit in ``seconds``."""
+def matmul_peak(dtype: torch.dtype, threads: Optional[int] = None, n: int = 2048, seconds: float = 2.0,
+                device: torch.device = torch.device("cpu")) -> float:
+    """FLOP/s of an ``n x n`` matmul on ``device`` (on the CPU with ``threads`` threads, default: as
+    set now), the best of the repeats that fit in ``seconds``."""
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
-        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        a, b = torch.randn(n, n).to(device, dtype), torch.randn(n, n).to(device, dtype)
         a @ b  # warm-up
+        synchronize(device)
         best, end = float("inf"), time.perf_counter() + seconds
         while time.perf_counter() < end:
             t0 = time.perf_counter()
             a @ b
+            synchronize(device)
             best = min(best, time.perf_counter() - t0)
         return 2 * n ** 3 / best
     finally:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The first run on a GPU (moe_dist/bench/gpu_check.py), 8 minutes at most in all:
+# The first run on a GPU (benchmarks/gpu_check/), 8 minutes at most in all:
 #   bash scripts/gpu_check.sh [OUTDIR]      # OUTDIR: default $OUT if set, else runs/gpu-check
 # OUTDIR receives gpu_check.json, gpu_check.md, sections.log and gpu_check.log (this output);
 # the runs go to GPU_CHECK_WORK (default runs/gpu-check-work).
@@ -104,9 +104,9 @@ main() {
   [ -n "${GPU_CHECK_SECTIONS:-}" ] && args+=(--sections "$GPU_CHECK_SECTIONS")
   # the check stops itself within its budget; timeout only guards against a hang (SIGTERM: it keeps what finished)
   if command -v timeout >/dev/null 2>&1; then
-    timeout --preserve-status -k 10 $(( budget + 15 )) "$PY" -m moe_dist.bench.gpu_check "${args[@]}"
+    timeout --preserve-status -k 10 $(( budget + 15 )) "$PY" -m benchmarks.gpu_check "${args[@]}"
   else
-    "$PY" -m moe_dist.bench.gpu_check "${args[@]}"
+    "$PY" -m benchmarks.gpu_check "${args[@]}"
   fi
   local rc=$?
   say "done in ${SECONDS} s (exit $rc); $OUTDIR: $(cd "$OUTDIR" && ls | tr '\n' ' ')"

@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from moe_dist.bench.runner import add_ratios
-from moe_dist.bench.timing import peak_step_memory
-from moe_dist.bench.workload import Sizes, Workload, imbalance
+from benchmarks.runner import add_ratios
+from benchmarks.timing import peak_step_memory
+from benchmarks.workload import Sizes, Workload, imbalance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIRED = {"impl", "router", "ep", "procs", "tokens", "dtype", "tokens_per_s", "time_per_token_us", "step_ms",
@@ -19,7 +19,7 @@ REQUIRED = {"impl", "router", "ep", "procs", "tokens", "dtype", "tokens_per_s", 
 
 def _run(*args):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "moe_dist.bench.layer", *args], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.layer", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()], proc.stderr
@@ -59,7 +59,7 @@ def test_deepspeed_case_or_clear_skip():
 
 
 def test_unknown_router_is_refused():
-    proc = subprocess.run([sys.executable, "-m", "moe_dist.bench.layer", "--routers", "nope", "--quick"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.layer", "--routers", "nope", "--quick"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "nope" in proc.stderr and "topk" in proc.stderr
 
@@ -111,14 +111,14 @@ def test_token_graph_routers_with_grouped_query_heads_and_their_targets():
 
 
 def test_heads_that_do_not_divide_are_refused():
-    proc = subprocess.run([sys.executable, "-m", "moe_dist.bench.layer", "--quick", "--heads", "3", "--kv-heads", "2"],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.layer", "--quick", "--heads", "3", "--kv-heads", "2"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "--heads 3" in proc.stderr
 
 
 def test_router_alone_benchmark_reports_each_router_against_topk():
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "moe_dist.bench.router", "--json", "--tokens", "128", "--seq-len", "32",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.router", "--json", "--tokens", "128", "--seq-len", "32",
                            "--d-model", "32", "--d-ff", "64", "--experts", "4", "--heads", "4", "--kv-heads", "2",
                            "--router-repeats", "3", "--layer-repeats", "1", "--threads", "1", "--parts"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -140,14 +140,14 @@ def test_router_alone_benchmark_reports_each_router_against_topk():
 
 
 def test_training_benchmark_end_to_end(tmp_path):
-    """`python -m moe_dist.bench.train`: real training runs of each case, the table and the JSON
+    """`python -m benchmarks.train`: real training runs of each case, the table and the JSON
     with tokens/s per round, the FLOP count and a matmul peak."""
     from moe_dist.config import load_config
     from moe_dist.model.params import train_flops_per_token
 
     out = tmp_path / "train.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "moe_dist.bench.train", "--config", "configs/test.yaml", "--nproc", "1",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.train", "--config", "configs/test.yaml", "--nproc", "1",
                            "--steps", "3", "--skip", "1", "--rounds", "1", "--engines", "native", "--dtypes", "fp32",
                            "--json", str(out), "parallel.ep=1", f"data.corpus={ROOT}/tests/data/python-docs",
                            f"data.cache_dir={tmp_path}/cache"],
@@ -166,11 +166,11 @@ def test_training_benchmark_end_to_end(tmp_path):
 @pytest.mark.timeout(1800)
 def test_training_benchmark_compile_axis_and_step_profile(tmp_path):
     """`--compile off,on`: eager and compiled runs paired in one benchmark, the compile seconds and
-    the compiled / eager line; `moe_dist.bench.step_profile`: the paired step times and the op table."""
+    the compiled / eager line; `benchmarks.step_profile`: the paired step times and the op table."""
     out = tmp_path / "train.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     data = [f"data.corpus={ROOT}/tests/data/python-docs", f"data.cache_dir={tmp_path}/cache"]
-    proc = subprocess.run([sys.executable, "-m", "moe_dist.bench.train", "--config", "configs/test.yaml", "--nproc", "1",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.train", "--config", "configs/test.yaml", "--nproc", "1",
                            "--steps", "3", "--skip", "1", "--rounds", "1", "--engines", "native", "--dtypes", "fp32",
                            "--compile", "off,on", "--json", str(out), "parallel.ep=1", *data],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
@@ -178,7 +178,7 @@ def test_training_benchmark_compile_axis_and_step_profile(tmp_path):
     cases = {c["compile"]: c for c in json.loads(out.read_text())["cases"]}
     assert set(cases) == {"off", "on"} and cases["off"]["compile_s"] == [] and cases["on"]["compile_s"][0] > 0
     assert "| native | fp32 | on |" in proc.stdout and "native fp32: compiled / eager per round" in proc.stdout
-    proc = subprocess.run([sys.executable, "-m", "moe_dist.bench.step_profile", "--config", "configs/test.yaml",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.step_profile", "--config", "configs/test.yaml",
                            "--batch", "4", "--rounds", "2", "--profile-steps", "1", "--top", "5", *data],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -189,7 +189,7 @@ def test_training_benchmark_compile_axis_and_step_profile(tmp_path):
 def test_step_profile_fp32_against_bf16_and_the_optimizer_step(tmp_path, capsys):
     """`step_profile --compare dtype`: both dtypes eager, bf16 with the trainer's attention choice;
     `optimizer_step`: foreach and fused AdamW on the same state give the same weights."""
-    from moe_dist.bench import optimizer_step, step_profile
+    from benchmarks import optimizer_step, step_profile
 
     data = [f"data.corpus={ROOT}/tests/data/python-docs", f"data.cache_dir={tmp_path}/cache"]
     assert step_profile.main(["--config", "configs/test.yaml", "--compare", "dtype", "--batch", "2", "--rounds", "2",
@@ -203,7 +203,7 @@ def test_step_profile_fp32_against_bf16_and_the_optimizer_step(tmp_path, capsys)
 
 
 def test_fused_and_foreach_adamw_step_alike():
-    from moe_dist.bench.optimizer_step import _with_implementation
+    from benchmarks.optimizer_step import _with_implementation
     from moe_dist.config import load_config
     from moe_dist.model import build_model
     from moe_dist.train.optim import build_optimizer
@@ -224,7 +224,7 @@ def test_fused_and_foreach_adamw_step_alike():
 
 
 def test_benchmarks_say_when_the_machine_is_not_idle(monkeypatch):
-    from moe_dist.bench import timing
+    from benchmarks import timing
 
     monkeypatch.setattr(timing.os, "getloadavg", lambda: (2.6, 1.0, 1.0))
     assert timing.busy_note(2, "at the start") == (

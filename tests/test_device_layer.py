@@ -22,7 +22,7 @@ import os
 import pytest
 import torch
 
-from moe_dist.bench.attention_inputs import synthetic_attention_inputs
+from benchmarks.attention_inputs import synthetic_attention_inputs
 from moe_dist.moe import MoEArgs, MoELayer, RouterInputs
 from moe_dist.moe.routers import ROUTERS
 from moe_dist.moe.routers import base as router_base

@@ -1,7 +1,8 @@
-"""The documentation's shape: every relative link in README.md, docs/, launch/, docker/ and bench/
+"""The documentation's shape: every relative link in README.md, docs/, launch/, docker/ and benchmarks/
 points at a file that exists (and, with ``#anchor``, at a heading of that page), and every how-to
-page stays short (at most 300 lines; the generated configuration reference and the router study's
-reports under docs/router-study/ are exempt)."""
+page and every results page (benchmarks/results/: one page per subject) stays short (at most 300
+lines; the generated configuration reference and the router study's reports under docs/router-study/
+are exempt)."""
 from __future__ import annotations
 
 import re
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = ("README.md", "docs", "launch", "docker", "bench")
+PAGES = ("README.md", "docs", "launch", "docker", "benchmarks")
+RESULTS = "benchmarks/results"  # the one results home: an index (README.md) and one page per subject
 MAX_LINES = 300
 EXEMPT = ("docs/configuration.md", "docs/router-study/")
 _LINK = re.compile(r"(?<!!)\[[^\]\n]*\]\(([^)\s]+)\)|!\[[^\]\n]*\]\(([^)\s]+)\)")
@@ -77,7 +79,7 @@ def missing_mentions() -> list[str]:
     """``file:line: path`` for every ``docs/....md`` or ``*/README.md`` that code, configs, scripts and
     tests name (in comments, help texts, messages) and that does not exist: they are links too."""
     bad, me = [], Path(__file__).resolve()
-    files = [p for d in ("moe_dist", "configs", "scripts", "tests", "launch", "docker")
+    files = [p for d in ("moe_dist", "configs", "scripts", "tests", "launch", "docker", "benchmarks")
              for p in sorted((ROOT / d).rglob("*")) if p.is_file() and p.suffix in (".py", ".yaml", ".sh", ".sbatch", "")]
     for path in files:
         if path.resolve() == me or "__pycache__" in path.parts:
@@ -87,7 +89,7 @@ def missing_mentions() -> list[str]:
         except (UnicodeDecodeError, OSError):
             continue
         for n, line in enumerate(text.splitlines(), 1):
-            for ref in re.findall(r"(?<![\w/.-])((?:docs|launch|docker|bench)/[\w./-]*\.md)", line):
+            for ref in re.findall(r"(?<![\w/.-])((?:docs|launch|docker|bench|benchmarks)/[\w./-]*\.md)", line):
                 if not (ROOT / ref).exists():
                     bad.append(f"{path.relative_to(ROOT)}:{n}: {ref}")
     return bad
@@ -95,7 +97,7 @@ def missing_mentions() -> list[str]:
 
 def long_pages() -> list[str]:
     out = []
-    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / RESULTS).glob("*.md"))]:
         rel = page.relative_to(ROOT).as_posix()
         if any(rel == e or (e.endswith("/") and rel.startswith(e)) for e in EXEMPT):
             continue
@@ -117,8 +119,18 @@ def test_every_page_the_code_names_exists():
 
 def test_how_to_pages_are_short():
     bad = long_pages()
-    assert not bad, (f"pages over {MAX_LINES} lines (move measurements and dated figures to bench/results.md, "
-                     "split a page that covers two subjects):\n" + "\n".join(bad))
+    assert not bad, (f"pages over {MAX_LINES} lines (move measurements and dated figures to the subject's page "
+                     f"in {RESULTS}/, split a page that covers two subjects):\n" + "\n".join(bad))
+
+
+def test_one_results_home_with_an_index_of_its_pages():
+    """The results live in benchmarks/results/ only, and its index links every page of it."""
+    assert not (ROOT / "bench").exists(), "a second benchmarks home, bench/, is back (benchmarks/ is the one)"
+    pages = sorted(p.name for p in (ROOT / RESULTS).glob("*.md") if p.name != "README.md")
+    assert len(pages) >= 10, pages
+    index = (ROOT / RESULTS / "README.md").read_text(encoding="utf-8")
+    linked = {m.group(1) for m in re.finditer(r"\]\(([\w.-]+\.md)\)", index)}
+    assert not set(pages) - linked, f"results pages the index does not link: {sorted(set(pages) - linked)}"
 
 
 def test_the_link_check_catches_a_broken_link(tmp_path, monkeypatch):

@@ -20,7 +20,7 @@ def run_check(tmp_path, sections: str, *extra: str, inject: str = "", timeout: f
     env.pop(INJECT, None)
     if inject:
         env[INJECT] = inject
-    cmd = [sys.executable, "-m", "moe_dist.bench.gpu_check", "--device", "cpu", "--quick", "--out",
+    cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--quick", "--out",
            str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--sections", sections, *extra]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     path = tmp_path / "out" / "gpu_check.json"

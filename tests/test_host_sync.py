@@ -14,7 +14,7 @@ import torch
 from helpers.dist_harness import run_ranks
 from helpers.host_sync import count_host_syncs
 from helpers.moe_cases import make_batch, make_layer, split_sizes
-from moe_dist.bench.attention_inputs import synthetic_attention_inputs
+from benchmarks.attention_inputs import synthetic_attention_inputs
 from moe_dist.distributed import build_parallel_groups
 from moe_dist.moe import ROUTERS, RouterInputs
 from moe_dist.moe.routers.token_graph import AttentionRouter

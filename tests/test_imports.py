@@ -86,8 +86,7 @@ def test_engines_and_checkpoints_do_not_import_the_trainer():
 LAYERS = (
     ("moe_dist.cli",),
     ("moe_dist.local_launch", "moe_dist.torchrun_launch"),
-    ("moe_dist.upcycle", "moe_dist.bench", "moe_dist.study"),
-    ("moe_dist.testing",),  # test infrastructure: the cluster benchmarks in moe_dist.bench use it
+    ("moe_dist.upcycle", "moe_dist.study"),
     ("moe_dist.plan",),
     ("moe_dist.hf",),
     ("moe_dist.train",),
@@ -145,13 +144,48 @@ def test_moe_imports_point_down_its_floors():
     assert not upward, "imports inside moe_dist.moe that do not point down its floors:\n" + "\n".join(upward)
 
 
-def test_only_benchmarks_use_the_test_infrastructure():
-    """moe_dist.testing (namespace clusters, Slurm daemons; root) is for tests and the cluster
-    benchmarks: no module of the product reaches it."""
-    graph = _graph()
-    users = sorted(m for m in graph if _package(m) not in ("moe_dist.testing", "moe_dist.bench")
-                   and any(_package(t) == "moe_dist.testing" for t in _reachable(graph, m)))
-    assert not users, f"modules that reach moe_dist.testing: {users}"
+# outside the installed package, above all of it: the benchmarks (benchmarks/, run from a checkout) and
+# the test infrastructure (tests/helpers/: namespace clusters, Slurm daemons). moe_dist imports neither.
+OUTSIDE_THE_PACKAGE = ("benchmarks", "tests", "helpers")
+
+
+def _top_level_imports(path: str) -> set[str]:
+    """The first names of every absolute import statement in ``path`` (module level and inside functions)."""
+    names = set()
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_the_package_imports_no_benchmark_or_test_infrastructure():
+    """No module of moe_dist imports the benchmarks or the test helpers, and neither lives inside it."""
+    users = sorted(f"{m} -> {sorted(_top_level_imports(p) & set(OUTSIDE_THE_PACKAGE))}"
+                   for m, p in _modules().items() if _top_level_imports(p) & set(OUTSIDE_THE_PACKAGE))
+    assert not users, "modules of moe_dist that import benchmarks or test infrastructure:\n" + "\n".join(users)
+    inside = [d for d in ("bench", "testing") if any(m.startswith(f"moe_dist.{d}") for m in _modules())]
+    assert not inside, f"moe_dist/{inside[0]} is back inside the package (benchmarks/ and tests/helpers/ are its homes)"
+
+
+def test_benchmarks_import_only_the_package_and_the_cluster_harness():
+    """benchmarks/ sits on top: it imports moe_dist, itself and, for the cluster benchmarks, the
+    namespace-cluster harness (tests.helpers.cluster); nothing else of the tests."""
+    bench_dir = os.path.join(ROOT, "benchmarks")
+    found = {}
+    for dirpath, dirnames, filenames in os.walk(bench_dir):
+        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+        for name in filenames:
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+                    if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                        found.setdefault(node.module, set()).add(os.path.relpath(path, ROOT))
+    assert any(m.startswith("moe_dist.") for m in found)
+    tests_used = {m for m in found if m.split(".")[0] in ("tests", "helpers")}
+    assert tests_used <= {"tests.helpers.cluster"}, f"benchmarks importing test modules: {sorted(tests_used)}"
+    assert "tests.helpers.cluster" in tests_used  # the cluster benchmarks still import it from its home
 
 
 def test_no_import_cycle():

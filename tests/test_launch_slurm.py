@@ -1,4 +1,4 @@
-"""launch/slurm/train.sbatch on a real one-node Slurm cluster (moe_dist/testing/slurm.py: this machine, 127.0.0.1).
+"""launch/slurm/train.sbatch on a real one-node Slurm cluster (tests/helpers/slurm.py: this machine, 127.0.0.1).
 
 Needs root (munged, slurmctld and slurmd run as root; Debian's slurm-wlm and munge are
 installed with apt-get when missing). The cluster lives in a temporary directory with its own
@@ -27,7 +27,7 @@ import time
 
 import pytest
 
-from moe_dist.testing.slurm import SlurmCluster, install_slurm
+from helpers.slurm import SlurmCluster, install_slurm
 from helpers.run_dir import complete_checkpoints, metrics_rows, read_text
 
 pytestmark = pytest.mark.slow

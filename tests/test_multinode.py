@@ -1,4 +1,4 @@
-"""Several nodes on one machine (moe_dist/testing/cluster.py: network namespaces on a bridge, each
+"""Several nodes on one machine (tests/helpers/cluster/: network namespaces on a bridge, each
 with its own address, host name and hosts file), and the project's launcher across them.
 
 * the cluster: every node has its name, resolves the others, reaches them only over its own link
@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from moe_dist.testing.cluster import Cluster, ClusterUnavailable, recorded_clusters, remove_stale, unavailable_reason
+from helpers.cluster import Cluster, ClusterUnavailable, recorded_clusters, remove_stale, unavailable_reason
 from helpers.run_dir import assert_curve_matches, metrics_rows
 from helpers.multinode_harness import (ROOT, RUN_TIMEOUT, STEPS, _clean_nodes, _config, _env, _one_rank_line,  # noqa: F401 (fixtures)
                                cluster, finish, start_node, start_nodes)
@@ -115,7 +115,7 @@ def test_a_cluster_is_removed_after_an_exception_and_after_its_owner_died():
     # a cluster whose owner process died (a crashed test run) is found and removed
     code = """
         import os
-        from moe_dist.testing.cluster import Cluster
+        from helpers.cluster import Cluster
         c = Cluster(1); c.up(); print(c.prefix, flush=True); os._exit(0)"""
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=_env(), capture_output=True, text=True,
                        timeout=60)
@@ -138,7 +138,7 @@ def test_cluster_refuses_clearly_without_root():
             Cluster(2).up()
         return
     # as root: the same check run by an unprivileged user (nobody)
-    code = "from moe_dist.testing.cluster import main; raise SystemExit(main(['up', '2']))"
+    code = "from helpers.cluster import main; raise SystemExit(main(['up', '2']))"
     r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code],
                        env=_env(), capture_output=True, text=True, timeout=60, cwd="/")
     assert r.returncode == 2 and r.stderr.strip() == "cluster: a namespace cluster needs root (ip netns, veth, bridge)", \

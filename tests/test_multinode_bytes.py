@@ -1,8 +1,8 @@
-"""The counted inter-node all-to-all bytes against the nodes' links (moe_dist/bench/a2a_bytes.py): 2
+"""The counted inter-node all-to-all bytes against the nodes' links (benchmarks/a2a_bytes.py): 2
 namespace nodes x 2 ranks, one MoE layer at ep=4 called forward + backward and nothing else; what
 each node's eth0 sent beyond an idle window is the bytes its ranks counted plus the transport's
 overhead, which stays within the bounds explained in docs/namespace-cluster.md and measured in
-bench/results.md.
+benchmarks/results/dispatch.md.
 
 Needs root and ``ip netns``; skipped with the reason elsewhere.
 """
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 CALLS = 6
 # what a node's link carries beyond the counted payload and its packets' headers (66 bytes each): the
 # routing statistics' all-gather and gloo's message headers, measured at 3.5-4.5 KB per layer call
-# (bench/results.md, "All-to-all bytes: counted, against the links"); nothing may be missing (other >= 0)
+# (benchmarks/results/dispatch.md, "All-to-all bytes: counted, against the links"); nothing may be missing (other >= 0)
 OTHER_PER_CALL = 8_000
 IDLE = 8_000  # the idle window's own two barriers and reads
 
@@ -33,7 +33,7 @@ def run_bench(c, tmp, *args) -> dict:
         env = _env(MOE_DIST_RENDEZVOUS="node0:29511")
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={i}", "--nproc-per-node=2",
                 "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29511", f"--rdzv-id={rdzv}",
-                "-m", "moe_dist.bench.a2a_bytes", "--calls", str(CALLS), "--out", str(out_file), *args]
+                "-m", "benchmarks.a2a_bytes", "--calls", str(CALLS), "--out", str(out_file), *args]
         out, err = open(tmp / f"node{i}.out", "w+"), open(tmp / f"node{i}.err", "w+")
         procs.append((c.popen(nd, argv, env=env, cwd=ROOT, stdout=out, stderr=err), out, err))
     deadline = time.monotonic() + 120

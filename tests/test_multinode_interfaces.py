@@ -1,5 +1,5 @@
 """A node with two interfaces whose default one cannot reach the other nodes (the namespace cluster
-of moe_dist/testing/cluster.py; the rule: moe_dist/distributed/interfaces.py).
+of tests/helpers/cluster/; the rule: moe_dist/distributed/interfaces.py).
 
 node0 gets a second interface, ``eth1`` (10.213.2.1), that holds its default route and to which its
 own host name resolves on node0 (node1 resolves ``node0`` to its ``eth0`` address); ``MASTER_ADDR`` is
@@ -25,7 +25,7 @@ import time
 import pytest
 
 from helpers.multinode_harness import ROOT, _env, up_or_skip
-from moe_dist.testing.cluster import Cluster
+from helpers.cluster import Cluster
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 

@@ -4,7 +4,7 @@ dense Hugging Face checkpoint to an exported MoE one.
 
 What stands in for what:
 
-* the cluster: 2 namespace nodes (moe_dist/testing/cluster.py) under a real Slurm (moe_dist/testing/slurm.py:
+* the cluster: 2 namespace nodes (tests/helpers/cluster/) under a real Slurm (tests/helpers/slurm.py:
   slurmctld on node0, a slurmd on each node; no GPUs, 2 CPUs a node); the commands run as the page writes
   them, with real ``srun`` and ``sbatch``;
 * the 7B checkpoint, the corpus and ``/shared``: a tiny random dense Llama (tests/helpers/quickstart.py), the
@@ -44,7 +44,7 @@ import time
 
 import pytest
 
-from moe_dist.testing.slurm import SlurmCluster
+from helpers.slurm import SlurmCluster
 from helpers.multinode_harness import ROOT, _env, cluster, slurm_on  # noqa: F401 (fixture)
 from helpers.quickstart import page_blocks, page_paths, substitute, tiny_dense
 from helpers.run_dir import complete_checkpoints, metrics_rows, read_text

@@ -1,5 +1,5 @@
-"""Slurm across nodes: a real Slurm cluster on the nodes of a namespace cluster (moe_dist/testing/slurm.py
-on moe_dist/testing/cluster.py): slurmctld and munged on node0, one ``slurmd -N nodeI`` on each node.
+"""Slurm across nodes: a real Slurm cluster on the nodes of a namespace cluster (tests/helpers/slurm.py
+on tests/helpers/cluster/): slurmctld and munged on node0, one ``slurmd -N nodeI`` on each node.
 
 * ``sbatch -N 2 --ntasks-per-node=2 launch/slurm/train.sbatch`` with ``parallel.ep=4`` (every MoE
   layer's experts span both nodes), one task per rank and one torchrun per node: preempted with
@@ -41,7 +41,7 @@ import time
 
 import pytest
 
-from moe_dist.testing.slurm import SlurmCluster
+from helpers.slurm import SlurmCluster
 from helpers.run_dir import assert_curve_matches, complete_checkpoints, metrics_rows, read_text
 from helpers.slurm_container import container_stand_in
 from helpers.multinode_harness import ROOT, _env, cluster, slurm_on  # noqa: F401 (fixture)
@@ -57,7 +57,7 @@ SLURMD_TIMEOUT = 30  # s without an answer before slurmctld sets a node DOWN (Sl
 KILL_WAIT = 10  # s between SIGTERM and SIGKILL when Slurm ends a job (Slurm's default: 30)
 JOB_TIMEOUT = 420  # one job, start to end, on a busy 2-core machine (~60-120 s alone)
 # the cases that add little to the others and minutes to the suite run with MOE_DIST_MULTINODE_FULL=1
-# (measured in bench/results.md, "Slurm across nodes"): an unplugged node (the same relaunch as a killed one, after a
+# (measured in benchmarks/results/multinode.md, "Slurm across nodes"): an unplugged node (the same relaunch as a killed one, after a
 # longer silence)
 FULL = pytest.mark.skipif(os.environ.get("MOE_DIST_MULTINODE_FULL", "0") in ("", "0"),
                           reason="set MOE_DIST_MULTINODE_FULL=1 for the unplugged node under Slurm")
@@ -332,7 +332,7 @@ def test_a_node_whose_ranks_crashed_is_not_lost(slurm, reference):
 def test_a_lost_node_that_comes_back_grows_the_job_by_a_requeue(slurm):
     """node1 killed (slurmd included) after step 6: Slurm removes it from the job ("Removing failed node")
     and the job goes on on node0 alone; node1 restarted, Slurm returns it to service but not to the job
-    (a step on it is refused: measured, launch/README.md). The batch script's watch (MOE_DIST_REGROW_S=5)
+    (a step on it is refused: measured, benchmarks/results/multinode.md). The batch script's watch (MOE_DIST_REGROW_S=5)
     sees it idle, the run checkpoints, the job is requeued and starts again on both nodes, which finish it
     from that checkpoint; every step's metrics row once."""
     s = slurm

@@ -202,7 +202,7 @@ def test_the_configured_dispatch_and_node_limit_are_marked(capsys):
 
 
 def test_plan_table_prints_the_presets_and_regimes(capsys):
-    from moe_dist.bench.plan_table import main
+    from benchmarks.plan_table import main
 
     assert main(["--gpus", "8,16"]) == 0
     text = capsys.readouterr().out

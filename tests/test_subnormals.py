@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from moe_dist.bench.attention_inputs import synthetic_attention_inputs
+from benchmarks.attention_inputs import synthetic_attention_inputs
 from moe_dist.moe import MoEArgs, MoELayer, RouterInputs, ROUTERS
 
 # Allocation ops return uninitialised memory (whatever bytes were there): not computed values.

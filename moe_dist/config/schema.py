@@ -255,7 +255,7 @@ class TrainConfig:
     compile: bool = knob(False, "torch.compile (inductor) each transformer block: a dense block whole; an MoE block's "
                          "norms, attention, router and shared expert, its dispatch / exchange / expert kernel left "
                          "eager (docs/performance.md; off by default: the speed-up is small where GEMMs and attention take most of "
-                         "a step, and every cold start compiles first; measured figures in bench/results.md)")
+                         "a step, and every cold start compiles first; measured figures in benchmarks/results/compile.md)")
     compile_cache_dir: Optional[str] = knob(None, "train.compile: inductor's cache directory (compiled kernels, FX "
                                             "graph and AOTAutograd caches), reused by restarts and requeues; null = "
                                             "run.dir/compile_cache")

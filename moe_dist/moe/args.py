@@ -41,7 +41,7 @@ class MoEArgs:
     activation: Literal["swiglu", "gelu"] = knob("swiglu", "expert activation")
     expert_kernel: Literal["auto", "loop", "bmm", "grouped_mm"] = knob(
         "loop", "expert matmul kernel: loop, bmm, grouped_mm, or auto (timed once per expert shape, the same on every "
-        "rank); timings in bench/results.md")
+        "rank); timings in benchmarks/results/layer.md")
     balance_loss: Literal["batch", "sequence"] = knob("batch", "load-balance loss: batch (Switch/GShard over the batch) or "
                                                       "sequence (DeepSeek-V2/V3: per sequence, averaged over sequences)")
     shared_d_ff: Optional[int] = knob(None, "hidden size of the always-active shared expert(s) beside the routed ones "

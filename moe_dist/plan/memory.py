@@ -264,7 +264,7 @@ def reduce_scatter_bytes(unit_params: int, dtype: str, backend: str, grads_count
     """One unit's gradient reduction (torch's FSDP2 ``foreach_reduce``): its unsharded gradients
     (unless already counted: under grad_accum > 1 they are the state's gradients) are copied
     into an fp32 flat buffer and freed; with gloo the reduce-scatter then copies that buffer
-    once more (it runs an all-reduce of the whole buffer underneath; bench/results.md, "gloo's
+    once more (it runs an all-reduce of the whole buffer underneath; benchmarks/results/planner.md, "gloo's
     reduce-scatter copy"). Peak: the buffer plus the larger of the gradients and gloo's copy."""
     grads = 0 if grads_counted else gathered_bytes_per_param(dtype)
     copy = 4 if backend == "gloo" else 0

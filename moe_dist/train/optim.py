@@ -35,7 +35,7 @@ def build_optimizer(model: nn.Module, train_cfg) -> torch.optim.AdamW:
               {"params": expert, "weight_decay": train_cfg.weight_decay, "name": "experts"}]
     groups = [g for g in groups if g["params"]]
     kwargs = dict(lr=train_cfg.lr, betas=(train_cfg.beta1, train_cfg.beta2), eps=1e-8)
-    try:  # one fused kernel per parameter group: faster than foreach on the CPUs measured (bench/results.md)
+    try:  # one fused kernel per parameter group: faster than foreach on the CPUs measured (benchmarks/results/training.md)
         return torch.optim.AdamW(groups, fused=True, **kwargs)
     except RuntimeError:  # a device without the fused kernel
         return torch.optim.AdamW(groups, foreach=True, **kwargs)

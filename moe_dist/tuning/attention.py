@@ -3,7 +3,7 @@
 Under bf16 autocast the queries, keys and values come out of their projections in bf16 and torch
 runs SDPA in bf16. On some CPUs that is slower than running it on fp32 copies: the CPU
 flash-attention kernel accumulates in fp32 either way, and its bf16 backward spends more on
-conversions than the bf16 products save at small head sizes (measured: ``bench/results.md``,
+conversions than the bf16 products save at small head sizes (measured: ``benchmarks/results/training.md``,
 "The bf16 gap op by op"). fp32 attention is also the more precise of the two; the output
 goes back to bf16 for the output projection.
 

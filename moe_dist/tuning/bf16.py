@@ -1,7 +1,7 @@
 """``train.dtype=bf16`` on a CPU whose bf16 matmuls are slow: fp32 instead, decided by timing.
 
 Some CPUs' torch has no fast bf16 matmul kernel for them (a fallback path many times slower than
-fp32; figures: ``bench/results.md``, "bf16 on CPUs without fast bf16 matmuls"). fp32 trains the
+fp32; figures: ``benchmarks/results/training.md``, "bf16 on CPUs without fast bf16 matmuls"). fp32 trains the
 same model faster there; :func:`bf16_choice` says so once and switches, :func:`slow_bf16_note` is
 the benchmarks' warning.
 """

@@ -1,7 +1,7 @@
 """The namespace cluster and the project's launcher on it, shared by the multi-node tests
 (tests/test_multinode.py, tests/test_multinode_resize.py).
 
-* ``cluster``: a module fixture of 2 nodes (moe_dist/testing/cluster.py), skipped with the reason
+* ``cluster``: a module fixture of 2 nodes (tests/helpers/cluster/), skipped with the reason
   where it cannot run; ``_clean_nodes`` (autouse where imported): the bridge allowed through
   iptables before each test, no process left on a node and every link up after it;
 * :func:`start_nodes` / :func:`finish`: ``launch/torchrun.sh`` on the first nodes, and one node's
@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from moe_dist.testing.cluster import Cluster, ClusterUnavailable, remove_stale, unavailable_reason
+from helpers.cluster import Cluster, ClusterUnavailable, remove_stale, unavailable_reason
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUIET = ["run.progress=false", "run.plots=false", "run.tensorboard=false", "ckpt.save_final=false",
@@ -53,8 +53,8 @@ def up_or_skip(prepare=None, nodes: int = 2, **kw):
 @contextlib.contextmanager
 def slurm_on(c: Cluster, prefix: str, **kw):
     """The project's test Slurm across the namespace nodes of ``c`` in a fresh directory (skipped with
-    the reason when it cannot be set up); ``kw`` go to :class:`~moe_dist.testing.slurm.SlurmCluster`."""
-    from moe_dist.testing.slurm import SlurmCluster, install_slurm
+    the reason when it cannot be set up); ``kw`` go to :class:`~helpers.slurm.SlurmCluster`."""
+    from helpers.slurm import SlurmCluster, install_slurm
 
     reason = install_slurm()
     if reason:

@@ -111,7 +111,7 @@ class SimilarityRouter(TokenGraphRouter):
     graph_dtype: ``fp32`` (default) or ``bf16`` for the graph's ``u . u`` products and their
         gradients (bf16 rounds the scores to 8 significant bits, so ``dot`` logits near
         ``|u|^2 ~ d = 512`` are rounded to multiples of 4 before the division by tau; use a tau of
-        sqrt(d) or more, or ``cosine``, with it; timings in bench/results.md).
+        sqrt(d) or more, or ``cosine``, with it; timings in benchmarks/results/routers.md).
     """
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, *, base: str = "topk",
@@ -169,7 +169,7 @@ def lowest_entropy_head(attn_probs: torch.Tensor, padding_mask: Optional[torch.T
 # Score elements per block of the entropy scan (fp32): 128 query rows of 8 heads over 512 keys;
 # more heads or keys get fewer rows (at least 16), so a block stays a few MiB.
 ENTROPY_BLOCK_ELEMENTS = 1 << 19
-# the scan's name in profiles (python -m moe_dist.bench.router --parts)
+# the scan's name in profiles (python -m benchmarks.router --parts)
 ENTROPY_SCAN_RANGE = "moe_dist.entropy_scan"
 # fill for the keys a query may not use in the scan: softmax gives them exactly 0 and 0 * fill = 0
 # (an infinite fill would make p * s NaN)
@@ -189,7 +189,7 @@ def lowest_entropy_head_from_scores(queries: torch.Tensor, keys: torch.Tensor, p
     score and no logarithm but one per row (``p_max >= 1 / keys``, so its log is well
     conditioned). queries ``[B, H, S, dh]``, keys ``[B, H_kv, S, dh]`` (GQA: ``H_kv`` divides
     ``H``); the score products in ``mm_dtype``, the rest fp32."""
-    with torch.profiler.record_function(ENTROPY_SCAN_RANGE):  # a named range for profilers (bench.router --parts)
+    with torch.profiler.record_function(ENTROPY_SCAN_RANGE):  # a named range for profilers (benchmarks.router --parts)
         return _lowest_entropy_head_from_scores(queries, keys, padding_mask, causal, block, mm_dtype)
 
 
