@@ -2,7 +2,7 @@
 ``moe-dist train --config configs/tiny.yaml --nproc 2`` without and with a snapshot every ``--every`` steps,
 alternated (A B, B A, A B, ...), each run's loop time per step and its phases (summary.json ``time``).
 
-    python -m moe_dist.bench.snapshot_cost --steps 60 --pairs 2 [--every 1] [--out /tmp/snapcost] [override ...]
+    python -m benchmarks.snapshot_cost --steps 60 --pairs 2 [--every 1] [--out /tmp/snapcost] [override ...]
 
 Prints the machine (CPU capability, cores, load average) and per pair the seconds per step of the
 loop, of the training step itself (does the background write slow it?), of the checkpoint phase
