@@ -326,7 +326,7 @@ def section_tests(ctx: Context) -> dict:
 def read_run(run_dir: str, skip_steps: int) -> dict:
     """tokens/s of the steps after the first ``skip_steps`` (median per step, and over all of them
     together), and what summary.json says of memory and loss."""
-    from ..train.metrics import read_metrics
+    from ..train.observe.metrics import read_metrics
 
     rows = [r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "tokens_per_s" in r and "step" in r]
     if not rows:
@@ -537,7 +537,7 @@ def section_host_syncs(ctx: Context) -> dict:
     import torch
 
     from ..config import load_config
-    from ..train.trainer import Trainer
+    from ..train.loop.trainer import Trainer
 
     check_device(ctx.device)
     sz = ctx.sizes

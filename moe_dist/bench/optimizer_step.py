@@ -21,7 +21,7 @@ import torch
 
 from ..config import load_config
 from ..model import build_model
-from ..train.optim import build_optimizer
+from ..train.loop.optim import build_optimizer
 from .timing import say_if_busy
 
 

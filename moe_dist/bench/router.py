@@ -25,7 +25,7 @@ import torch
 from ..distributed import ParallelGroups
 from ..tuning.bf16 import slow_bf16_note
 from ..moe.routers.token_graph import ENTROPY_SCAN_RANGE
-from ..train.compile import compile_parts, moe_layer_parts
+from ..train.loop.compile import compile_parts, moe_layer_parts
 from .cli_args import add_size_arguments, check_routers, sizes_from_args
 from .impls import MoEDistImpl, _clear_grads
 from .report import ROUTER_TARGETS

@@ -32,7 +32,7 @@ from ..tuning.bf16 import slow_bf16_note
 from ..model import build_model
 from ..moe import collect_aux_loss
 from ..tuning.attention import decide_attention_dtype
-from ..train.compile import apply_compile
+from ..train.loop.compile import apply_compile
 from .timing import say_if_busy
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

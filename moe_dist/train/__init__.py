@@ -9,7 +9,7 @@ __all__ = ["Trainer", "train"]
 
 def __getattr__(name):
     if name in __all__:
-        from . import trainer
+        from .loop import trainer
 
         return getattr(trainer, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
