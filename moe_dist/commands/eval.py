@@ -4,9 +4,9 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from .common import add_overrides_argument, is_rank0, run_config_path, user_errors
 from ..errors import MissingInputError, UsageError
 from ..safe_io import write_json_atomically
+from .common import add_overrides_argument, is_rank0, run_config_path, user_errors
 
 HELP = "evaluate a checkpoint on the validation split (perplexity vs a unigram baseline)"
 LAUNCHABLE = True

@@ -1,8 +1,8 @@
 """``moe-dist export``: write one of our MoE models as a Hugging Face checkpoint."""
 from __future__ import annotations
 
-from .common import add_overrides_argument, user_errors
 from ..hf.export import FORMATS
+from .common import add_overrides_argument, user_errors
 
 HELP = "export a trained, upcycled or imported MoE model as a Hugging Face checkpoint (Mixtral, OLMoE or Qwen2-MoE format)"
 

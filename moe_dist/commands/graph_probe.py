@@ -20,8 +20,8 @@ def main(argv=None) -> int:
     from ..distributed.bootstrap import shutdown
     from ..errors import MissingInputError
     from ..train.checkpoint import latest_checkpoint
-    from .common import run_config_path, user_errors
     from ..train.setup.runtime import setup_runtime
+    from .common import run_config_path, user_errors
 
     def go() -> int:
         cfg = load_config(run_config_path(args.run_dir), [f"run.dir={args.run_dir}", f"eval.max_sequences={args.sequences}", "parallel.ep=1"])

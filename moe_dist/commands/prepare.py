@@ -37,9 +37,9 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     def go() -> int:
-        from ..errors import UsageError
         from ..data.combine import combine_parts, part_dir
         from ..data.pipeline import PrepareSettings, run_prepare, summary_line
+        from ..errors import UsageError
 
         if args.combine:
             print(summary_line(combine_parts(args.output), args.output))

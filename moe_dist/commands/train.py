@@ -48,8 +48,8 @@ def run(args) -> int:
         if args.print_config:
             print(dump_config(cfg), end="")
             return 0
-        from ..train.setup.preflight import check_engine
         from ..train.loop.trainer import train
+        from ..train.setup.preflight import check_engine
 
         check_engine(cfg)  # one rank of a launched job: before the run directory is made
         train(cfg)

@@ -11,15 +11,15 @@ from ...config import Config
 from ...distributed.bootstrap import Runtime, shutdown
 from ...errors import CheckpointError, MissingInputError, UsageError
 from ...hardware import map_large_allocations
+from ...parallel.parallelize import parallelize
 from ...safe_io import write_json_atomically
 from ...tuning.attention import decide_attention_dtype
 from ..checkpoint import latest_checkpoint, load_checkpoint
 from ..setup.data import load_data, resolve_vocab
-from .validation import evaluate, format_report, unigram_baseline, validation_batches
 from ..setup.model import build_meta_model, check_weights_directory, is_weights_directory, weights_filler
-from ...parallel.parallelize import parallelize
 from ..setup.run_lock import RunDirReadLock
 from ..setup.runtime import gather_peak_rss_gib, setup_runtime
+from .validation import evaluate, format_report, unigram_baseline, validation_batches
 
 
 def evaluate_run(cfg: Config, checkpoint: Optional[str] = None, rt: Optional[Runtime] = None,

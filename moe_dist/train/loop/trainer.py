@@ -29,29 +29,29 @@ from ...diagnostics import RoutingDiagnostics
 from ...distributed.bootstrap import Runtime, shutdown
 from ...hardware import batch_to_device
 from ...model import count_parameters
-from ...tuning.expert_kernel import agree_expert_kernels
 from ...moe import moe_layers
 from ...safe_io import UnsafePath, own_directory, refuse_link
 from ...tuning.attention import decide_attention_dtype
+from ...tuning.expert_kernel import agree_expert_kernels
 from ..checkpoint import TrainingCheckpoints
-from .compile import CompileClock, apply_compile, cache_dir, describe_compile, eager_router_reason, use_cache_dir
-from ..setup.data import load_data, resolve_vocab
 from ..engines import create_engine, engine_scope
 from ..evaluation.validation import autocast, evaluate, unigram_baseline, validation_batches
-from .health import Divergence, RollingBack, RunHealth, TrainingDiverged, state_is_finite
 from ..observe.metrics import MetricsLogger
 from ..observe.mfu import Utilisation
 from ..observe.moe_stats import MoEStepStats
-from ..setup.model import build_meta_model, check_weights_directory, weights_filler
-from .optim import lr_at
-from .preemption import PreemptionHandler, stop_if_requested
 from ..observe.reporting import RunReport, RunTotals
-from ..setup.run_lock import RunDirLock
-from ..setup.runtime import setup_runtime
-from .step import TrainStep
 from ..observe.row import StepMetrics
 from ..observe.step_time import StepClock
 from ..observe.tracking import check_tracking, start_tracking
+from ..setup.data import load_data, resolve_vocab
+from ..setup.model import build_meta_model, check_weights_directory, weights_filler
+from ..setup.run_lock import RunDirLock
+from ..setup.runtime import setup_runtime
+from .compile import CompileClock, apply_compile, cache_dir, describe_compile, eager_router_reason, use_cache_dir
+from .health import Divergence, RollingBack, RunHealth, TrainingDiverged, state_is_finite
+from .optim import lr_at
+from .preemption import PreemptionHandler, stop_if_requested
+from .step import TrainStep
 
 
 # the directories a run writes into inside run.dir (checkpoints, plots, TensorBoard events, Chrome traces)
@@ -114,7 +114,7 @@ class Trainer:
         vocab = resolve_vocab(cfg, self.data)
 
         # on the meta device: the engine splits it, then each rank allocates and fills only its part
-        # (from ckpt.init_from, e.g. an upcycled checkpoint, or from train.seed; see model_setup)
+        # (from ckpt.init_from, e.g. an upcycled checkpoint, or from train.seed; see setup/model.py)
         self.model = build_meta_model(cfg, vocab)
         self.params = count_parameters(self.model)
         self.model.set_activation_checkpointing(cfg.train.activation_checkpointing)

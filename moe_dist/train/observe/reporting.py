@@ -23,10 +23,10 @@ from ...distributed.bootstrap import Runtime
 from ...hardware import cuda_memory_gib
 from ...moe.dispatch.hierarchical import dispatch_note
 from ...safe_io import write_json_atomically
-from ..setup.data import small_corpus_note
 from ..evaluation.validation import format_report
-from .metrics import read_metrics
+from ..setup.data import small_corpus_note
 from ..setup.runtime import gather_peak_rss_gib, thread_choice
+from .metrics import read_metrics
 from .step_time import describe_time
 
 
