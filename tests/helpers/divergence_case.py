@@ -13,8 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 from moe_dist.config import load_config  # noqa: E402
-from moe_dist.train import step as step_module  # noqa: E402
-from moe_dist.train import trainer as trainer_module  # noqa: E402
+from moe_dist.train.loop import step as step_module  # noqa: E402
+from moe_dist.train.loop import trainer as trainer_module  # noqa: E402
 
 real = step_module.F
 
