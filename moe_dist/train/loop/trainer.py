@@ -7,7 +7,7 @@ computes what one process computes on the whole batch, is :mod:`moe_dist.train.l
 The :class:`Trainer` wires the parts together and runs the loop; it hands the run's health
 (bad steps, divergence, rollback) to :class:`~moe_dist.train.loop.health.RunHealth`, what the run
 reports (log, run.json, summary.json, plots) to :class:`~moe_dist.train.observe.reporting.RunReport`,
-the per-step rows to :class:`~moe_dist.train.observe.metrics.MetricsLogger` and the checkpoints to
+each step's metrics row to :class:`~moe_dist.train.observe.row.StepMetrics` and the checkpoints to
 :class:`~moe_dist.train.checkpoint.TrainingCheckpoints`. The runtime and the data it starts from
 are :mod:`moe_dist.train.setup.runtime` and :mod:`moe_dist.train.setup.data`.
 """

@@ -2,7 +2,8 @@
 shows), run.json at the start, the per-step progress, and at the end summary.json, the plots and
 the end-of-run summary (validation against the unigram baseline, routing, W&B).
 
-The per-step rows themselves (metrics.jsonl, TensorBoard, W&B) are :mod:`moe_dist.train.observe.metrics`.
+The per-step rows themselves are :mod:`moe_dist.train.observe.row` (metrics.jsonl, TensorBoard and
+W&B: :mod:`moe_dist.train.observe.metrics`).
 """
 from __future__ import annotations
 
