@@ -6,7 +6,7 @@
 The model is built whole in one process (the parameters of every rank together), its
 gradients filled with small random values, and each round times ``--steps`` optimizer steps of
 both implementations, alternating, on the parameter groups the trainer makes
-(:func:`moe_dist.train.optim.build_optimizer`'s, with the implementation forced). Prints the
+(:func:`moe_dist.train.loop.optim.build_optimizer`'s, with the implementation forced). Prints the
 median milliseconds per step of each round and their ratio.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 from moe_dist.config import load_config
 from moe_dist.model import build_model
-from moe_dist.train.optim import build_optimizer
+from moe_dist.train.loop.optim import build_optimizer
 from .timing import say_if_busy
 
 

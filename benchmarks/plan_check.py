@@ -115,8 +115,8 @@ def baseline_probe(out: str, config: str, overrides: list[str]) -> None:
     import torch.distributed as dist
 
     from moe_dist.config import load_config
-    from moe_dist.train.data_setup import load_data
-    from moe_dist.train.runtime import gather_peak_rss, setup_runtime
+    from moe_dist.train.setup.data import load_data
+    from moe_dist.train.setup.runtime import gather_peak_rss, setup_runtime
 
     cfg = load_config(config, overrides)
     rt = setup_runtime(cfg)

@@ -25,7 +25,7 @@ import torch
 from moe_dist.distributed import ParallelGroups
 from moe_dist.tuning.bf16 import slow_bf16_note
 from moe_dist.moe.routers.token_graph import ENTROPY_SCAN_RANGE
-from moe_dist.train.compile import compile_parts, moe_layer_parts
+from moe_dist.train.loop.compile import compile_parts, moe_layer_parts
 from .cli_args import add_size_arguments, check_routers, sizes_from_args
 from .impls import MoEDistImpl, _clear_grads
 from .report import ROUTER_TARGETS

@@ -6,7 +6,7 @@
 One process, one thread (one rank of the main job: ``--batch`` sequences of ``train.seq_len``,
 all experts local, so no exchange): the model is built twice from the same seed. ``--compare
 compile`` (the default): one copy compiled as the trainer compiles it
-(:func:`moe_dist.train.compile.apply_compile`), both in ``--dtype``. ``--compare dtype``: both
+(:func:`moe_dist.train.loop.compile.apply_compile`), both in ``--dtype``. ``--compare dtype``: both
 eager, one in fp32 and one under bf16 autocast, as the trainer runs ``train.dtype`` (with
 ``train.attention_dtype`` decided as the trainer decides it). After a
 warm-up (the compilation), rounds alternate between the two; each round times one forward +
@@ -32,7 +32,7 @@ from moe_dist.tuning.bf16 import slow_bf16_note
 from moe_dist.model import build_model
 from moe_dist.moe import collect_aux_loss
 from moe_dist.tuning.attention import decide_attention_dtype
-from moe_dist.train.compile import apply_compile
+from moe_dist.train.loop.compile import apply_compile
 from .timing import say_if_busy
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

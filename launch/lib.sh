@@ -1,6 +1,6 @@
 # Shell functions shared by the launch scripts (sourced, not run).
 
-EXIT_PREEMPTED=75  # moe_dist.train.preemption.EXIT_PREEMPTED: checkpoint saved, please requeue
+EXIT_PREEMPTED=75  # moe_dist.train.loop.preemption.EXIT_PREEMPTED: checkpoint saved, please requeue
 
 # moe_dist_python REPO: the interpreter to use: $PYTHON, else REPO/.venv/bin/python, else python3.
 moe_dist_python() {

@@ -22,15 +22,15 @@ import sys
 from typing import Optional, Sequence
 
 COMMANDS: dict[str, str] = {
-    "train": "moe_dist.train.cmd_train",
-    "eval": "moe_dist.train.cmd_eval",
-    "convert": "moe_dist.train.cmd_convert",
-    "upcycle": "moe_dist.upcycle.cmd_upcycle",
-    "import": "moe_dist.hf.cmd_import",
-    "export": "moe_dist.hf.cmd_export",
-    "plan": "moe_dist.plan.cmd_plan",
-    "sweep": "moe_dist.study.cmd_sweep",
-    "prepare": "moe_dist.train.cmd_prepare",
+    "train": "moe_dist.commands.train",
+    "eval": "moe_dist.commands.eval",
+    "convert": "moe_dist.commands.convert",
+    "upcycle": "moe_dist.commands.upcycle",
+    "import": "moe_dist.commands.import_",
+    "export": "moe_dist.commands.export",
+    "plan": "moe_dist.commands.plan",
+    "sweep": "moe_dist.commands.sweep",
+    "prepare": "moe_dist.commands.prepare",
 }
 
 
@@ -95,7 +95,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if code:
             return code
         from .local_launch import launch_local
-        from .train.runtime import THREADS_DEFAULTED
+        from .train.setup.runtime import THREADS_DEFAULTED
 
         defaulted = "OMP_NUM_THREADS" not in os.environ  # then the launcher's value is a default, not the user's
         if defaulted:

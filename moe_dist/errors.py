@@ -1,7 +1,7 @@
 """Errors the user can fix: a bad configuration value, missing or malformed input data, a
 checkpoint or model directory that cannot be used, a wrong command-line argument.
 
-The command line (``moe_dist.train.cmd_common.user_errors``) prints a :class:`UserError` as one
+The command line (``moe_dist.commands.common.user_errors``) prints a :class:`UserError` as one
 line and exits with 2; every other exception is a bug or an environment failure and keeps its
 traceback. Raise these only where the message tells the user what to change. This module
 imports nothing, so every layer can use it.

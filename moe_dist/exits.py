@@ -92,7 +92,7 @@ def stop_requested() -> Optional[str]:
     """The signal name a launcher wrote into its status directory (``$MOE_DIST_STATUS_DIR``, or
     ``$MOE_DIST_REPORT_DIR`` under ``--nproc``) when it was asked to stop the job, or None. A rank
     still starting up ignores the signal the launcher passes on, so it asks here once it can handle
-    one (:class:`moe_dist.train.preemption.PreemptionHandler`)."""
+    one (:class:`moe_dist.train.loop.preemption.PreemptionHandler`)."""
     directory = os.environ.get(REPORT_DIR_ENV) or os.environ.get(STATUS_DIR_ENV)
     if not directory:
         return None

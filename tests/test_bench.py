@@ -206,7 +206,7 @@ def test_fused_and_foreach_adamw_step_alike():
     from benchmarks.optimizer_step import _with_implementation
     from moe_dist.config import load_config
     from moe_dist.model import build_model
-    from moe_dist.train.optim import build_optimizer
+    from moe_dist.train.loop.optim import build_optimizer
 
     cfg = load_config(os.path.join(ROOT, "configs/test.yaml"), [])
     weights = []

@@ -64,7 +64,7 @@ def rows_of(root, router, name):
 
 # ---- 4 ranks: the reference runs and the same-layout resume -------------------------------------------
 def _reference_and_same_layout(rank, world, root):
-    from moe_dist.train.trainer import train
+    from moe_dist.train.loop.trainer import train
 
     for router in ROUTERS:
         async_save = "true" if router in ASYNC else "false"
@@ -102,7 +102,7 @@ def test_exact_resume_same_layout(saved4):
 
 # ---- resharding -----------------------------------------------------------------------------------------
 def _resume_at(rank, world, root, name, extra):
-    from moe_dist.train.trainer import train
+    from moe_dist.train.loop.trainer import train
 
     for router in ROUTERS:
         train(config(root, router, name, f"resume={step_dir(f'{root}/{router}/ref', AT)}", *extra))
@@ -161,7 +161,7 @@ def crash_config(root, name, *extra):
 
 def _uninterrupted_then_killed_while_saving(rank, world, root):
     from moe_dist.train.checkpoint import checkpointer
-    from moe_dist.train.trainer import train
+    from moe_dist.train.loop.trainer import train
 
     train(crash_config(root, "uninterrupted"))
     if rank == 1:  # dies while hashing the files it wrote for step 4, before the checkpoint is complete

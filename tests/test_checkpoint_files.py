@@ -20,7 +20,7 @@ from moe_dist.train.checkpoint import (CheckpointError, Checkpointer, Incomplete
                                        load_checkpoint, step_dir)
 from moe_dist.train.checkpoint import checkpointer as ck_save
 from moe_dist.train.checkpoint.files import SafeFileSystemReader, read_manifest, sha256_file
-from moe_dist.train.optim import build_optimizer
+from moe_dist.train.loop.optim import build_optimizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 512
@@ -281,7 +281,7 @@ def test_metadata_unpickler_enum_members_as_python_3_11_2_pickles_them(tmp_path)
 
 
 def test_trainer_resume_settings_and_refusals(tmp_path):
-    from moe_dist.train.trainer import Trainer, train
+    from moe_dist.train.loop.trainer import Trainer, train
 
     run = str(tmp_path / "run")
     first = train(config(tmp_path, "train.steps=4", "ckpt.every=2"))
@@ -337,7 +337,7 @@ def test_trainer_resume_settings_and_refusals(tmp_path):
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
     """A run of configs/test.yaml on one process, trained in process, with its checkpoint of step 2."""
-    from moe_dist.train.trainer import train
+    from moe_dist.train.loop.trainer import train
 
     tmp = tmp_path_factory.mktemp("schema")
     train(config(tmp, "train.steps=2"))

@@ -28,7 +28,7 @@ from moe_dist.config import load_config
 from moe_dist.model import build_model
 from moe_dist.train.checkpoint import CheckpointError, Checkpointer, load_checkpoint
 from moe_dist.train.checkpoint.files import MARKER, META, UnsafeCheckpoint
-from moe_dist.train.optim import build_optimizer
+from moe_dist.train.loop.optim import build_optimizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "test.yaml")

@@ -75,7 +75,7 @@ def test_eval_of_the_checkpoint_on_another_layout(run_dir):
 
 
 def test_evaluation_ep():
-    from moe_dist.train.cmd_eval import evaluation_ep
+    from moe_dist.train.evaluation.saved import evaluation_ep
 
     # the training's size where it fits, else the layout rule of a continued training run (auto)
     assert [evaluation_ep(2, w) for w in (1, 2, 3, 4, 6)] == ["auto", 2, "auto", 2, 2]

@@ -9,8 +9,8 @@ import pytest
 
 from moe_dist import cli
 from moe_dist.errors import CheckpointError, ConfigError, MissingInputError, UserError
-from moe_dist.train.cmd_common import user_errors
-from moe_dist.train.runtime import THREADS_DEFAULTED, thread_choice
+from moe_dist.commands.common import user_errors
+from moe_dist.train.setup.runtime import THREADS_DEFAULTED, thread_choice
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "test.yaml")
@@ -56,7 +56,7 @@ def test_user_error_is_one_line_and_exit_2(capsys):
 def test_internal_value_error_keeps_its_traceback(monkeypatch, tmp_path, capsys):
     """A ValueError that is not a UserError is a bug: the command ends with exit code 1 and its
     traceback, not with the one-line message and exit code 2 of a user error."""
-    import moe_dist.train.trainer as trainer
+    import moe_dist.train.loop.trainer as trainer
 
     def broken(cfg, rt=None):
         raise ValueError("an internal invariant broke")
@@ -67,7 +67,7 @@ def test_internal_value_error_keeps_its_traceback(monkeypatch, tmp_path, capsys)
     assert "Traceback (most recent call last)" in err and "in broken" in err
     assert err.rstrip().endswith("ValueError: an internal invariant broke") and "error: an internal" not in err
     # and through the real entry point: a traceback, not the one-line form
-    code = ("import sys, moe_dist.train.trainer as t\n"
+    code = ("import sys, moe_dist.train.loop.trainer as t\n"
             "def broken(cfg, rt=None):\n    raise ValueError('an internal invariant broke')\n"
             "t.train = broken\nfrom moe_dist.cli import main\n"
             f"sys.exit(main(['train', '--config', {CONFIG!r}, 'run.dir={tmp_path}']))")

@@ -48,7 +48,7 @@ def rows(run_dir) -> list[dict]:
 def _one_rank_compiled(rank, world, tmp, steps):
     """Compiled training steps of the same config on one process (ep=1): losses and gradient norms."""
     from moe_dist.config import load_config
-    from moe_dist.train.trainer import Trainer
+    from moe_dist.train.loop.trainer import Trainer
 
     cfg = load_config(os.path.join(ROOT, "configs/test.yaml"), [
         *common(tmp, "one-rank"), "parallel.ep=1", "train.compile=true", "ckpt.save_final=false",
@@ -134,7 +134,7 @@ def _cases_eager_and_compiled(rank, world, tmp, names):
     import traceback
 
     from moe_dist.config import load_config
-    from moe_dist.train.trainer import train
+    from moe_dist.train.loop.trainer import train
 
     out = {}
     for name in names:
@@ -175,7 +175,7 @@ def test_what_is_compiled_and_the_eager_routers_named(router):
     """The compiled parts of an MoE block; the token-graph routers stay eager, named with the reason."""
     from moe_dist.config import load_config
     from moe_dist.model import build_model
-    from moe_dist.train.compile import compiled_parts, describe_compile, eager_router_reason
+    from moe_dist.train.loop.compile import compiled_parts, describe_compile, eager_router_reason
 
     cfg = load_config(os.path.join(ROOT, "configs/test.yaml"), [f"model.moe.router={router}", "model.moe.shared_d_ff=32"])
     model = build_model(cfg.model, 512, device="meta")

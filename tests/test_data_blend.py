@@ -154,13 +154,13 @@ def losses(root, name):
 
 
 def _ranks(rank, world, root):
-    from moe_dist.train.trainer import train
+    from moe_dist.train.loop.trainer import train
 
     train(config(root, f"w{world}", f"parallel.ep={world}"))
 
 
 def _in_this_process(root, name, *extra):
-    from moe_dist.train.trainer import train
+    from moe_dist.train.loop.trainer import train
 
     states = random.getstate(), np.random.get_state()
     with torch.random.fork_rng(devices=[]):
@@ -205,7 +205,7 @@ def test_megatron_builder_dataset_trains(tmp_path, blend):
         builder.add_item(torch.tensor(tok.encode(d.text) + [tok.eos_id]))
         builder.end_document()
     builder.finalize(prefix + ".idx")
-    from moe_dist.train.trainer import train
+    from moe_dist.train.loop.trainer import train
 
     states = random.getstate(), np.random.get_state()
     with torch.random.fork_rng(devices=[]):

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from moe_dist.data.corpus import not_text, read_documents
-from moe_dist.train.data_setup import small_corpus_note
+from moe_dist.train.setup.data import small_corpus_note
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(ROOT, "tests", "data", "python-docs")

@@ -40,7 +40,7 @@ def _curve(run_dir: str) -> list[tuple[int, float, float]]:
 def _engines(rank: int, world: int, tmp: str) -> dict:
     import torch.distributed as dist
 
-    from moe_dist.train.trainer import train
+    from moe_dist.train.loop.trainer import train
 
     ds_json = os.path.join(tmp, "ds_config.json")
     if rank == 0:

@@ -49,7 +49,7 @@ def _train_on_meta_default(rank, world, tmp, names=tuple(CASES)):
     import traceback
 
     from moe_dist.config import load_config
-    from moe_dist.train.trainer import train
+    from moe_dist.train.loop.trainer import train
 
     def cfg(name, *more):
         return load_config(os.path.join(ROOT, "configs", "test.yaml"), [

@@ -203,8 +203,8 @@ def _train_graph_routers(rank, world, root):
     import os
 
     from moe_dist.config import load_config
-    from moe_dist.train.metrics import read_metrics
-    from moe_dist.train.trainer import Trainer
+    from moe_dist.train.observe.metrics import read_metrics
+    from moe_dist.train.loop.trainer import Trainer
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = {}
@@ -268,7 +268,7 @@ def _graph_case(B, S, seed, D=16, H=2, dh=4):
 
 def _extras_run(rank, world, ep):
     """Two micro-batches of whole sequences (uneven per rank); the step's MoE summary."""
-    from moe_dist.train.metrics import MoEStepStats
+    from moe_dist.train.observe.moe_stats import MoEStepStats
 
     torch.manual_seed(0)
     groups = build_parallel_groups(ep, 8)

@@ -192,7 +192,7 @@ def _complete(run, step):
 def test_checkpoints_a_reader_holds_are_set_aside_at_the_next_start(tmp_path):
     """While `moe-dist eval` holds read.lock, a divergence moves nothing; the next start does."""
     from moe_dist.train.checkpoint.divergence import read_record, record_divergence, set_aside_pending
-    from moe_dist.train.run_lock import RunDirReadLock
+    from moe_dist.train.setup.run_lock import RunDirReadLock
 
     run = tmp_path / "run"
     for step in (2, 4, 6, 8):
@@ -248,7 +248,7 @@ def _health(**train):
     import itertools
 
     from moe_dist.config import load_config
-    from moe_dist.train.health import RunHealth
+    from moe_dist.train.loop.health import RunHealth
 
     cfg = load_config(os.path.join(ROOT, "configs", "test.yaml"), ["model.vocab_size=512", *(f"train.{k}={v}" for k, v in train.items())])
     health, steps = RunHealth(cfg, run_dir="", is_main=False, log=lambda msg: None), itertools.count(1)

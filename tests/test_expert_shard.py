@@ -92,7 +92,7 @@ def test_within_is_refused_before_launch_where_no_dimension_divides(tmp_path, ca
 def _fill(rank, world, root, extra, weights):
     from moe_dist.distributed.bootstrap import init_distributed
     from moe_dist.parallel import expert_parameters
-    from moe_dist.train.model_setup import build_meta_model, weights_filler
+    from moe_dist.train.setup.model import build_meta_model, weights_filler
     from moe_dist.parallel.parallelize import parallelize
 
     cfg = config(root, "fill", *extra)
@@ -129,7 +129,7 @@ def test_each_replica_fills_its_block_of_every_expert(tmp_path, name, source):
 # ---- training: the same losses; resume and reshard between the splits and rank counts ----------------------
 def _runs(rank, world, root, runs):
     """``runs``: ``(name, overrides)``; a resumed run names its source with ``resume=``."""
-    from moe_dist.train.trainer import train
+    from moe_dist.train.loop.trainer import train
 
     for name, extra in runs:
         train(config(root, name, *extra))
@@ -282,7 +282,7 @@ def _on_meta_default(rank, world, root):
     """Train 2 steps, save, resume for a third with the experts split inside and the default
     device on ``meta``: a tensor made without a device (the GPU-readiness check of
     tests/test_default_device_meta.py) fails at its first use beside real ones."""
-    from moe_dist.train.trainer import train
+    from moe_dist.train.loop.trainer import train
 
     losses_of = []
     for steps, extra in ((2, []), (3, ["resume=auto"])):

@@ -73,7 +73,7 @@ def test_attention_router_reports_its_heads_and_topk_has_nothing_to_probe():
 
 @pytest.mark.slow
 def test_probe_command_on_a_trained_run(tmp_path):
-    """`python -m moe_dist.study.graph_probe --run-dir DIR`: a real run's checkpoint, the table and
+    """`python -m moe_dist.commands.graph_probe --run-dir DIR`: a real run's checkpoint, the table and
     its JSON; a directory that is not a run is one line with exit code 2."""
     import json
     import subprocess
@@ -86,10 +86,10 @@ def test_probe_command_on_a_trained_run(tmp_path):
     r = cli("moe_dist.cli", "train", "--config", "configs/test.yaml", 'model.moe.router="attention"',
             f"run.dir={run_dir}", "train.steps=2", "parallel.ep=1")
     assert r.returncode == 0, r.stderr[-2000:]
-    r = cli("moe_dist.study.graph_probe", "--run-dir", run_dir, "--sequences", "16", "--json", str(tmp_path / "p.json"))
+    r = cli("moe_dist.commands.graph_probe", "--run-dir", run_dir, "--sequences", "16", "--json", str(tmp_path / "p.json"))
     assert r.returncode == 0, r.stderr[-2000:]
     assert "router attention, checkpoint step 2, 16 sequences of 64 tokens" in r.stdout
     layers = json.load(open(tmp_path / "p.json"))["layers"]
     assert len(layers) == 2 and all(sum(layer["heads"]) == 16 for layer in layers)
-    bad = cli("moe_dist.study.graph_probe", "--run-dir", str(tmp_path))
+    bad = cli("moe_dist.commands.graph_probe", "--run-dir", str(tmp_path))
     assert bad.returncode == 2 and bad.stderr.strip().endswith("(is it a moe-dist run directory?)"), bad.stderr

@@ -164,7 +164,7 @@ def test_ac_routes_with_the_limit_on_its_clustered_layers():
 def test_step_metrics_report_groups_per_token():
     from moe_dist.model import build_model
     from moe_dist.moe.layer import moe_layers
-    from moe_dist.train.metrics import MoEStepStats
+    from moe_dist.train.observe.moe_stats import MoEStepStats
 
     model = build_model(model_config("topk", f"model.moe.router_groups={G}", f"model.moe.max_groups_per_token={M}").model, 512)
     acc = MoEStepStats(model)
@@ -299,8 +299,8 @@ def test_warning_when_groups_do_not_sit_on_nodes(groups, node_of, warns):
 
 # ---- a training run ----------------------------------------------------------------------------
 def test_training_logs_the_spans_and_keeps_the_setting(tmp_path):
-    from moe_dist.train.cmd_common import run_config_path
-    from moe_dist.train.trainer import train
+    from moe_dist.commands.common import run_config_path
+    from moe_dist.train.loop.trainer import train
 
     cfg = load_config(os.path.join(ROOT, "configs", "test.yaml"), [
         f"run.dir={tmp_path}/run", f"data.cache_dir={tmp_path}/cache", f"data.corpus={ROOT}/tests/data/python-docs",

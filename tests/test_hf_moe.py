@@ -77,8 +77,8 @@ def test_import_gives_transformers_logits(family, tmp_path):
 
 
 def _train_and_eval(rank, world, root):
-    from moe_dist.train.eval_run import evaluate_run
-    from moe_dist.train.trainer import train
+    from moe_dist.train.evaluation.saved import evaluate_run
+    from moe_dist.train.loop.trainer import train
 
     common = ["run.plots=false", "run.tensorboard=false", "run.progress=false", "train.global_batch=4",
               "train.seq_len=32", "train.lr=0.003", "train.warmup_steps=1", f"data.corpus={CORPUS}",
@@ -97,7 +97,7 @@ def _train_and_eval(rank, world, root):
 
 @pytest.mark.timeout(600)
 def test_import_train_at_ep2_and_export_back(tmp_path):
-    from moe_dist.train.eval_run import evaluate_run
+    from moe_dist.train.evaluation.saved import evaluate_run
 
     root = str(tmp_path)
     texts = [open(os.path.join(CORPUS, "tutorial", "introduction.rst.txt"), encoding="utf-8").read()]

@@ -179,7 +179,7 @@ def test_layer_budget_two_ranks_expert_parallel():
 # ---- a training step through the trainer ----------------------------------------------------------
 def _trainer(tmp, *extra):
     from moe_dist.config import load_config
-    from moe_dist.train.trainer import Trainer
+    from moe_dist.train.loop.trainer import Trainer
 
     cfg = load_config(os.path.join(ROOT, "configs/test.yaml"), [
         f"run.dir={tmp}/run", f"data.cache_dir={tmp}/cache", f"data.corpus={ROOT}/tests/data/python-docs",
@@ -258,7 +258,7 @@ def test_train_step_reads_no_statistics_per_micro_batch(tmp_path):
     dispatch_reads = [e for e in in_step if "moe/rows.py" in e[1] and "flat.tolist()" in e[1]]
     assert len(dispatch_reads) == micro * layers, log.describe()
     others = [e for e in in_step if e not in dispatch_reads]
-    assert len(others) == 1 and "train/step.py" in others[0][1] and "sums.tolist()" in others[0][1], log.describe(others)
+    assert len(others) == 1 and "train/loop/step.py" in others[0][1] and "sums.tolist()" in others[0][1], log.describe(others)
     update = [e for e in log.tagged("update") if "optimizer.step()" not in e[1]]
     assert len(update) == 1 and "grad_norm" in update[0][1], log.describe(update)
     assert len(summary_log) == 1, summary_log.describe()

@@ -17,7 +17,7 @@ import moe_dist
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(moe_dist.__file__))
 ROOT = os.path.dirname(PACKAGE_DIR)
-TRAINER = "moe_dist.train.trainer"
+TRAINER = "moe_dist.train.loop.trainer"
 LAYERS_BELOW_TRAINER = ("moe_dist.train.engines", "moe_dist.train.checkpoint")
 
 
@@ -85,6 +85,7 @@ def test_engines_and_checkpoints_do_not_import_the_trainer():
 # or from packages on a lower line (tests/test_imports.py is where this order is written down)
 LAYERS = (
     ("moe_dist.cli",),
+    ("moe_dist.commands",),  # one module per subcommand: parses, then calls into the library below
     ("moe_dist.local_launch", "moe_dist.torchrun_launch"),
     ("moe_dist.upcycle", "moe_dist.study"),
     ("moe_dist.plan",),

@@ -109,7 +109,7 @@ def test_real_timings_agree_over_four_ranks():
 def _trainer_kernels(rank, world, tmp):
     from moe_dist.config import load_config
     from moe_dist.distributed.bootstrap import init_distributed
-    from moe_dist.train.trainer import Trainer
+    from moe_dist.train.loop.trainer import Trainer
 
     cfg = load_config(os.path.join(ROOT, "configs/test.yaml"), [
         f"run.dir={tmp}/run", f"data.cache_dir={tmp}/cache", f"data.corpus={ROOT}/tests/data/python-docs",

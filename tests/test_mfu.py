@@ -1,4 +1,4 @@
-"""Model FLOPs utilisation (moe_dist/train/mfu.py): the training FLOPs per token of the main job's
+"""Model FLOPs utilisation (moe_dist/train/observe/mfu.py): the training FLOPs per token of the main job's
 model counted by hand from its built weights, and a CPU peak measured for the training dtype."""
 import os
 
@@ -8,7 +8,7 @@ import torch
 from moe_dist.config import load_config
 from moe_dist.model import build_model
 from moe_dist.model.params import train_flops_per_token
-from moe_dist.train.mfu import Utilisation
+from moe_dist.train.observe.mfu import Utilisation
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

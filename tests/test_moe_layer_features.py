@@ -265,7 +265,7 @@ def _train_config(tmp, name, *extra):
 
 
 def _curve(cfg, save: bool = False) -> dict:
-    from moe_dist.train.trainer import Trainer
+    from moe_dist.train.loop.trainer import Trainer
 
     trainer = Trainer(cfg)
     try:

@@ -209,7 +209,7 @@ def _complete_checkpoints(run):
 
 
 def test_eval_reads_a_training_run_that_neither_starts_nor_prunes_under_it(tmp_path):
-    from moe_dist.train.run_lock import RunDirReadLock
+    from moe_dist.train.setup.run_lock import RunDirReadLock
 
     run = tmp_path / "run"
     run.mkdir()
@@ -344,7 +344,7 @@ def test_launch_scripts_keep_the_exit_code_of_a_user_error_and_the_lock(tmp_path
     assert res.returncode == 2, res.stdout + res.stderr  # torchrun alone says 1, MPICH ORs the ranks' codes
     assert f"moe-dist train: error: data.corpus='{tmp_path / 'none'}' does not exist" in res.stderr
     # the run-directory lock holds under the scripts too: a live run in run.dir refuses this one
-    from moe_dist.train.run_lock import RunDirLock
+    from moe_dist.train.setup.run_lock import RunDirLock
 
     holder = RunDirLock(str(tmp_path / "b"))
     assert holder.acquire() is None

@@ -336,7 +336,7 @@ def _ac_run(tmp: str, name: str, *extra) -> dict:
 
     from moe_dist.config import load_config
     from moe_dist.distributed.shards import local_rows
-    from moe_dist.train.trainer import Trainer
+    from moe_dist.train.loop.trainer import Trainer
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = load_config(os.path.join(root, "configs/test.yaml"), [

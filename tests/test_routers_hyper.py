@@ -126,7 +126,7 @@ def test_frozen_parts_outside_the_optimizer():
     assert "router.embedding" in names and not any("hyper_w" in n for n in names)
     from types import SimpleNamespace
 
-    from moe_dist.train.optim import build_optimizer  # the trainer's rule: requires_grad parameters only
+    from moe_dist.train.loop.optim import build_optimizer  # the trainer's rule: requires_grad parameters only
 
     opt = build_optimizer(layer, SimpleNamespace(lr=0.1, weight_decay=0.1, beta1=0.9, beta2=0.95))
     in_opt = {id(p) for group in opt.param_groups for p in group["params"]}

@@ -24,8 +24,8 @@ ROUTER_METRIC = {"ssr": "sinkhorn_calls_total", "sinkhorn": "sinkhorn_iters", "h
 
 def _train_all(rank, world, root):
     from moe_dist.config import load_config
-    from moe_dist.train.metrics import read_metrics
-    from moe_dist.train.trainer import train
+    from moe_dist.train.observe.metrics import read_metrics
+    from moe_dist.train.loop.trainer import train
 
     out = {}
     for name, overrides in RUNS.items():

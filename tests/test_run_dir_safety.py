@@ -69,7 +69,7 @@ def one_line(proc, command):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """configs/test.yaml trained in process on one rank for 4 steps, checkpoints at steps 2 and 4."""
-    from moe_dist.train.trainer import train
+    from moe_dist.train.loop.trainer import train
 
     tmp = tmp_path_factory.mktemp("trained")
     train(config(tmp, "train.steps=4", "ckpt.every=2", "ckpt.keep=0", "eval.every=0"))
@@ -288,7 +288,7 @@ def test_dcp_metadata_of_allowed_classes_but_another_form_is_refused(trained, tm
 
 # ---- a crash cut a file of the run directory ------------------------------------------------------------------
 def test_resume_auto_sets_aside_a_cut_metrics_row_and_divergence_record_and_goes_on(trained, tmp_path, capsys):
-    from moe_dist.train.trainer import train
+    from moe_dist.train.loop.trainer import train
 
     run = copy_run(trained, tmp_path)
     with open(run / "metrics.jsonl", "a") as f:

@@ -1,4 +1,4 @@
-"""The run-directory locks (moe_dist/train/run_lock.py) on real flock files: one run per directory,
+"""The run-directory locks (moe_dist/train/setup/run_lock.py) on real flock files: one run per directory,
 readers (`moe-dist eval`) beside a run that trains, and no run starting or pruning under a reader.
 End to end with real processes: tests/test_reliability.py."""
 import os
@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from moe_dist.train.run_lock import RunDirLock, RunDirReadLock, readers_excluded
+from moe_dist.train.setup.run_lock import RunDirLock, RunDirReadLock, readers_excluded
 
 
 def test_a_starting_run_keeps_readers_out_until_it_admits_them(tmp_path):

@@ -31,7 +31,7 @@ def _build_and_fill(rank, world, tmp, ep, weights):
     from moe_dist.distributed.bootstrap import init_distributed
     from moe_dist.model.init import materialize
     from moe_dist.parallel import expert_parameters
-    from moe_dist.train.model_setup import build_meta_model, weights_filler
+    from moe_dist.train.setup.model import build_meta_model, weights_filler
     from moe_dist.parallel.parallelize import parallelize
 
     cfg = cfg_for(tmp, f"parallel.ep={ep}")
@@ -81,7 +81,7 @@ def test_each_rank_fills_only_its_part_and_the_parts_make_the_whole_model(tmp_pa
 
 def _optimizer_state(rank, world, tmp, ep):
     from moe_dist.parallel import expert_parameters
-    from moe_dist.train.trainer import Trainer
+    from moe_dist.train.loop.trainer import Trainer
 
     trainer = Trainer(cfg_for(tmp, f"parallel.ep={ep}", "train.steps=1", f"run.dir={tmp}/run-{world}"))
     try:
@@ -106,7 +106,7 @@ def test_four_ranks_at_ep2_hold_half_the_expert_optimizer_state_of_two(tmp_path)
 def _gathered_bytes(rank, world, tmp, dtype):
     import torch.distributed as dist
 
-    from moe_dist.train.trainer import Trainer
+    from moe_dist.train.loop.trainer import Trainer
 
     trainer = Trainer(cfg_for(tmp, "parallel.ep=2", f"train.dtype={dtype}", "train.bf16_on_slow_cpu=bf16", "train.steps=2",
                               f"run.dir={tmp}/run-{world}-{dtype}"))
@@ -146,7 +146,7 @@ def test_bf16_gathers_half_the_bytes_keeps_fp32_masters_and_the_layout_invarianc
     print(f"all-gathered per step: fp32 {fp32['bytes']} B, bf16 {bf16['bytes']} B ({ratio:.3f}x; routers stay fp32)")
     assert 0.45 <= ratio <= 0.55, ratio
     assert bf16["masters"] == ["torch.float32"]  # master weights (and so the optimizer state) stay fp32
-    from moe_dist.train.trainer import Trainer  # one process, autocast over fp32 weights
+    from moe_dist.train.loop.trainer import Trainer  # one process, autocast over fp32 weights
 
     one = Trainer(cfg_for(tmp_path, "parallel.ep=1", "train.dtype=bf16", "train.bf16_on_slow_cpu=bf16", "train.steps=2",
                           f"run.dir={tmp_path}/one"))

@@ -161,7 +161,7 @@ def _on_named_nodes(rank, world, root, shm):
     import torch.distributed as dist
 
     from moe_dist.train.checkpoint.resume import TrainingCheckpoints
-    from moe_dist.train.trainer import train
+    from moe_dist.train.loop.trainer import train
 
     train(config(root, "uninterrupted", "parallel.ep=4", f"train.steps={STEPS}"))
     take = TrainingCheckpoints.snapshot
@@ -183,7 +183,7 @@ def _on_named_nodes(rank, world, root, shm):
 def _survivors(rank, world, root, shm, nodes):
     os.environ[ROOT_ENV] = shm
     socket.gethostname = lambda: nodes[rank]
-    from moe_dist.train.trainer import train
+    from moe_dist.train.loop.trainer import train
 
     out = io.StringIO()
     t0 = time.monotonic()

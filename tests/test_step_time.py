@@ -1,4 +1,4 @@
-"""The step-time breakdown (moe_dist/train/step_time.py): profiler ranges counted once by part,
+"""The step-time breakdown (moe_dist/train/observe/step_time.py): profiler ranges counted once by part,
 and a real 2-rank step (expert-parallel 2, FSDP2) split into parts that add up to the step."""
 import os
 
@@ -7,7 +7,7 @@ import pytest
 from helpers.dist_harness import run_ranks
 import json
 
-from moe_dist.train.step_time import SPLIT, StepClock, category, self_times, split_intervals
+from moe_dist.train.observe.step_time import SPLIT, StepClock, category, self_times, split_intervals
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -89,7 +89,7 @@ def test_a_profiled_step_lists_its_ops_and_writes_its_trace(tmp_path):
 
 def _split(rank, world, tmp):
     from moe_dist.config import load_config
-    from moe_dist.train.trainer import Trainer
+    from moe_dist.train.loop.trainer import Trainer
 
     cfg = load_config(os.path.join(ROOT, "configs/test.yaml"), [
         f"run.dir={tmp}/r", f"data.cache_dir={tmp}/cache", f"data.corpus={ROOT}/tests/data/python-docs",

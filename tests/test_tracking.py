@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from moe_dist.config import ConfigError, config_to_dict, load_config
-from moe_dist.train.metrics import read_metrics
+from moe_dist.train.observe.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 wandb = pytest.importorskip("wandb", reason="the wandb extra is not installed (EXTRAS=dev,wandb bash scripts/setup.sh)")
@@ -201,7 +201,7 @@ def test_tensorboard_shows_every_step_once_after_a_resume(two_runs):
 def test_a_new_timeline_starts_a_new_run_and_a_resume_continues_it(offline, monkeypatch):
     """resume=none: a new W&B run (new id in run.dir/wandb_run.json); otherwise the kept id and last
     step. log.wandb_mode, when set, wins over WANDB_MODE (here: disabled, which would write nothing)."""
-    from moe_dist.train.tracking import WandbTracker, read_state, write_state
+    from moe_dist.train.observe.tracking import WandbTracker, read_state, write_state
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
     wandb.teardown()  # read the environment again
@@ -227,8 +227,8 @@ def test_a_new_timeline_starts_a_new_run_and_a_resume_continues_it(offline, monk
 def test_a_preempted_run_ends_preempting_with_exit_code_75(offline):
     """A run stopped by SIGTERM/SIGUSR1 after its checkpoint: the W&B run is marked preempting and
     ends with the process's exit code; the last step sent is kept for the requeued run."""
-    from moe_dist.train.preemption import Preempted
-    from moe_dist.train.tracking import WandbTracker, read_state
+    from moe_dist.train.loop.preemption import Preempted
+    from moe_dist.train.observe.tracking import WandbTracker, read_state
 
     run_dir = offline / "run"
     os.makedirs(run_dir)
@@ -262,7 +262,7 @@ def test_refused_before_launch_without_the_package(tmp_path):
 def test_every_rank_refuses_without_the_package(tmp_path, monkeypatch):
     """Without the launcher's preflight (torchrun, srun, one process) the trainer refuses before it
     touches run.dir."""
-    from moe_dist.train.trainer import train
+    from moe_dist.train.loop.trainer import train
 
     monkeypatch.setitem(sys.modules, "wandb", None)
     cfg = load_config("configs/test.yaml", [f"run.dir={tmp_path / 'run'}", "log.wandb=true", "parallel.ep=1"])
@@ -272,7 +272,7 @@ def test_every_rank_refuses_without_the_package(tmp_path, monkeypatch):
 
 
 def test_a_profiled_steps_time_split_goes_to_wandb_under_tensorboards_names():
-    from moe_dist.train.tracking import wandb_row
+    from moe_dist.train.observe.tracking import wandb_row
 
     row = {"step": 20, "loss": 3.0, "mfu": 0.12, "time": {"compute_s": 1.5, "a2a_s": 0.25}, "moe": {}}
     assert wandb_row(row) == {"train/loss": 3.0, "train/mfu": 0.12, "time/compute_s": 1.5, "time/a2a_s": 0.25}

@@ -126,7 +126,7 @@ def test_layer_counts_equal_the_hand_count(layer_calls, name):
 
 
 def _train(rank, world, tmp):
-    from moe_dist.train.trainer import train
+    from moe_dist.train.loop.trainer import train
 
     cfg = load_config(os.path.join(ROOT, "configs/test.yaml"), [
         f"run.dir={tmp}/run", f"data.cache_dir={tmp}/cache", f"data.corpus={ROOT}/tests/data/python-docs",

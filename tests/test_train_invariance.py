@@ -9,8 +9,8 @@ import torch
 from helpers import probe_router  # noqa: F401  (registers the _test_probe router, also in spawned ranks)
 from helpers.dist_harness import run_ranks
 from moe_dist.config import load_config
-from moe_dist.train.eval_run import evaluate_run
-from moe_dist.train.trainer import Trainer, train
+from moe_dist.train.evaluation.saved import evaluate_run
+from moe_dist.train.loop.trainer import Trainer, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 4

@@ -17,9 +17,9 @@ from moe_dist.data import load_prepared, prepare_data
 from moe_dist.distributed.bootstrap import init_distributed
 from moe_dist.model import build_model
 from moe_dist.train.checkpoint import expert_keyed_state_dict, latest_checkpoint, load_checkpoint, save_checkpoint
-from moe_dist.train.optim import build_optimizer, lr_at
+from moe_dist.train.loop.optim import build_optimizer, lr_at
 from moe_dist.parallel.parallelize import parallelize
-from moe_dist.train.trainer import train
+from moe_dist.train.loop.trainer import train
 from moe_dist.moe import moe_layers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -92,7 +92,7 @@ def test_where_the_time_goes_every_time_every_steps(run):
     row from the first profiled step on carries the MFU; summary.json and TensorBoard have them."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from moe_dist.train.step_time import SPLIT
+    from moe_dist.train.observe.step_time import SPLIT
 
     cfg, summary, _ = run
     assert cfg.run.time_every == 20
@@ -173,7 +173,7 @@ def test_bf16_on_a_cpu_without_bf16_matmuls_runs_as_fp32(monkeypatch, tmp_path, 
     fp32 with one line naming the ratio, the model-sized shape and the key that keeps bf16; a fast
     probe and GPUs keep bf16; the runtime probes at the model's size."""
     from moe_dist.tuning import bf16
-    from moe_dist.train.runtime import setup_runtime
+    from moe_dist.train.setup.runtime import setup_runtime
 
     cpu = torch.device("cpu")
     shapes = []

@@ -30,7 +30,7 @@ ROUTERS = {
 
 def _train_each(rank, world, root):
     from moe_dist.config import load_config
-    from moe_dist.train.trainer import train
+    from moe_dist.train.loop.trainer import train
 
     out = {}
     for router in [*ROUTERS, "qwen2"]:

@@ -30,5 +30,5 @@ module per section (:mod:`.device`, :mod:`.device_tests`, :mod:`.train`, :mod:`.
 budget), :mod:`.report` (gpu_check.json and gpu_check.md), :mod:`.__main__` (the command line).
 The machine's helpers come from the package: :func:`moe_dist.hardware.synchronize`,
 :func:`~moe_dist.hardware.matmul_peak`, :func:`~moe_dist.hardware.datasheet_tflops` and the
-trainer's MFU arithmetic, :class:`moe_dist.train.mfu.Utilisation`.
+trainer's MFU arithmetic, :class:`moe_dist.train.observe.mfu.Utilisation`.
 """

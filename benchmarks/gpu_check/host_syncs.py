@@ -77,7 +77,7 @@ def section_host_syncs(ctx: Context) -> dict:
     import torch
 
     from moe_dist.config import load_config
-    from moe_dist.train.trainer import Trainer
+    from moe_dist.train.loop.trainer import Trainer
 
     check_device(ctx.device)
     sz = ctx.sizes

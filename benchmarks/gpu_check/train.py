@@ -1,5 +1,5 @@
 """Section ``train``: ``moe-dist train`` of the main job and of the TinyLlama slice, one process each:
-tokens/s, model FLOPs utilisation (:class:`moe_dist.train.mfu.Utilisation`'s FLOPs per token and
+tokens/s, model FLOPs utilisation (:class:`moe_dist.train.observe.mfu.Utilisation`'s FLOPs per token and
 model FLOP/s, against three peaks), peak memory."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from .settings import BIG_CONFIG, BIG_NAME, BIG_RUN_S, MAIN_CONFIG, common_overr
 def read_run(run_dir: str, skip_steps: int) -> dict:
     """tokens/s of the steps after the first ``skip_steps`` (median per step, and over all of them
     together), and what summary.json says of memory and loss."""
-    from moe_dist.train.metrics import read_metrics
+    from moe_dist.train.observe.metrics import read_metrics
 
     rows = [r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "tokens_per_s" in r and "step" in r]
     if not rows:
@@ -41,12 +41,12 @@ def read_run(run_dir: str, skip_steps: int) -> dict:
 
 
 def utilisation(config_yaml: str, device: str):
-    """The trainer's MFU arithmetic (:class:`moe_dist.train.mfu.Utilisation`, one process) for a run's
+    """The trainer's MFU arithmetic (:class:`moe_dist.train.observe.mfu.Utilisation`, one process) for a run's
     config, its vocabulary resolved as the planner resolves it."""
     import torch
 
     from moe_dist.plan.plan_input import load_plan_input
-    from moe_dist.train.mfu import Utilisation
+    from moe_dist.train.observe.mfu import Utilisation
 
     inp = load_plan_input(config_yaml)
     return Utilisation(inp.model, inp.model.vocab_size, inp.seq_len, torch.device(device), train_dtype(device), 1)

@@ -4,7 +4,7 @@ breakdown.
 A blocking collective's wait is not an operator of its own: a profiler sees the call that
 enqueues it (``c10d::...``) and, on the backend's thread, the transfer, but not the time the
 calling thread spends waiting, which is what the step loses. ``timed_range(kind)`` names that
-wait ``moe_dist::<kind>`` while a profiler records (:mod:`moe_dist.train.step_time` reads the
+wait ``moe_dist::<kind>`` while a profiler records (:mod:`moe_dist.train.observe.step_time` reads the
 ranges) and costs one flag check otherwise.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ One process plays rank ``r`` of a world of ``nodes x gpus_per_node`` ranks on to
 group (collectives return at once with the right shapes) and fake tensors (shapes, dtypes and
 autograd without storage or compute), and runs the project's own code path: the config checks,
 the meta build, expert parallelism, the FSDP2 units, the optimizer, ``steps`` full training steps
-(:class:`~moe_dist.train.step.TrainStep`: forward, backward, clipping, optimizer step, expert-bias
+(:class:`~moe_dist.train.loop.step.TrainStep`: forward, backward, clipping, optimizer step, expert-bias
 update) under torch's FSDP2 memory tracker, then the checkpoint's save plan (the shards this rank
 would write) without writing.
 
@@ -212,7 +212,7 @@ def _runtime(cfg):
     """The trainer's runtime for ``cfg`` (the world-size rules, the groups, the meshes) without the
     bf16 speed probe of the trainer's runtime: that times this CPU's matmuls to choose a CPU job's
     dtype, and a dry run plays a rank of a GPU job, whose dtype is the config's."""
-    from ..train.runtime import setup_runtime
+    from ..train.setup.runtime import setup_runtime
 
     return setup_runtime(cfg, choose_dtype=False)
 
@@ -369,9 +369,9 @@ def dry_run(config: str, overrides: Iterable[str] = (), *, nodes: int = 1, gpus_
     ``routed_calls`` lists this rank's pairs per expert of each layer forward, in call order, for
     a :class:`~moe_dist.moe.routing.stand_in.RecordedRouting`)."""
     from ..train.engines import create_engine
-    from ..train.metrics import MoEStepStats
-    from ..train.model_setup import build_meta_model, weights_filler
-    from ..train.step import TrainStep
+    from ..train.observe.moe_stats import MoEStepStats
+    from ..train.setup.model import build_meta_model, weights_filler
+    from ..train.loop.step import TrainStep
 
     for key, value in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node), ("--steps", steps)):
         if not isinstance(value, int) or value < 1:

@@ -30,7 +30,7 @@ Transients on top of those states (the peak is the largest of them):
   buffer FSDP2 copies its unsharded gradients into, next to those gradients or, with gloo, the
   reduce-scatter's own copy of that buffer, while the rest stays gathered (the experts unit of
   the running MoE layer, or the root unit at the end of backward);
-* the optimizer step: the fused AdamW (:func:`moe_dist.train.optim.build_optimizer`) updates each
+* the optimizer step: the fused AdamW (:func:`moe_dist.train.loop.optim.build_optimizer`) updates each
   element in place and makes no temporary; the foreach one it falls back to on a device without
   the fused kernel makes one fp32 temporary (sqrt of the second moment) the size of its largest
   parameter group on this rank.

@@ -29,7 +29,7 @@ from .spec import RunSpec, Study
 
 MARKER = "sweep_run.json"  # in each run directory: the overrides it was started with
 LOG = "sweep.log"  # in each run directory: the output of its commands
-EXIT_PREEMPTED = 75  # moe_dist.train.preemption.EXIT_PREEMPTED (not imported: it pulls in torch)
+EXIT_PREEMPTED = 75  # moe_dist.train.loop.preemption.EXIT_PREEMPTED (not imported: it pulls in torch)
 STOP_GRACE_S = 300
 
 

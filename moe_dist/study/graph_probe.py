@@ -1,6 +1,6 @@
 """Where a token-graph router sends each token's routing: the mixing weights of a trained run.
 
-``python -m moe_dist.study.graph_probe --run-dir DIR`` loads a run's latest checkpoint (a run of
+``python -m moe_dist.commands.graph_probe --run-dir DIR`` (:mod:`moe_dist.commands.graph_probe`) loads a run's latest checkpoint (a run of
 the ``similarity`` or ``attention`` router), runs validation sequences through it and prints, per
 MoE layer, what the token graph ``P = W R`` did:
 
@@ -16,7 +16,6 @@ routes like its base router; a broad one pulls every token of a sequence towards
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 from typing import Iterable, Optional
 
@@ -125,9 +124,9 @@ def probe_run(cfg, rt, path: str, run_dir: str, json_path: Optional[str]) -> Non
     import json
 
     from ..train.checkpoint import load_checkpoint
-    from ..train.data_setup import load_data, resolve_vocab
-    from ..train.evaluate import validation_batches
-    from ..train.model_setup import build_meta_model, weights_filler
+    from ..train.setup.data import load_data, resolve_vocab
+    from ..train.evaluation.validation import validation_batches
+    from ..train.setup.model import build_meta_model, weights_filler
     from ..parallel.parallelize import parallelize
 
     data = load_data(cfg, rt, lambda _msg: None)
@@ -142,37 +141,3 @@ def probe_run(cfg, rt, path: str, run_dir: str, json_path: Optional[str]) -> Non
     if json_path:
         with open(json_path, "w", encoding="utf-8") as f:
             json.dump({"run_dir": run_dir, "step": step, "layers": results}, f, indent=2)
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moe_dist.study.graph_probe", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run-dir", required=True, metavar="DIR", help="a run of the similarity or attention router")
-    parser.add_argument("--checkpoint", metavar="PATH", help="default: the latest complete one in DIR/checkpoints")
-    parser.add_argument("--sequences", type=int, default=64, help="validation sequences to probe")
-    parser.add_argument("--json", metavar="FILE", help="also write the per-layer results to FILE")
-    args = parser.parse_args(argv)
-
-    from ..config import load_config
-    from ..distributed.bootstrap import shutdown
-    from ..errors import MissingInputError
-    from ..train.checkpoint import latest_checkpoint
-    from ..train.cmd_common import run_config_path, user_errors
-    from ..train.runtime import setup_runtime
-
-    def go() -> int:
-        cfg = load_config(run_config_path(args.run_dir), [f"run.dir={args.run_dir}", f"eval.max_sequences={args.sequences}", "parallel.ep=1"])
-        path = args.checkpoint or latest_checkpoint(cfg.run.dir)
-        if path is None:
-            raise MissingInputError(f"no complete checkpoint under {args.run_dir}/checkpoints")
-        rt = setup_runtime(cfg)
-        try:
-            probe_run(cfg, rt, path, args.run_dir, args.json)
-        finally:
-            shutdown(rt)
-        return 0
-
-    return user_errors("graph_probe", go)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

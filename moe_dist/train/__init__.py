@@ -1,7 +1,10 @@
-"""Training: the loop, parallelism applied to the model, optimizer, checkpoints, metrics, plots.
+"""Training, grouped by concept: the loop (``loop/``: trainer, step, optimizer, compile, preemption,
+health), what a run observes and reports (``observe/``: the metrics row, metrics.jsonl, tracking,
+plots, step time, MFU), setting a run up (``setup/``: runtime, model, data, preflight, run lock),
+evaluation (``evaluation/``), the engines (``engines/``) and the checkpoints (``checkpoint/``).
 
-``Trainer`` and ``train`` are imported on first use, so command-line modules in this package
-load without pulling in the whole training stack.
+``Trainer`` and ``train`` are imported on first use, so ``import moe_dist.train`` does not pull in
+the whole training stack.
 """
 
 __all__ = ["Trainer", "train"]
@@ -9,7 +12,7 @@ __all__ = ["Trainer", "train"]
 
 def __getattr__(name):
     if name in __all__:
-        from . import trainer
+        from .loop import trainer
 
         return getattr(trainer, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

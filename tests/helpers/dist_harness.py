@@ -56,7 +56,7 @@ def _context():
     if _CTX is None:
         _CTX = mp.get_context(os.environ.get("MOE_DIST_TEST_START_METHOD", "forkserver"))
         if _CTX.get_start_method() == "forkserver":
-            _CTX.set_forkserver_preload(["torch", "torch.distributed", "moe_dist.train.trainer", "helpers.dist_harness"])
+            _CTX.set_forkserver_preload(["torch", "torch.distributed", "moe_dist.train.loop.trainer", "helpers.dist_harness"])
     return _CTX
 
 

@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from ...distributed.groups import new_group
 from ...exits import JobStopped
-from ..run_lock import readers_excluded
+from ..setup.run_lock import readers_excluded
 from .collective import agree, all_gather, collectively, distributed, around_dcp
 from .files import (FORMAT, FORMAT_VERSION, MARKER, META, CheckpointError, DamagedCheckpoint, SafeFileSystemReader,
                     check_files, corrupted_error, data_files, file_record, partial_dir, prune, publish, read_manifest,

@@ -21,7 +21,7 @@ import os
 from typing import Callable, Optional
 
 from ...safe_io import MIB, UnreadableFile, read_json
-from ..run_lock import readers_excluded
+from ..setup.run_lock import readers_excluded
 from .files import scan, set_aside, write_json_durably
 from .schema import Boolean, Integer, ListOf, Nullable, Number, Obj, Text, mismatch
 

@@ -41,7 +41,7 @@ class Engine(abc.ABC):
     def prepare(self, model: nn.Module, fill: Callable[[nn.Module], None]) -> None:
         """Apply parallelism to ``model`` (in place) and build the optimizer. A model built on the
         meta device is split first, then this rank's part is allocated and ``fill(model)`` sets
-        its weights (:func:`moe_dist.train.model_setup.weights_filler`)."""
+        its weights (:func:`moe_dist.train.setup.model.weights_filler`)."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)

@@ -57,7 +57,7 @@ from ...config import ConfigError
 from ...model.init import is_meta, materialize
 from ...moe import moe_layers
 from ...parallel import apply_expert_parallel, expert_parameters
-from ..optim import build_optimizer
+from ..loop.optim import build_optimizer
 from .base import Engine
 
 ZERO_STAGES = (1, 2)
@@ -189,7 +189,7 @@ def _same_ranks(ours: Optional[dist.ProcessGroup], theirs, what: str) -> None:
 
 
 def _moe_optimizer(model: nn.Module, train_cfg, ep: int) -> torch.optim.Optimizer:
-    """Our AdamW (moe_dist.train.optim), its expert parameters tagged and moved into DeepSpeed's
+    """Our AdamW (moe_dist.train.loop.optim), its expert parameters tagged and moved into DeepSpeed's
     MoE parameter groups (one per expert group name, ``moe=True``)."""
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 

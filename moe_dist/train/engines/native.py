@@ -3,7 +3,7 @@
 Experts are spread by expert parallelism and sharded over (or, with replicated dense weights,
 summed over) their replicas; dense weights are sharded with FSDP2 or replicated
 (``parallel.dense``), see :mod:`moe_dist.parallel.parallelize`.
-The optimizer is :func:`moe_dist.train.optim.build_optimizer`'s AdamW.
+The optimizer is :func:`moe_dist.train.loop.optim.build_optimizer`'s AdamW.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from ..optim import build_optimizer
+from ..loop.optim import build_optimizer
 from ...parallel.parallelize import Parallelized, parallelize
 from .base import Engine
 
