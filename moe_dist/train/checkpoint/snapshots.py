@@ -173,13 +173,14 @@ class Snapshots:
         """Publish this rank's entry, swap entries with the buddies, agree on whether every rank could."""
         try:
             problem = None
-            header = json.dumps({"marker": marker, "meta": meta, "index": self._index}).encode()
             try:
                 write_json_durably(os.path.join(self._own.gens[self._own.turn][1], META), meta)
                 self._own.publish(step, marker)
             except OSError as e:
                 problem = f"rank {self.rank} cannot write its snapshot of step {step} in {self.holder.path}: {e}"
-            problem = self._exchange(step, region, header) or problem
+            if self.buddy[self.rank] is not None:
+                header = json.dumps({"marker": marker, "meta": meta, "index": self._index}).encode()
+                problem = self._exchange(step, region, header) or problem
             failed = torch.tensor([problem is not None], dtype=torch.int32)
             if self.group is not None:
                 dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)
@@ -196,10 +197,7 @@ class Snapshots:
         """Send this rank's entry (its header and straight from its data buffer) to its buddy; receive
         those whose buddy this rank is straight into their older generation here. Returns what could
         not be written on this rank (None: nothing); the transfers happen either way."""
-        buddy = self.buddy[self.rank]
-        if buddy is None:
-            return None
-        g = self.group
+        buddy, g = self.buddy[self.rank], self.group
         sizes = {src: torch.zeros(2, dtype=torch.int64) for src in self.sources}
         works = [dist.isend(torch.tensor([len(header), region.nbytes], dtype=torch.int64), buddy, group=g, tag=10)]
         works += [dist.irecv(box, src, group=g, tag=10) for src, box in sizes.items()]
