@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import socket
 import threading
 from typing import Callable, Optional
@@ -97,7 +98,10 @@ class Snapshots:
         self._items, self._signature, self._index = None, None, ""
         self._own: Optional[Slots] = None
         self._kept: dict[int, Slots] = {}
-        self._thread: Optional[threading.Thread] = None
+        self._thread: Optional[threading.Thread] = None  # one worker for the run: no thread start per snapshot
+        self._work: queue.Queue = queue.Queue()
+        self._idle = threading.Event()  # no snapshot in flight (cleared by take, set by the worker)
+        self._idle.set()
         self._error: Optional[BaseException] = None
         self._problems: list[str] = []
 
@@ -123,9 +127,21 @@ class Snapshots:
         region, _tmp = self._own.stage(step, self._index)
         copy_in(region, self._items, state)
         marker = {"run_id": self.run_id, "fingerprint": self.fingerprint, "world": self.world, "manifest": manifest}
-        self._thread = threading.Thread(target=self._in_background, args=(step, region, meta, marker),
-                                        name=f"snapshot-step-{step}", daemon=True)
-        self._thread.start()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._worker, name="snapshot-worker", daemon=True)
+            self._thread.start()
+        self._idle.clear()
+        self._work.put((step, region, meta, marker))
+
+    def _worker(self) -> None:
+        while True:
+            job = self._work.get()
+            if job is None:
+                return
+            try:
+                self._in_background(*job)
+            finally:
+                self._idle.set()
 
     def _prepare(self, step: int, state: dict) -> None:
         """Collective, at the first snapshot: the layout, and both generations of this rank's shard and
@@ -159,9 +175,7 @@ class Snapshots:
     def wait(self) -> None:
         """Finish the snapshot in flight; its failure is raised here, on the training thread (a rank that
         could not write its part switches snapshots off, on every rank)."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._idle.wait()
         if self._error is not None:
             error, self._error = self._error, None
             raise CheckpointError(f"in-memory snapshot: {type(error).__name__}: {error}") from error
@@ -332,6 +346,10 @@ class Snapshots:
         """Collective, at the normal end of the run: the snapshot in flight finished, this run's
         snapshots removed from every node's host memory."""
         self.wait()
+        if self._thread is not None:
+            self._work.put(None)
+            self._thread.join()
+            self._thread = None
         self._own, self._kept = None, {}  # unmapped: the memory goes with the files
         barrier(self.group)
         if self.leader:
