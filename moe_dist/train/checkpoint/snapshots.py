@@ -184,22 +184,26 @@ class Snapshots:
             self._switch_off(problems)
 
     def _in_background(self, step: int, region, meta: dict, marker: dict) -> None:
-        """Publish this rank's entry, swap entries with the buddies, agree on whether every rank could."""
+        """Publish this rank's entry, swap entries with the buddies, agree on whether every rank could.
+        A file that cannot be written (OSError: the holder full) switches snapshots off on every rank at
+        the next :meth:`wait`; another error is raised there on its rank (the others switch off)."""
         try:
-            problem = None
-            try:
+            problems: list[tuple[str, Exception]] = []
+
+            def publish():
                 write_json_durably(os.path.join(self._own.gens[self._own.turn][1], META), meta)
                 self._own.publish(step, marker)
-            except OSError as e:
-                problem = f"rank {self.rank} cannot write its snapshot of step {step} in {self.holder.path}: {e}"
+
+            _locally(problems, publish, f"rank {self.rank} cannot write its snapshot of step {step} in {self.holder.path}")
             if self.buddy[self.rank] is not None:
-                header = json.dumps({"marker": marker, "meta": meta, "index": self._index}).encode()
-                problem = self._exchange(step, region, header) or problem
-            failed = torch.tensor([problem is not None], dtype=torch.int32)
+                header = json.dumps({"step": step, "marker": marker, "meta": meta, "index": self._index}).encode()
+                self._exchange(step, region, header, problems)
+            failed = torch.tensor([bool(problems)], dtype=torch.int32)
             if self.group is not None:
                 dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)
             if failed.item():
-                self._problems = [p for p in all_gather(problem, self.group) if p]
+                self._problems = [p for p in all_gather(problems[0][0] if problems else None, self.group) if p]
+                self._error = next((e for _t, e in problems if not isinstance(e, OSError)), None)
                 return
             self.holder.prune(step, lambda shard: shard == self.rank or shard in self._kept)
             if self.leader:  # shards nobody of this node writes now (an earlier world's)
@@ -207,10 +211,10 @@ class Snapshots:
         except BaseException as e:  # noqa: BLE001 - raised by wait() on the training thread
             self._error = e
 
-    def _exchange(self, step: int, region, header: bytes) -> Optional[str]:
+    def _exchange(self, step: int, region, header: bytes, problems: list) -> None:
         """Send this rank's entry (its header and straight from its data buffer) to its buddy; receive
-        those whose buddy this rank is straight into their older generation here. Returns what could
-        not be written on this rank (None: nothing); the transfers happen either way."""
+        those whose buddy this rank is straight into their older generation here. What cannot be kept
+        here goes to ``problems``; the transfers happen either way (the peers are not left waiting)."""
         buddy, g = self.buddy[self.rank], self.group
         sizes = {src: torch.zeros(2, dtype=torch.int64) for src in self.sources}
         works = [dist.isend(torch.tensor([len(header), region.nbytes], dtype=torch.int64), buddy, group=g, tag=10)]
@@ -219,36 +223,32 @@ class Snapshots:
             w.wait()
         head = torch.frombuffer(bytearray(header), dtype=torch.uint8)
         works = [dist.isend(head, buddy, group=g, tag=11), dist.isend(region.buf, buddy, group=g, tag=12)]
-        incoming, problem = {}, None
+        incoming = {}
         for src, box in sizes.items():
             n_head, n_data = (int(x) for x in box.tolist())
-            slots = self._kept[src]
-            into, tmp = None, None
-            if n_data == slots.nbytes:
-                try:
-                    into, tmp = slots.stage(step, None)
-                except OSError as e:
-                    problem = f"rank {self.rank} cannot keep rank {src}'s snapshot of step {step}: {e}"
-            data = into.buf if into is not None else torch.empty(n_data, dtype=torch.uint8)
-            incoming[src] = (torch.empty(n_head, dtype=torch.uint8), tmp)
+            staged = [None]
+            if n_data == self._kept[src].nbytes:
+                _locally(problems, lambda s=src: staged.__setitem__(0, self._kept[s].stage(step, None)),
+                         f"rank {self.rank} cannot keep rank {src}'s snapshot of step {step}")
+            else:
+                problems.append((f"rank {src}'s snapshot of step {step} is not of the size agreed at the first one",
+                                 CheckpointError(f"rank {src} sent {n_data} bytes, not {self._kept[src].nbytes}")))
+            data = staged[0][0].buf if staged[0] else torch.empty(n_data, dtype=torch.uint8)
+            incoming[src] = (torch.empty(n_head, dtype=torch.uint8), staged[0])
             works += [dist.irecv(incoming[src][0], src, group=g, tag=11), dist.irecv(data, src, group=g, tag=12)]
         for w in works:
             w.wait()
-        for src, (head_in, tmp) in incoming.items():
-            if tmp is None:
-                problem = problem or f"rank {src}'s snapshot of step {step} is not of the size agreed at the first one"
-                continue
-            try:
-                self._keep(src, step, json.loads(bytes(head_in.numpy().tobytes())), tmp)
-            except OSError as e:
-                problem = problem or f"rank {self.rank} cannot keep rank {src}'s snapshot of step {step}: {e}"
-        return problem
+        for src, (head_in, staged) in incoming.items():
+            if staged is not None:
+                _locally(problems, lambda s=src, h=head_in, t=staged[1]: self._keep(s, step, h, t),
+                         f"rank {self.rank} cannot keep rank {src}'s snapshot of step {step}")
 
-    def _keep(self, src: int, step: int, head: dict, tmp: str) -> None:
-        """Publish rank ``src``'s entry received into ``tmp`` (its index and meta from ``head``)."""
+    def _keep(self, src: int, step: int, head_bytes: torch.Tensor, tmp: str) -> None:
+        """Publish rank ``src``'s entry received into ``tmp`` (its index and meta from its header)."""
+        head = json.loads(bytes(head_bytes.numpy().tobytes()))
         marker = head["marker"]
-        if (marker.get("run_id"), marker.get("fingerprint")) != (self.run_id, self.fingerprint):
-            raise CheckpointError(f"rank {src} sent a snapshot of another job or config")
+        if (head["step"], marker.get("run_id"), marker.get("fingerprint")) != (step, self.run_id, self.fingerprint):
+            raise CheckpointError(f"rank {src} sent a snapshot of another step, job or config")
         slots = self._kept[src]
         gen = slots.gens[slots.turn]
         if gen[2] != head["index"]:
@@ -354,6 +354,14 @@ class Snapshots:
         barrier(self.group)
         if self.leader:
             self.holder.remove_all()
+
+
+def _locally(problems: list, fn: Callable[[], object], what: str) -> None:
+    """``fn()``; an exception goes to ``problems`` as (``what: error``, the exception)."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - agreed on by every rank, then raised or switched off
+        problems.append((f"{what}: {e}", e))
 
 
 def _transfer(sends: list[tuple[int, int, bytes]], sources: list[int], rank: int, group,
