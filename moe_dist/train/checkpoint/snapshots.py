@@ -147,17 +147,21 @@ class Snapshots:
         """Collective, at the first snapshot: the layout, and both generations of this rank's shard and
         of the shards it keeps for others allocated in host memory. A rank that cannot (its holder full,
         ENOSPC) switches snapshots off for the whole job; rank 0 says so once."""
-        self._items, nbytes = layout(state)
-        self._signature, self._index = signature(state), index_json(self._items, nbytes)
-        sizes = all_gather(nbytes, self.group)
-        problem = None
+        problem, nbytes = None, 0
         try:
-            self._own = Slots(self.holder, self.rank, nbytes, step)
-            for source in self.sources:
-                self._kept[source] = Slots(self.holder, source, sizes[source], step)
+            self._items, nbytes = layout(state)
+            self._signature, self._index = signature(state), index_json(self._items, nbytes)
+        except CheckpointError as e:  # a state that is not tensor blocks (an engine's own objects)
+            problem = f"rank {self.rank}: {e}"
+        sizes = all_gather(nbytes, self.group)
+        try:
+            if problem is None:
+                self._own = Slots(self.holder, self.rank, nbytes, step)
+                for source in self.sources:
+                    self._kept[source] = Slots(self.holder, source, sizes[source], step)
         except OSError as e:
-            problem = f"rank {self.rank} cannot keep {(nbytes + sum(sizes[s] for s in self.sources)) * 2 / 2**20:.0f} MiB " \
-                      f"in {self.holder.path}: {e}"
+            need = (nbytes + sum(sizes[s] for s in self.sources)) * 2 / 2**20
+            problem = f"rank {self.rank} cannot keep {need:.0f} MiB in {self.holder.path}: {e}"
         self._switch_off([p for p in all_gather(problem, self.group) if p])
 
     def _switch_off(self, problems: list[str]) -> None:
