@@ -230,15 +230,9 @@ class Snapshots:
         incoming = {}
         for src, box in sizes.items():
             n_head, n_data = (int(x) for x in box.tolist())
-            staged = [None]
-            if n_data == self._kept[src].nbytes:
-                _locally(problems, lambda s=src: staged.__setitem__(0, self._kept[s].stage(step, None)),
-                         f"rank {self.rank} cannot keep rank {src}'s snapshot of step {step}")
-            else:
-                problems.append((f"rank {src}'s snapshot of step {step} is not of the size agreed at the first one",
-                                 CheckpointError(f"rank {src} sent {n_data} bytes, not {self._kept[src].nbytes}")))
-            data = staged[0][0].buf if staged[0] else torch.empty(n_data, dtype=torch.uint8)
-            incoming[src] = (torch.empty(n_head, dtype=torch.uint8), staged[0])
+            staged = self._stage_kept(src, step, n_data, problems)  # None: received, then dropped
+            data = staged[0].buf if staged is not None else torch.empty(n_data, dtype=torch.uint8)
+            incoming[src] = (torch.empty(n_head, dtype=torch.uint8), staged)
             works += [dist.irecv(incoming[src][0], src, group=g, tag=11), dist.irecv(data, src, group=g, tag=12)]
         for w in works:
             w.wait()
@@ -246,6 +240,20 @@ class Snapshots:
             if staged is not None:
                 _locally(problems, lambda s=src, h=head_in, t=staged[1]: self._keep(s, step, h, t),
                          f"rank {self.rank} cannot keep rank {src}'s snapshot of step {step}")
+
+    def _stage_kept(self, src: int, step: int, n_data: int, problems: list):
+        """(region, dir) of the older generation of ``src``'s copy here, ready to receive ``n_data`` bytes;
+        None (and a problem) when it cannot."""
+        slots = self._kept[src]
+        if n_data != slots.nbytes:
+            problems.append((f"rank {src}'s snapshot of step {step} is not of the size agreed at the first one",
+                             CheckpointError(f"rank {src} sent {n_data} bytes, not {slots.nbytes}")))
+            return None
+        try:
+            return slots.stage(step, None)
+        except OSError as e:
+            problems.append((f"rank {self.rank} cannot keep rank {src}'s snapshot of step {step}: {e}", e))
+            return None
 
     def _keep(self, src: int, step: int, head_bytes: torch.Tensor, tmp: str) -> None:
         """Publish rank ``src``'s entry received into ``tmp`` (its index and meta from its header)."""
