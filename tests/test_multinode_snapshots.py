@@ -118,6 +118,8 @@ def test_a_lost_node_costs_a_step_not_a_checkpoint_interval(cluster, tmp_path, m
     disk = _lose_node1(c, tmp_path, "disk", shm, memory=False)
     assert disk["start"] == 20, disk["out"][-3000:]
     for label, r in (("snapshots", mem), ("disk (today)", disk)):
+        resumed = re.search(r"found and assembled in \S+ s, loaded in \S+ s", r["out"])
         print(f"{label}: node1 killed with step {r['reached']} done; node0 continued from step {r['start']} "
               f"({r['reached'] - r['start']} step(s) to do again), made its next step {r['next_step_s']:.1f} s "
-              f"and step {max(r['start'], r['reached']) + 1} {r['regained_s']:.1f} s after the kill")
+              f"and step {max(r['start'], r['reached']) + 1} {r['regained_s']:.1f} s after the kill"
+              + (f" (the snapshot {resumed.group(0)})" if resumed else ""))

@@ -314,9 +314,9 @@ class CkptConfig:
     """Checkpoints (torch.distributed.checkpoint, experts keyed by global index)."""
 
     every: int = knob(0, "steps between checkpoints (0 = only at the end)", min=0)
-    memory_every: int = knob(0, "steps between in-memory snapshots: every rank's shard kept in its node's host memory "
+    memory_every: int = knob(1, "steps between in-memory snapshots: every rank's shard kept in its node's host memory "
                              "(/dev/shm) and on a buddy node, so a lost node costs the steps since the last one "
-                             "(0 = none; docs/snapshots.md)", min=0)
+                             "(0 = none; switched off by itself where host memory is full; docs/snapshots.md)", min=0)
     keep: int = knob(0, "complete checkpoints kept in run.dir/checkpoints, newest first (0 = all); older ones are "
                      "deleted only after a newer one is complete", min=0)
     save_final: bool = knob(True, "save a checkpoint after the last step")

@@ -45,6 +45,7 @@ class RoutingDiagnostics:
         self.fluct_history: dict[str, list[tuple[int, dict]]] = {}
         self.graphs: dict[str, tuple[Any, int]] = {}
         self._probe_prev: Optional[dict[str, torch.Tensor]] = None
+        self._saved_probe: Optional[tuple] = None  # (the _probe_prev it is of, its gathered JSON form)
         # after a resume: the whole probe set's last assignments, split at the next evaluation
         self._probe_prev_global: Optional[dict[str, torch.Tensor]] = None
 
@@ -128,15 +129,21 @@ class RoutingDiagnostics:
         """Histories and the last probe assignments of the whole probe set (the ranks' shares of
         ``group`` concatenated in rank order), JSON-safe. Collective over ``group``."""
         prev = self._probe_prev
-        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-            shares = [None] * dist.get_world_size(group)
-            dist.all_gather_object(shares, None if prev is None else {k: v.cpu() for k, v in prev.items()}, group=group)
-            prev = None if any(p is None for p in shares) else {k: torch.cat([p[k] for p in shares]) for k in shares[0]}
-        elif prev is None and self._probe_prev_global is not None:  # resumed, not yet evaluated
-            prev = self._probe_prev_global
+        # the gathered assignments change only at a probe evaluation (collective: the same calls on every
+        # rank), so a state saved every step (in-memory snapshots) gathers them once per evaluation
+        if self._saved_probe is None or self._saved_probe[0] is not prev:
+            if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+                shares = [None] * dist.get_world_size(group)
+                dist.all_gather_object(shares, None if prev is None else {k: v.cpu() for k, v in prev.items()},
+                                       group=group)
+                whole = (None if any(p is None for p in shares)
+                         else {k: torch.cat([p[k] for p in shares]) for k in shares[0]})
+            else:
+                whole = prev if prev is not None else self._probe_prev_global  # (resumed, not yet evaluated)
+            self._saved_probe = (prev, None if whole is None else {k: _encode_ids(v) for k, v in whole.items()})
         return {"load_history": {k: [[s, list(v)] for s, v in rows] for k, rows in self.load_history.items()},
                 "fluct_history": {k: [[s, dict(v)] for s, v in rows] for k, rows in self.fluct_history.items()},
-                "probe_prev": None if prev is None else {k: _encode_ids(v) for k, v in prev.items()}}
+                "probe_prev": self._saved_probe[1]}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; the probe assignments are split among the ranks at the next
@@ -144,7 +151,7 @@ class RoutingDiagnostics:
         self.load_history = {k: [(int(s), list(v)) for s, v in rows] for k, rows in state["load_history"].items()}
         self.fluct_history = {k: [(int(s), dict(v)) for s, v in rows] for k, rows in state["fluct_history"].items()}
         saved = state.get("probe_prev")
-        self._probe_prev = None
+        self._probe_prev, self._saved_probe = None, None
         self._probe_prev_global = None if not saved else {k: _decode_ids(v) for k, v in saved.items()}
 
 

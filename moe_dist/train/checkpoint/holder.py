@@ -5,14 +5,16 @@ worker's own memory would die with it. The holder is a directory of host memory 
 the workers on a node that stays up: ``/dev/shm/moe_dist-<uid>/<run key>/<node>/`` (tmpfs;
 ``MOE_DIST_SNAPSHOT_ROOT`` names another root). One entry per (step, shard):
 
-    step_000022.shard_00003/   .metadata  __0_0.distcp  meta.json  COMPLETE
+    step_000022.shard_00003/   data.raw  index.json  meta.json  COMPLETE
 
-the shard being the DCP save (``no_dist``) of one rank's state dict, exactly the dict a disk
-checkpoint writes, with global shapes and offsets, so the shards of every rank merge into one
-checkpoint directory that :class:`~.checkpointer.Checkpointer` loads (and reshards) like one
-on disk (:func:`merge`). An entry is written under a dot-name and renamed when complete (its
-``COMPLETE`` marker last): a torn entry is never listed. The marker carries the run id, the
-config fingerprint, the step, the shard's rank and the world it was saved in.
+``data.raw`` and ``index.json`` being one rank's state dict in the raw form of :mod:`.raw_shard`
+(its tensor blocks with their global shapes and offsets), so the shards of every rank convert
+into one DCP checkpoint directory that :class:`~.checkpointer.Checkpointer` loads (and reshards)
+like one on disk (:func:`merge`). An entry is written under a dot-name and renamed when complete
+(its ``COMPLETE`` marker last): a torn entry is never listed. The marker carries the run id, the
+config fingerprint, the step, the shard's rank, the world it was saved in and every file's size.
+Each shard's two generations are two entries reused in turn (:class:`Slots`): the older one is
+renamed back to a dot-name and its marker removed before its data file is overwritten.
 
 Only the user's own directories are used: every level must be a real directory owned by this
 user, mode 0700 at the root (a link or another owner is refused).
@@ -31,6 +33,7 @@ from typing import Callable, Optional
 
 from ...safe_io import UnreadableFile, read_json
 from .files import MARKER, META, CheckpointError, file_record, write_json_durably
+from .raw_shard import DATA, INDEX, Region, to_dcp
 
 ROOT_ENV = "MOE_DIST_SNAPSHOT_ROOT"
 _ENTRY = re.compile(r"^step_(\d+)\.shard_(\d+)$")
@@ -85,12 +88,15 @@ class Holder:
         return _own_dir(self.path)
 
     # ---- writing --------------------------------------------------------------------------------------
-    def staging(self, step: int, rank: int) -> str:
+    def staging(self, step: int, rank: int, tag: str = "") -> str:
         """A fresh dot-named directory to write an entry into (made empty)."""
-        tmp = os.path.join(self.ensure(), f".{entry_name(step, rank)}.tmp-{os.getpid()}")
+        tmp = self.staging_name(step, rank, tag)
         shutil.rmtree(tmp, ignore_errors=True)
         os.mkdir(tmp, 0o700)
         return tmp
+
+    def staging_name(self, step: int, rank: int, tag: str = "") -> str:
+        return os.path.join(self.ensure(), f".{entry_name(step, rank)}.tmp-{os.getpid()}{tag}")
 
     def publish(self, tmp: str, step: int, rank: int, marker: dict) -> str:
         """Write the marker (the files' sizes, then ``marker``) into ``tmp`` and rename it into place."""
@@ -102,15 +108,18 @@ class Holder:
         os.rename(tmp, final)
         return final
 
-    def _remove_steps(self, doomed: Callable[[int], bool]) -> None:
+    def _remove_steps(self, doomed: Callable[[int], bool], shards: Optional[Callable[[int], bool]] = None) -> None:
         for name in os.listdir(self.path) if os.path.isdir(self.path) else []:
-            m = re.match(r"^\.?(?:step_(\d+)\.shard_\d+|merged_step_(\d+))", name)
-            if m and doomed(int(m.group(1) or m.group(2))):
+            m = re.match(r"^\.?(?:step_(\d+)\.shard_(\d+)|merged_step_(\d+))", name)
+            if not m or (shards is not None and (m.group(2) is None or not shards(int(m.group(2))))):
+                continue
+            if doomed(int(m.group(1) or m.group(3))):
                 shutil.rmtree(os.path.join(self.path, name), ignore_errors=True)
 
-    def prune(self, newest: int) -> None:
-        """Remove every entry (unfinished, merged) of a step before ``newest - 1``: two generations stay."""
-        self._remove_steps(lambda step: step < newest - 1)
+    def prune(self, newest: int, shards: Optional[Callable[[int], bool]] = None) -> None:
+        """Remove every entry (unfinished, merged) of a step before ``newest - 1``: two generations stay.
+        ``shards``: only entries of the shard ranks it takes (those the caller alone writes on this node)."""
+        self._remove_steps(lambda step: step < newest - 1, shards)
 
     def remove_after(self, step: int) -> None:
         """Remove every entry of a step after ``step`` (another timeline once the run goes on from ``step``)."""
@@ -198,59 +207,77 @@ def unpack(data: bytes, holder: Holder, step: int, rank: int) -> str:
 
 
 # ---- merging the shards of one step into a checkpoint directory -------------------------------------------
-def merge(holder: Holder, step: int, world: int, manifest: dict) -> str:
+def merge(holder: Holder, step: int, world: int, manifest: dict, checksums: bool = False) -> str:
     """The shards ``0..world-1`` of ``step`` (all in ``holder``) as one checkpoint directory that
-    :class:`~.checkpointer.Checkpointer` loads: the shards' data files linked in under flat names,
-    their DCP metadata merged (each tensor's chunks once), shard 0's ``meta.json``, a manifest."""
+    :class:`~.checkpointer.Checkpointer` loads: each shard's tensor blocks (each block once) in a DCP
+    data file, their DCP metadata, shard 0's ``meta.json`` and a manifest (the files' sizes; their
+    SHA-256 only with ``checksums``, for a loader that verifies them: the files were made just now
+    from entries whose sizes were checked)."""
     from torch.distributed.checkpoint.metadata import Metadata
-
-    from ...safe_dcp import SafeFileSystemReader
 
     out = holder.merged(step)
     tmp = out + f".tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(out, ignore_errors=True)
     os.mkdir(tmp, 0o700)
-    sd_md, storage, planner = {}, {}, {}
-    chunks_seen: dict[str, set] = {}  # fqn -> the offsets of its chunks taken so far
-    stored: set = set()  # (fqn, offsets) of the storage records taken so far
-    version = None
-    for rank in range(world):
-        entry = holder.entry(step, rank)
-        md = SafeFileSystemReader(entry).read_metadata()
-        version = version or md.version
-        renamed = {}
-        for name in os.listdir(entry):
-            if name.endswith(".distcp"):
-                renamed[name] = f"shard_{rank:05d}{name.lstrip('_')}"
-                os.link(os.path.join(entry, name), os.path.join(tmp, renamed[name]))
-        for index, info in md.storage_data.items():
-            key = (index.fqn, tuple(index.offset) if index.offset is not None else None)
-            if key in stored:
-                continue  # a replica's copy (a replicated tensor, an expert of several edp ranks): once
-            if info.relative_path not in renamed:
-                raise CheckpointError(f"{entry}: its metadata names {info.relative_path!r}, which it does not hold")
-            stored.add(key)
-            info.relative_path = renamed[info.relative_path]
-            storage[index] = info
-        for fqn, tmd in md.state_dict_metadata.items():
-            seen = chunks_seen.setdefault(fqn, set())
-            if fqn not in sd_md:
-                sd_md[fqn] = tmd
-                seen.update(tuple(c.offsets) for c in getattr(tmd, "chunks", []))
-                continue
-            for chunk in getattr(tmd, "chunks", []):
-                if tuple(chunk.offsets) not in seen:
-                    seen.add(tuple(chunk.offsets))
-                    sd_md[fqn].chunks.append(chunk)
-        planner.update(md.planner_data or {})
-    merged = Metadata(state_dict_metadata=sd_md, planner_data=planner, storage_data=storage)
-    if version is not None:
-        merged.version = version
+    sd_md, storage, planner = to_dcp([(rank, holder.entry(step, rank)) for rank in range(world)], tmp)
     with open(os.path.join(tmp, ".metadata"), "wb") as f:
-        pickle.dump(merged, f)
+        pickle.dump(Metadata(state_dict_metadata=sd_md, planner_data=planner, storage_data=storage), f)
     shutil.copyfile(os.path.join(holder.entry(step, 0), META), os.path.join(tmp, META))
-    records = {n: file_record(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp))}
+    records = {n: file_record(os.path.join(tmp, n)) if checksums
+               else {"bytes": os.path.getsize(os.path.join(tmp, n)), "sha256": ""}  # "": not computed (verify=false)
+               for n in sorted(os.listdir(tmp))}
     write_json_durably(os.path.join(tmp, MARKER), {**manifest, "files": records, "tensors": len(sd_md)})
     os.rename(tmp, out)
     return out
+
+
+# ---- two generations of one shard, reused step after step ---------------------------------------------------
+class Slots:
+    """Both generations of shard ``shard``'s entry in ``holder``, written by this process only: two
+    data files of ``nbytes`` allocated once (:class:`~.raw_shard.Region`, mapped for good), each in
+    turn renamed to a dot-name (its marker removed: no longer complete), filled, then published."""
+
+    def __init__(self, holder: Holder, shard: int, nbytes: int, first_step: int):
+        self.holder, self.shard, self.nbytes = holder, shard, nbytes
+        self.gens: list[list] = []  # [region, its directory now, the index.json text written there]
+        self.turn = 0  # the generation written next: the older one
+        try:
+            for g in range(2):
+                tmp = holder.staging(first_step, shard, f"-g{g}")  # (named as a step that prune keeps)
+                self.gens.append([Region(os.path.join(tmp, DATA), nbytes), tmp, None])
+        except BaseException:
+            self.release()
+            raise
+
+    def stage(self, step: int, index_text: Optional[str]) -> tuple[Region, str]:
+        """The older generation, under a dot-name for ``step``, with ``index_text`` as its index (None: the
+        caller writes it): (region, dir)."""
+        gen = self.gens[self.turn]
+        tmp = self.holder.staging_name(step, self.shard)
+        if os.path.lexists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        os.rename(gen[1], tmp)  # from now on not complete: never listed
+        gen[1] = tmp
+        try:
+            os.unlink(os.path.join(tmp, MARKER))
+        except FileNotFoundError:
+            pass
+        if index_text is not None and gen[2] != index_text:
+            with open(os.path.join(tmp, INDEX), "w", encoding="utf-8") as f:
+                f.write(index_text)
+            gen[2] = index_text
+        return gen[0], tmp
+
+    def publish(self, step: int, marker: dict) -> str:
+        """The staged generation renamed into place as the complete entry of ``step``; the other is next."""
+        gen = self.gens[self.turn]
+        gen[1] = self.holder.publish(gen[1], step, self.shard, marker)
+        self.turn ^= 1
+        return gen[1]
+
+    def release(self) -> None:
+        """Both generations removed (their memory freed once unmapped)."""
+        for gen in self.gens:
+            shutil.rmtree(gen[1], ignore_errors=True)
+        self.gens = []

@@ -11,6 +11,7 @@ import datetime
 import json
 import os
 import shutil
+import time
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
@@ -242,11 +243,13 @@ class TrainingCheckpoints:
             self.log(f"resume: {RECORD} records a divergence: in-memory snapshots are not used, only disk checkpoints")
             return None
         disk = int(os.path.basename(os.path.normpath(paths[0])).split("_")[-1]) if paths else 0
+        t0 = time.monotonic()
         try:
             found = self.snapshots.restore(disk)
             if found is None:
                 return None
             merged, step = found
+            assembled = time.monotonic() - t0
             meta, manifest = self.checkpointer.load(
                 merged, self.model, self.optimizer, rng_device=self.rt.device,
                 before_load=lambda m, man: self._check_compatible(merged, m, man))
@@ -259,7 +262,8 @@ class TrainingCheckpoints:
             self.diagnostics.load_state_dict(meta["diagnostics"])
         self.resumed_from = os.path.abspath(merged)
         self.loaded_counters = dict(meta.get("counters") or {})
-        where = f"the in-memory snapshot of step {step} ({merged}, newer than the disk checkpoint of step {disk})"
+        where = (f"the in-memory snapshot of step {step} ({merged}, newer than the disk checkpoint of step {disk}; "
+                 f"found and assembled in {assembled:.1f} s, loaded in {time.monotonic() - t0 - assembled:.1f} s)")
         self._report(where, step, meta, manifest)
         return step, os.path.join(self.run_dir, "checkpoints", f"snapshot_{step:06d}")
 

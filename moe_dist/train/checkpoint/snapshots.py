@@ -18,22 +18,24 @@ directory, which the disk checkpoint's loader reads and reshards to the new layo
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import queue
 import socket
 import threading
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from ...distributed.groups import new_group
 from ...distributed.roll_call import hosts
 from ...distributed.topology import node_of_ranks
 from .checkpointer import config_sha256
-from .collective import all_gather, around_dcp, barrier, distributed
+from .collective import all_gather, barrier, distributed
 from .files import FORMAT, FORMAT_VERSION, MARKER, META, CheckpointError, write_json_durably
-from .holder import Holder, Shard, merge, pack, unpack
+from .holder import Holder, Shard, Slots, merge, pack, unpack
+from .raw_shard import INDEX, copy_in, index_json, layout, signature
 
 FINGERPRINT_SECTIONS = ("model", "train", "data")  # what decides the trajectory a snapshot continues
 
@@ -75,16 +77,6 @@ def choose(reports: list[tuple[str, list[Shard]]], newer_than: int) -> Optional[
     return None
 
 
-def _copy(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of ``t`` (a DTensor stays one, its local block copied), so training may go on."""
-    if hasattr(t, "to_local"):
-        from torch.distributed.tensor import DTensor
-
-        local = t.to_local().detach().to("cpu", copy=True)
-        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
-    return t.detach().to("cpu", copy=True)
-
-
 class Snapshots:
     """One rank's part of the job's in-memory snapshots (collective constructor: makes a gloo group)."""
 
@@ -98,8 +90,20 @@ class Snapshots:
         self.buddy = buddies(self.nodes)
         self.holder = Holder(hashlib.sha256(self.run_id.encode()).hexdigest()[:20], self.hosts[self.rank])
         self.group = new_group(backend="gloo", name="snapshot") if distributed() else None
-        self._thread: Optional[threading.Thread] = None
+        self.sources = [r for r, b in enumerate(self.buddy) if b == self.rank]  # whose copies this rank keeps
+        here = [r for r, n in enumerate(self.nodes) if n == self.nodes[self.rank]]
+        self._written_here = set(here) | {r for r, b in enumerate(self.buddy) if b in here}
+        self.checksums = bool(config.get("ckpt", {}).get("verify", True))  # of the merged directory, for its loader
+        self.off = False  # switched off for the job (a rank could not keep its part)
+        self._items, self._signature, self._index = None, None, ""
+        self._own: Optional[Slots] = None
+        self._kept: dict[int, Slots] = {}
+        self._thread: Optional[threading.Thread] = None  # one worker for the run: no thread start per snapshot
+        self._work: queue.Queue = queue.Queue()
+        self._idle = threading.Event()  # no snapshot in flight (cleared by take, set by the worker)
+        self._idle.set()
         self._error: Optional[BaseException] = None
+        self._problems: list[str] = []
 
     @property
     def leader(self) -> bool:
@@ -108,44 +112,163 @@ class Snapshots:
 
     # ---- taking one ------------------------------------------------------------------------------------
     def take(self, step: int, state: dict[str, torch.Tensor], meta: dict, manifest: dict) -> None:
-        """Copy ``state`` (this rank's state dict) now; write and replicate it in the background."""
+        """Copy ``state`` (this rank's state dict) now into this rank's older generation; publish it and
+        send it to the buddy in the background. Collective at the first call (the buffers are allocated)."""
         self.wait()
-        copied = {k: _copy(v) for k, v in state.items()}
+        if self.off:
+            return
+        if self._items is None:
+            self._prepare(step, state)
+            if self.off:
+                return
+        elif signature(state) != self._signature:
+            raise CheckpointError("the state's tensors changed shape or dtype between two snapshots; "
+                                  "snapshots need one layout for the whole run")
+        region, _tmp = self._own.stage(step, self._index)
+        copy_in(region, self._items, state)
         marker = {"run_id": self.run_id, "fingerprint": self.fingerprint, "world": self.world, "manifest": manifest}
-        self._thread = threading.Thread(target=self._in_background, args=(step, copied, meta, marker),
-                                        name=f"snapshot-step-{step}", daemon=True)
-        self._thread.start()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._worker, name="snapshot-worker", daemon=True)
+            self._thread.start()
+        self._idle.clear()
+        self._work.put((step, region, meta, marker))
+
+    def _worker(self) -> None:
+        while True:
+            job = self._work.get()
+            if job is None:
+                return
+            try:
+                self._in_background(*job)
+            finally:
+                self._idle.set()
+
+    def _prepare(self, step: int, state: dict) -> None:
+        """Collective, at the first snapshot: the layout, and both generations of this rank's shard and
+        of the shards it keeps for others allocated in host memory. A rank that cannot (its holder full,
+        ENOSPC) switches snapshots off for the whole job; rank 0 says so once."""
+        problem, nbytes = None, 0
+        try:
+            self._items, nbytes = layout(state)
+            self._signature, self._index = signature(state), index_json(self._items, nbytes)
+        except CheckpointError as e:  # a state that is not tensor blocks (an engine's own objects)
+            problem = f"rank {self.rank}: {e}"
+        sizes = all_gather(nbytes, self.group)
+        try:
+            if problem is None:
+                self._own = Slots(self.holder, self.rank, nbytes, step)
+                for source in self.sources:
+                    self._kept[source] = Slots(self.holder, source, sizes[source], step)
+        except OSError as e:
+            need = (nbytes + sum(sizes[s] for s in self.sources)) * 2 / 2**20
+            problem = f"rank {self.rank} cannot keep {need:.0f} MiB in {self.holder.path}: {e}"
+        self._switch_off([p for p in all_gather(problem, self.group) if p])
+
+    def _switch_off(self, problems: list[str]) -> None:
+        if not problems:
+            return
+        self.off = True
+        if self.rank == 0:
+            self.log(f"in-memory snapshots switched off for the rest of the job: {problems[0]}; training goes on, "
+                     "a lost node costs the steps since the last disk checkpoint (ckpt.every)")
+        for slots in [self._own, *self._kept.values()]:
+            if slots is not None:
+                slots.release()
+        self._own, self._kept = None, {}
 
     def wait(self) -> None:
-        """Finish the snapshot in flight; its failure is raised here, on the training thread."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        """Finish the snapshot in flight; its failure is raised here, on the training thread (a rank that
+        could not write its part switches snapshots off, on every rank)."""
+        self._idle.wait()
         if self._error is not None:
             error, self._error = self._error, None
             raise CheckpointError(f"in-memory snapshot: {type(error).__name__}: {error}") from error
+        if self._problems:
+            problems, self._problems = self._problems, []
+            self._switch_off(problems)
 
-    def _in_background(self, step: int, state: dict, meta: dict, marker: dict) -> None:
+    def _in_background(self, step: int, region, meta: dict, marker: dict) -> None:
+        """Publish this rank's entry, swap entries with the buddies, agree on whether every rank could.
+        A file that cannot be written (OSError: the holder full) switches snapshots off on every rank at
+        the next :meth:`wait`; another error is raised there on its rank (the others switch off)."""
         try:
-            tmp = self.holder.staging(step, self.rank)
-            with around_dcp():
-                dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=False), no_dist=True)
-            write_json_durably(os.path.join(tmp, META), meta)
-            entry = self.holder.publish(tmp, step, self.rank, marker)
-            self._exchange(step, entry)
-            self.holder.prune(step)
+            problems: list[tuple[str, Exception]] = []
+
+            def publish():
+                write_json_durably(os.path.join(self._own.gens[self._own.turn][1], META), meta)
+                self._own.publish(step, marker)
+
+            _locally(problems, publish, f"rank {self.rank} cannot write its snapshot of step {step} in {self.holder.path}")
+            if self.buddy[self.rank] is not None:
+                header = json.dumps({"step": step, "marker": marker, "meta": meta, "index": self._index}).encode()
+                self._exchange(step, region, header, problems)
+            failed = torch.tensor([bool(problems)], dtype=torch.int32)
+            if self.group is not None:
+                dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)
+            if failed.item():
+                self._problems = [p for p in all_gather(problems[0][0] if problems else None, self.group) if p]
+                self._error = next((e for _t, e in problems if not isinstance(e, OSError)), None)
+                return
+            self.holder.prune(step, lambda shard: shard == self.rank or shard in self._kept)
+            if self.leader:  # shards nobody of this node writes now (an earlier world's)
+                self.holder.prune(step, lambda shard: shard not in self._written_here)
         except BaseException as e:  # noqa: BLE001 - raised by wait() on the training thread
             self._error = e
 
-    def _exchange(self, step: int, entry: str) -> None:
-        """Send this rank's entry to its buddy, receive those whose buddy this rank is."""
-        if self.buddy[self.rank] is None:
-            return
-        sources = [r for r, b in enumerate(self.buddy) if b == self.rank]
-        data = pack(entry)
-        received = _transfer([(self.rank, self.buddy[self.rank], data)], sources, self.rank, self.group)
-        for source, blob in received.items():
-            unpack(blob, self.holder, step, source)
+    def _exchange(self, step: int, region, header: bytes, problems: list) -> None:
+        """Send this rank's entry (its header and straight from its data buffer) to its buddy; receive
+        those whose buddy this rank is straight into their older generation here. What cannot be kept
+        here goes to ``problems``; the transfers happen either way (the peers are not left waiting)."""
+        buddy, g = self.buddy[self.rank], self.group
+        sizes = {src: torch.zeros(2, dtype=torch.int64) for src in self.sources}
+        works = [dist.isend(torch.tensor([len(header), region.nbytes], dtype=torch.int64), buddy, group=g, tag=10)]
+        works += [dist.irecv(box, src, group=g, tag=10) for src, box in sizes.items()]
+        for w in works:
+            w.wait()
+        head = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+        works = [dist.isend(head, buddy, group=g, tag=11), dist.isend(region.buf, buddy, group=g, tag=12)]
+        incoming = {}
+        for src, box in sizes.items():
+            n_head, n_data = (int(x) for x in box.tolist())
+            staged = self._stage_kept(src, step, n_data, problems)  # None: received, then dropped
+            data = staged[0].buf if staged is not None else torch.empty(n_data, dtype=torch.uint8)
+            incoming[src] = (torch.empty(n_head, dtype=torch.uint8), staged)
+            works += [dist.irecv(incoming[src][0], src, group=g, tag=11), dist.irecv(data, src, group=g, tag=12)]
+        for w in works:
+            w.wait()
+        for src, (head_in, staged) in incoming.items():
+            if staged is not None:
+                _locally(problems, lambda s=src, h=head_in, t=staged[1]: self._keep(s, step, h, t),
+                         f"rank {self.rank} cannot keep rank {src}'s snapshot of step {step}")
+
+    def _stage_kept(self, src: int, step: int, n_data: int, problems: list):
+        """(region, dir) of the older generation of ``src``'s copy here, ready to receive ``n_data`` bytes;
+        None (and a problem) when it cannot."""
+        slots = self._kept[src]
+        if n_data != slots.nbytes:
+            problems.append((f"rank {src}'s snapshot of step {step} is not of the size agreed at the first one",
+                             CheckpointError(f"rank {src} sent {n_data} bytes, not {slots.nbytes}")))
+            return None
+        try:
+            return slots.stage(step, None)
+        except OSError as e:
+            problems.append((f"rank {self.rank} cannot keep rank {src}'s snapshot of step {step}: {e}", e))
+            return None
+
+    def _keep(self, src: int, step: int, head_bytes: torch.Tensor, tmp: str) -> None:
+        """Publish rank ``src``'s entry received into ``tmp`` (its index and meta from its header)."""
+        head = json.loads(bytes(head_bytes.numpy().tobytes()))
+        marker = head["marker"]
+        if (head["step"], marker.get("run_id"), marker.get("fingerprint")) != (step, self.run_id, self.fingerprint):
+            raise CheckpointError(f"rank {src} sent a snapshot of another step, job or config")
+        slots = self._kept[src]
+        gen = slots.gens[slots.turn]
+        if gen[2] != head["index"]:
+            with open(os.path.join(tmp, INDEX), "w", encoding="utf-8") as f:
+                f.write(head["index"])
+            gen[2] = head["index"]
+        write_json_durably(os.path.join(tmp, META), head["meta"])
+        slots.publish(step, marker)
 
     # ---- restoring -------------------------------------------------------------------------------------
     def _accept(self, marker: dict) -> Optional[str]:
@@ -175,7 +298,8 @@ class Snapshots:
         if self.leader and error is None:
             try:
                 saved = self._marker_manifest(step)
-                merge(self.holder, step, world, {**saved, "format": FORMAT, "version": FORMAT_VERSION, "step": step})
+                merge(self.holder, step, world, {**saved, "format": FORMAT, "version": FORMAT_VERSION, "step": step},
+                      checksums=self.checksums)
             except (OSError, ValueError, CheckpointError) as e:
                 error = f"cannot assemble the snapshot of step {step} on {self.holder.node}: {e}"
         errors = [e for e in all_gather(error, self.group) if e]
@@ -234,9 +358,22 @@ class Snapshots:
         """Collective, at the normal end of the run: the snapshot in flight finished, this run's
         snapshots removed from every node's host memory."""
         self.wait()
+        if self._thread is not None:
+            self._work.put(None)
+            self._thread.join()
+            self._thread = None
+        self._own, self._kept = None, {}  # unmapped: the memory goes with the files
         barrier(self.group)
         if self.leader:
             self.holder.remove_all()
+
+
+def _locally(problems: list, fn: Callable[[], object], what: str) -> None:
+    """``fn()``; an exception goes to ``problems`` as (``what: error``, the exception)."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - agreed on by every rank, then raised or switched off
+        problems.append((f"{what}: {e}", e))
 
 
 def _transfer(sends: list[tuple[int, int, bytes]], sources: list[int], rank: int, group,
