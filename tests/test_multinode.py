@@ -115,7 +115,7 @@ def test_a_cluster_is_removed_after_an_exception_and_after_its_owner_died():
     # a cluster whose owner process died (a crashed test run) is found and removed
     code = """
         import os
-        from helpers.cluster import Cluster
+        from tests.helpers.cluster import Cluster
         c = Cluster(1); c.up(); print(c.prefix, flush=True); os._exit(0)"""
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=_env(), capture_output=True, text=True,
                        timeout=60)
@@ -138,7 +138,7 @@ def test_cluster_refuses_clearly_without_root():
             Cluster(2).up()
         return
     # as root: the same check run by an unprivileged user (nobody)
-    code = "from helpers.cluster import main; raise SystemExit(main(['up', '2']))"
+    code = "from tests.helpers.cluster.__main__ import main; raise SystemExit(main(['up', '2']))"
     r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code],
                        env=_env(), capture_output=True, text=True, timeout=60, cwd="/")
     assert r.returncode == 2 and r.stderr.strip() == "cluster: a namespace cluster needs root (ip netns, veth, bridge)", \
