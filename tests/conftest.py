@@ -29,3 +29,27 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if marker in item.keywords:
                 item.add_marker(skip)
+
+
+def pytest_configure(config):
+    """In-memory snapshots (``ckpt.memory_every``) of the runs the tests start land in a directory of
+    this test session, removed at its end: a run a test kills leaves its snapshots behind by design
+    (a resume takes them), and they must not pile up in the machine's /dev/shm. A test that names
+    its own root (``MOE_DIST_SNAPSHOT_ROOT``) keeps it."""
+    import tempfile
+
+    from moe_dist.train.checkpoint.holder import ROOT_ENV
+
+    if os.environ.get(ROOT_ENV):
+        return
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    config._snapshot_root = tempfile.mkdtemp(prefix="moe_dist-tests-", dir=base)
+    os.environ[ROOT_ENV] = config._snapshot_root
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    root = getattr(config, "_snapshot_root", None)
+    if root:
+        shutil.rmtree(root, ignore_errors=True)
