@@ -71,8 +71,9 @@ def sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
-def file_record(path: str) -> dict:
-    return {"bytes": os.path.getsize(path), "sha256": sha256_file(path)}
+def file_record(path: str, checksum: bool = True) -> dict:
+    """A manifest's record of ``path``: its size and SHA-256 (``""`` when not computed: ``checksum=False``)."""
+    return {"bytes": os.path.getsize(path), "sha256": sha256_file(path) if checksum else ""}
 
 
 def data_files(directory: str) -> list[str]:

@@ -224,9 +224,7 @@ def merge(holder: Holder, step: int, world: int, manifest: dict, checksums: bool
     with open(os.path.join(tmp, ".metadata"), "wb") as f:
         pickle.dump(Metadata(state_dict_metadata=sd_md, planner_data=planner, storage_data=storage), f)
     shutil.copyfile(os.path.join(holder.entry(step, 0), META), os.path.join(tmp, META))
-    records = {n: file_record(os.path.join(tmp, n)) if checksums
-               else {"bytes": os.path.getsize(os.path.join(tmp, n)), "sha256": ""}  # "": not computed (verify=false)
-               for n in sorted(os.listdir(tmp))}
+    records = {n: file_record(os.path.join(tmp, n), checksum=checksums) for n in sorted(os.listdir(tmp))}
     write_json_durably(os.path.join(tmp, MARKER), {**manifest, "files": records, "tensors": len(sd_md)})
     os.rename(tmp, out)
     return out
@@ -263,11 +261,17 @@ class Slots:
             os.unlink(os.path.join(tmp, MARKER))
         except FileNotFoundError:
             pass
-        if index_text is not None and gen[2] != index_text:
-            with open(os.path.join(tmp, INDEX), "w", encoding="utf-8") as f:
+        if index_text is not None:
+            self.write_index(index_text)
+        return gen[0], tmp
+
+    def write_index(self, index_text: str) -> None:
+        """The staged generation's ``index.json`` (written only when it differs from what it holds)."""
+        gen = self.gens[self.turn]
+        if gen[2] != index_text:
+            with open(os.path.join(gen[1], INDEX), "w", encoding="utf-8") as f:
                 f.write(index_text)
             gen[2] = index_text
-        return gen[0], tmp
 
     def publish(self, step: int, marker: dict) -> str:
         """The staged generation renamed into place as the complete entry of ``step``; the other is next."""

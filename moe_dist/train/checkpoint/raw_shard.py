@@ -127,7 +127,12 @@ class Region:
         self.buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
     def view(self, item: Item) -> torch.Tensor:
-        return self.buf[item.at:item.at + item.nbytes].view(_DTYPES[item.dtype]).view(item.shape)
+        return block(self.buf, item)
+
+
+def block(buf: torch.Tensor, item: Item) -> torch.Tensor:
+    """``item``'s tensor block as a view of the data file's bytes ``buf``."""
+    return buf[item.at:item.at + item.nbytes].view(_DTYPES[item.dtype]).view(item.shape)
 
 
 def copy_in(region: Region, items: list[Item], state: dict) -> None:
@@ -164,9 +169,8 @@ def to_dcp(entries: list[tuple[int, str]], out: str) -> tuple[dict, dict, dict]:
                 if key in stored:
                     continue
                 stored.add(key)
-                block = buf[item.at:item.at + item.nbytes].view(_DTYPES[item.dtype]).view(item.shape).clone()
                 start = f.tell()
-                torch.save(block, f)
+                torch.save(block(buf, item).clone(), f)
                 storage[MetadataIndex(item.fqn, torch.Size(item.offsets))] = _StorageInfo(name, start, f.tell() - start)
                 chunk = ChunkStorageMetadata(offsets=torch.Size(item.offsets), sizes=torch.Size(item.shape))
                 if item.fqn in sd_md:

@@ -35,7 +35,7 @@ from .checkpointer import config_sha256
 from .collective import all_gather, barrier, distributed
 from .files import FORMAT, FORMAT_VERSION, MARKER, META, CheckpointError, write_json_durably
 from .holder import Holder, Shard, Slots, merge, pack, unpack
-from .raw_shard import INDEX, copy_in, index_json, layout, signature
+from .raw_shard import copy_in, index_json, layout, signature
 
 FINGERPRINT_SECTIONS = ("model", "train", "data")  # what decides the trajectory a snapshot continues
 
@@ -262,11 +262,7 @@ class Snapshots:
         if (head["step"], marker.get("run_id"), marker.get("fingerprint")) != (step, self.run_id, self.fingerprint):
             raise CheckpointError(f"rank {src} sent a snapshot of another step, job or config")
         slots = self._kept[src]
-        gen = slots.gens[slots.turn]
-        if gen[2] != head["index"]:
-            with open(os.path.join(tmp, INDEX), "w", encoding="utf-8") as f:
-                f.write(head["index"])
-            gen[2] = head["index"]
+        slots.write_index(head["index"])
         write_json_durably(os.path.join(tmp, META), head["meta"])
         slots.publish(step, marker)
 
