@@ -6,7 +6,6 @@ tokens and compute the same experts; only the implementation differs.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Optional
 
